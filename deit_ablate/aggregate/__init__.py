@@ -1,0 +1,23 @@
+"""The aggregator: read wandb runs (offline logs or the W&B API) and rebuild the ablation table.
+
+`reader` turns logs into `RunInfo`, `select` filters and de-duplicates, `table` groups rows and stages,
+`paper` holds the paper's numbers, `render` and `plot` write the result, `cli` ties them together.
+"""
+
+from .paper import PaperTable, paper_table
+from .reader import RunInfo, read_api, read_offline, read_run_file
+from .select import RunFilter, dedup
+from .table import Table, build_table
+
+__all__ = [
+    "PaperTable",
+    "RunFilter",
+    "RunInfo",
+    "Table",
+    "build_table",
+    "dedup",
+    "paper_table",
+    "read_api",
+    "read_offline",
+    "read_run_file",
+]

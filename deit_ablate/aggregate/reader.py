@@ -1,0 +1,306 @@
+"""Runs from local wandb folders (offline or synced) and from the W&B API, as plain `RunInfo` values."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .wandb_log import read_log
+
+STATUSES = ("finished", "diverged", "failed", "unfinished")
+API_PREFIX = "wandb://"
+Warn = Callable[[str], None]
+
+
+@dataclass
+class RunInfo:
+    """What the aggregator knows about one run (one log file or one API run)."""
+
+    run_id: str
+    name: str = ""
+    project: str = ""
+    entity: str = ""
+    group: str = ""
+    tags: tuple[str, ...] = ()
+    config: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    start_time: datetime | None = None
+    source: str = ""
+    history_rows: int = 0
+    last_history: dict[str, Any] = field(default_factory=dict)
+    exit_code: int | None = None
+    problem: str | None = None  # why the log was read only in part
+
+    @property
+    def status(self) -> str:
+        """`finished`, `diverged` or `failed` as the trainer wrote it into the summary, else `unfinished`."""
+        value = self.summary.get("status")
+        return value if value in STATUSES[:3] else "unfinished"
+
+
+def stderr_warn(message: str) -> None:
+    """Print a warning line on stderr."""
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _item_path(item: Any) -> tuple[str, ...]:
+    return tuple(item.nested_key) if item.nested_key else (item.key,)
+
+
+def _set_path(target: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        nxt = target.get(key)
+        if not isinstance(nxt, dict):
+            nxt = target[key] = {}
+        target = nxt
+    target[path[-1]] = value
+
+
+def _del_path(target: dict[str, Any], path: tuple[str, ...]) -> None:
+    for key in path[:-1]:
+        target = target.get(key)
+        if not isinstance(target, dict):
+            return
+    target.pop(path[-1], None)
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
+
+
+def _history_value(item: Any) -> Any:
+    if item.value_json:
+        return _loads(item.value_json)
+    kind = item.WhichOneof("value")
+    if kind is None or kind == "none":
+        return None
+    if kind == "json":
+        return _loads(item.json)
+    return getattr(item, kind)
+
+
+def _apply_items(target: dict[str, Any], update: Iterable[Any], remove: Iterable[Any]) -> None:
+    for item in update:
+        _set_path(target, _item_path(item), _loads(item.value_json))
+    for item in remove:
+        _del_path(target, _item_path(item))
+
+
+def _timestamp(ts: Any) -> datetime | None:
+    if not ts.seconds and not ts.nanos:
+        return None
+    return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, tz=timezone.utc)
+
+
+def read_run_file(path: str | Path) -> tuple[RunInfo | None, list[str]]:
+    """Parse one `run-*.wandb` file with wandb's protobuf `Record`; return the run and any warnings."""
+    from wandb.proto.wandb_internal_pb2 import Record, RunRecord
+
+    path = Path(path)
+    warnings: list[str] = []
+    try:
+        log = read_log(path)
+    except OSError as exc:  # removed or unreadable between listing and reading
+        return None, [f"{path}: cannot read ({exc.strerror or exc}); run skipped"]
+    if log.problem:
+        warnings.append(
+            f"{path}: {log.problem}; read up to the last complete record "
+            f"({len(log.records)} records, {log.stopped_at} of {log.size} bytes)"
+        )
+    record = Record()
+    run: Any = None
+    config: dict[str, Any] = {}
+    summary_items: dict[str | tuple[str, ...], str | None] = {}  # flat key or nested path -> JSON
+    last_history: bytes | None = None
+    history_rows = 0
+    exit_code: int | None = None
+    for payload in log.records:
+        try:
+            record.ParseFromString(payload)
+        except Exception as exc:  # a damaged record inside an intact frame: keep what came before
+            warnings.append(f"{path}: undecodable record skipped ({exc})")
+            continue
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history_rows += 1
+            last_history = payload
+        elif kind == "summary":  # the hot loop: most records are summary updates
+            for item in record.summary.update:
+                key = item.key
+                summary_items[key or tuple(item.nested_key)] = item.value_json
+            for item in record.summary.remove:
+                summary_items[item.key or tuple(item.nested_key)] = None
+        elif kind == "config":
+            _apply_items(config, record.config.update, record.config.remove)
+        elif kind == "run":
+            run = RunRecord()
+            run.CopyFrom(record.run)
+            _apply_items(config, run.config.update, run.config.remove)
+            for item in run.summary.update:
+                summary_items.setdefault(item.key or tuple(item.nested_key), item.value_json)
+        elif kind == "exit":
+            exit_code = record.exit.exit_code
+    if run is None:
+        warnings.append(f"{path}: no run record (the log ends before wandb.init was written); run skipped")
+        return None, warnings
+    summary: dict[str, Any] = {}
+    for key, text in summary_items.items():
+        if text is not None:
+            _set_path(summary, (key,) if isinstance(key, str) else key, _loads(text))
+    history: dict[str, Any] = {}
+    if last_history is not None:
+        record.ParseFromString(last_history)
+        for item in record.history.item:
+            _set_path(history, _item_path(item), _history_value(item))
+    config.pop("_wandb", None)
+    info = RunInfo(
+        run_id=run.run_id or path.stem.removeprefix("run-"),
+        name=run.display_name,
+        project=run.project,
+        entity=run.entity,
+        group=run.run_group,
+        tags=tuple(run.tags),
+        config=config,
+        summary=summary,
+        start_time=_timestamp(run.start_time),
+        source=str(path),
+        history_rows=history_rows,
+        last_history=history,
+        exit_code=exit_code,
+        problem=log.problem,
+    )
+    return info, warnings
+
+
+def find_run_files(path: str | Path) -> list[Path]:
+    """The `run-*.wandb` files under a wandb folder, its parent, one run folder, or a single file."""
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"no such file or folder: {root}")
+    if root.is_file():
+        return [root]
+    found = list(root.glob("run-*.wandb"))
+    if not found:
+        found = list(root.glob("*/run-*.wandb"))
+    if not found and (root / "wandb").is_dir():
+        found = list((root / "wandb").glob("*/run-*.wandb"))
+    if not found:
+        found = list(root.rglob("run-*.wandb"))
+    unique: dict[Path, Path] = {}
+    for file in sorted(found):  # `latest-run` is a symlink to a run folder already listed
+        if any(part == "latest-run" for part in file.parts):
+            continue
+        unique.setdefault(file.resolve(), file)
+    return sorted(unique.values())
+
+
+def _read_many(files: list[Path], jobs: int) -> list[tuple[RunInfo | None, list[str]]]:
+    if jobs <= 1 or len(files) < 64:
+        return [read_run_file(f) for f in files]
+    chunk = max(8, len(files) // (jobs * 4))
+    try:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            return list(pool.map(read_run_file, files, chunksize=chunk))
+    except (OSError, BrokenProcessPool):  # no process pool here (sandbox, no /dev/shm): read in this process
+        return [read_run_file(f) for f in files]
+
+
+def read_offline(path: str | Path, jobs: int | None = None, warn: Warn = stderr_warn) -> list[RunInfo]:
+    """Read every run log found under `path`; damaged logs are read in part and reported through `warn`."""
+    files = find_run_files(path)
+    if jobs is None:
+        jobs = min(4, os.cpu_count() or 1)
+    runs: list[RunInfo] = []
+    for info, warnings in _read_many(files, jobs):
+        for message in warnings:
+            warn(message)
+        if info is not None:
+            runs.append(info)
+    return runs
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _summary_dict(summary: Any) -> dict[str, Any]:
+    if summary is None:
+        return {}
+    if isinstance(summary, Mapping):
+        return _plain(summary)
+    return {k: _plain(summary.get(k)) for k in summary.keys()}
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    if not value:
+        return None
+    text = str(value).replace("Z", "+00:00")
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def api_run_info(run: Any, path: str) -> RunInfo:
+    """Convert one `wandb.apis.public.Run` (or anything with its attributes) into a `RunInfo`."""
+    summary = _summary_dict(getattr(run, "summary", None))
+    return RunInfo(
+        run_id=str(run.id),
+        name=str(getattr(run, "name", "") or ""),
+        project=path.split("/")[-1],
+        entity=path.split("/")[0] if "/" in path else "",
+        group=str(getattr(run, "group", "") or ""),
+        tags=tuple(getattr(run, "tags", None) or ()),
+        config={k: _plain(v) for k, v in dict(getattr(run, "config", None) or {}).items() if k != "_wandb"},
+        summary=summary,
+        start_time=_parse_time(getattr(run, "created_at", None)),
+        source=f"{API_PREFIX}{path}/{run.id}",
+        last_history={},
+    )
+
+
+def read_api(path: str, filters: dict[str, Any] | None = None, api: Any = None) -> list[RunInfo]:
+    """Read runs of `ENTITY/PROJECT` through `wandb.Api().runs(path, filters=...)`."""
+    if api is None:
+        import wandb
+
+        api = wandb.Api()
+    runs = api.runs(path, filters=filters or None, per_page=500, lazy=False)
+    return [api_run_info(run, path) for run in runs]
+
+
+def is_api_source(source: str) -> bool:
+    """Whether a source names a W&B project (`wandb://ENTITY/PROJECT`) rather than a local path."""
+    return source.startswith(API_PREFIX)
+
+
+def metric_value(run: RunInfo, key: str) -> float | None:
+    """A finite float summary value, or None when the run has no such (finite, numeric) value."""
+    value: Any = run.summary.get(key)
+    if value is None and "." in key:  # a nested summary value, e.g. `top1.cls`
+        value = run.summary
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None

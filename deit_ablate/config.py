@@ -1,0 +1,183 @@
+"""Structured config schemas: every key a run can take, typed, so a misspelled key fails at composition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """A timm model and its regularizers."""
+
+    name: str = "deit_base_patch16_224"
+    drop_path: float = 0.1  # stochastic depth, linspace(0, p, depth) over blocks (DeiT Table 9)
+    dropout: float = 0.0
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra timm create_model arguments
+
+
+@dataclass
+class BuiltinDataConfig:
+    """How the procedural dataset is drawn (data=builtin only)."""
+
+    image_size: int = 40
+    train_per_class: int = 500
+    val_per_class: int = 100
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Where images come from: an ImageFolder-style train/val tree or CIFAR-100."""
+
+    name: str = "builtin"
+    root: str | None = None
+    num_classes: int = 10
+    num_workers: int | None = None  # None: the cores available to this process
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    builtin: BuiltinDataConfig = field(default_factory=BuiltinDataConfig)
+
+
+@dataclass
+class AugmentConfig:
+    """Label-preserving augmentation of the training images (timm create_transform)."""
+
+    auto_augment: str | None = "rand-m9-mstd0.5-inc1"
+    color_jitter: float = 0.3  # timm ignores it while an auto-augment policy is on
+    reprob: float = 0.25  # random erasing probability
+    remode: str = "pixel"
+    recount: int = 1
+    repeated_aug: int = 3  # copies of each image per epoch, each to a different rank; 1 = off
+    scale: tuple[float, float] = (0.08, 1.0)
+    hflip: float = 0.5
+    interpolation: str = "bicubic"
+
+
+@dataclass
+class MixConfig:
+    """Mixup/CutMix (Beta alphas, not probabilities) and label smoothing."""
+
+    mixup_alpha: float = 0.8
+    cutmix_alpha: float = 1.0
+    prob: float = 1.0
+    switch_prob: float = 0.5
+    mode: str = "batch"
+    label_smoothing: float = 0.1
+
+
+@dataclass
+class TeacherConfig:
+    """The convnet teacher of a distillation run."""
+
+    model: str = "regnety_160"
+    checkpoint: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DistillConfig:
+    """Distillation from a teacher (DeiT section 5)."""
+
+    type: str = "none"
+    alpha: float = 0.5
+    tau: float = 1.0
+    kl_normalization: str = "elements"
+    fusion: str = "prob"
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule; lr is per 512 images and scales with the global batch."""
+
+    name: str = "adamw"
+    lr: float = 5e-4
+    lr_base_batch: int = 512
+    weight_decay: float = 0.05
+    momentum: float = 0.9  # SGD only
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    sched: str = "cosine"
+    warmup_epochs: float = 5.0
+    warmup_lr: float = 1e-6
+    min_lr: float = 1e-5
+    clip_grad: float | None = None
+
+
+@dataclass
+class ResolutionConfig:
+    """Train and eval image size; eval resizes to size / crop_pct then center-crops."""
+
+    train_size: int = 224
+    eval_size: int = 224
+    crop_pct: float = 0.875
+
+
+@dataclass
+class FinetuneConfig:
+    """The second stage of Table 8: fine-tune the row's own checkpoint at a higher resolution."""
+
+    init_checkpoint: str | None = None  # None: the same run's pre-training checkpoint
+    optimizer: str | None = None  # None: the pre-training optimizer
+    lr: float = 5e-6
+    weight_decay: float = 1e-8
+    epochs: int = 30
+    warmup_epochs: float = 0.0
+    min_lr: float = 5e-6
+
+
+@dataclass
+class TrainConfig:
+    """Length, batch and precision of a run."""
+
+    epochs: int = 300
+    global_batch: int = 1024
+    max_batch_per_device: int = 128  # larger per-device batches are split into accumulation steps
+    eval_batch: int = 256
+    max_steps: int | None = None  # stop after this many optimizer steps (smoke tests)
+    ema: bool = False
+    ema_decay: float = 0.99996
+    amp: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32
+    log_interval: int = 10
+    compile: bool = False
+    device: str = "auto"
+    checkpoint_every_steps: int = 0  # 0: only at epoch ends
+    eval_max_batches: int | None = None
+
+
+@dataclass
+class TrackingConfig:
+    """wandb: offline by default into <output_root>/wandb, online when the user sets mode=online."""
+
+    mode: str = "offline"
+    project: str = "deit-ablate"
+    entity: str | None = None
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    preset: str = "demo"
+    ablation: str = "baseline"
+    stage: str = "pretrain"
+    seed: int = 0
+    output_root: str = "outputs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    mix: MixConfig = field(default_factory=MixConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    resolution: ResolutionConfig = field(default_factory=ResolutionConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def register_configs() -> None:
+    """Put the schema into Hydra's ConfigStore as `deit_schema`, the base of conf/config.yaml."""
+    ConfigStore.instance().store(name="deit_schema", node=Config)

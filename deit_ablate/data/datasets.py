@@ -1,0 +1,67 @@
+"""Datasets by name: the built-in shapes, ImageNet or any ImageFolder tree, CIFAR-100 from local files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+from PIL import ImageFile
+from torch.utils.data import Dataset
+from torchvision.datasets import CIFAR100, ImageFolder
+
+from deit_ablate.data.builtin import ensure_builtin_dataset
+from deit_ablate.errors import ConfigError
+
+# A truncated JPEG is decoded as far as it goes instead of killing an epoch; the count is in the logs.
+ImageFile.LOAD_TRUNCATED_IMAGES = True
+
+
+def dataset_root(cfg: DictConfig) -> Path:
+    """The folder holding train/ and val/, drawing the built-in set first if needed."""
+    data = cfg.data
+    if data.name == "builtin":
+        b = data.builtin
+        root = data.root or Path(os.environ.get("DEIT_ABLATE_CACHE", ".cache")) / "builtin"
+        return ensure_builtin_dataset(root, b.image_size, b.train_per_class, b.val_per_class, b.seed)
+    return check_data_root(cfg)
+
+
+def check_data_root(cfg: DictConfig) -> Path:
+    """The configured data.root, or a ConfigError saying what is missing there and how to fix it."""
+    data = cfg.data
+    if not data.root:
+        raise ConfigError(
+            f"data={data.name} needs data.root, the folder that holds the dataset; none was given. "
+            f"Add data.root=/path/to/{data.name} to the command line."
+        )
+    root = Path(data.root).expanduser()
+    if not root.is_dir():
+        raise ConfigError(f"data.root={data.root} does not exist or is not a folder. Point data.root at the "
+                          f"{data.name} folder (for ImageNet, the one holding train/ and val/).")
+    if data.name in ("imagenet", "imagefolder"):
+        missing = [split for split in ("train", "val") if not (root / split).is_dir()]
+        if missing:
+            raise ConfigError(f"data.root={root} has no {' and no '.join(missing)} folder. An ImageFolder "
+                              "dataset needs <root>/train/<class>/* and <root>/val/<class>/* (for ImageNet, "
+                              "run the usual valprep script to sort val/ into class folders).")
+    return root
+
+
+def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path | None = None) -> Dataset:
+    """The `split` ("train" or "val") of the configured dataset with `transform` applied."""
+    root = root or dataset_root(cfg)
+    if cfg.data.name == "cifar100":
+        try:
+            dataset = CIFAR100(str(root), train=split == "train", transform=transform, download=False)
+        except RuntimeError as error:
+            raise ConfigError(f"CIFAR-100 was not found under data.root={root} ({error}). Download it once with "
+                              "torchvision.datasets.CIFAR100(root, download=True) on a machine with internet.") from error
+    else:
+        dataset = ImageFolder(str(root / split), transform=transform)
+    num_classes = len(dataset.classes)
+    if num_classes != cfg.data.num_classes:
+        raise ConfigError(f"data.num_classes={cfg.data.num_classes} but {root / split} holds {num_classes} "
+                          f"classes. Set data.num_classes={num_classes}.")
+    return dataset

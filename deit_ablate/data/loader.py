@@ -1,0 +1,61 @@
+"""Samplers and loaders: repeated augmentation across ranks for training, an exact shard for eval."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from omegaconf import DictConfig
+from timm.data.distributed_sampler import RepeatAugSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+
+def build_train_sampler(dataset: Dataset, repeats: int, world_size: int, rank: int, seed: int) -> Sampler:
+    """DeiT's sampler: each image `repeats` times per epoch, copies on different ranks, epoch cut to |data|."""
+    if repeats > 1:
+        # Explicit replicas and rank, so one process runs the same recipe as many (timm's train.py refuses).
+        return RepeatAugSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, num_repeats=repeats)
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+
+
+def set_sampler_epoch(sampler: Sampler, epoch: int, seed: int) -> None:
+    """Reshuffle for a new epoch; RepeatAugSampler seeds from the epoch alone, so the seed is folded in."""
+    if isinstance(sampler, RepeatAugSampler):
+        sampler.set_epoch(seed * 1_000_003 + epoch)
+    else:
+        sampler.set_epoch(epoch)
+
+
+class ShardSampler(Sampler):
+    """Every `world_size`-th index from `rank`: ranks together see each eval image exactly once."""
+
+    def __init__(self, length: int, world_size: int, rank: int) -> None:
+        self.indices = list(range(rank, length, world_size))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def default_num_workers() -> int:
+    """The cores this process may use (SLURM's cpus-per-task or the affinity mask)."""
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        return int(os.environ["SLURM_CPUS_PER_TASK"])
+    return len(os.sched_getaffinity(0))
+
+
+def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig, train: bool) -> DataLoader:
+    """A DataLoader with workers, pinned memory on GPU, persistent workers and prefetch."""
+    workers = cfg.data.num_workers if cfg.data.num_workers is not None else default_num_workers()
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+        drop_last=train,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
+    )

@@ -1,0 +1,39 @@
+"""Train and eval transforms from timm's create_transform, with DeiT's augmentation settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from omegaconf import DictConfig
+from timm.data import create_transform
+
+
+def build_train_transform(cfg: DictConfig) -> Callable:
+    """Random-resized crop, flip, the auto-augment policy, normalization and random erasing."""
+    aug = cfg.augment
+    return create_transform(
+        input_size=cfg.resolution.train_size,
+        is_training=True,
+        scale=tuple(aug.scale),
+        hflip=aug.hflip,
+        color_jitter=aug.color_jitter,
+        auto_augment=aug.auto_augment,
+        interpolation=aug.interpolation,
+        re_prob=aug.reprob,
+        re_mode=aug.remode,
+        re_count=aug.recount,
+        mean=tuple(cfg.data.mean),
+        std=tuple(cfg.data.std),
+    )
+
+
+def build_eval_transform(cfg: DictConfig) -> Callable:
+    """Resize to eval_size / crop_pct, center-crop eval_size, normalize."""
+    return create_transform(
+        input_size=cfg.resolution.eval_size,
+        is_training=False,
+        crop_pct=cfg.resolution.crop_pct,
+        interpolation=cfg.augment.interpolation,
+        mean=tuple(cfg.data.mean),
+        std=tuple(cfg.data.std),
+    )

@@ -1,0 +1,87 @@
+"""Process groups from torchrun or SLURM/submitit: NCCL on GPUs, Gloo on CPU."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: its rank, the world size and the device it drives."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def _export_slurm_env() -> None:
+    """Under SLURM without torchrun, derive RANK/WORLD_SIZE/MASTER_ADDR from submitit's view of the job."""
+    if "RANK" in os.environ or "SLURM_JOB_ID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def choose_device(requested: str, local_rank: int) -> torch.device:
+    """`auto`: this rank's GPU when there is one, else the CPU."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device(requested)
+
+
+def init_distributed(requested_device: str = "auto") -> DistInfo:
+    """Join the process group the launcher set up (torchrun or SLURM), or run alone."""
+    _export_slurm_env()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = choose_device(requested_device, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum a tensor over ranks (a no-op alone)."""
+    if info.enabled:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier(info: DistInfo) -> None:
+    """Wait for every rank (a no-op alone)."""
+    if info.enabled:
+        dist.barrier()
+
+
+def broadcast_object(value, info: DistInfo):
+    """Rank 0's value on every rank."""
+    if not info.enabled:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def cleanup(info: DistInfo) -> None:
+    """Leave the process group."""
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,147 @@
+"""The training and evaluation loops."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from timm.data import Mixup
+from timm.utils import ModelEmaV3
+from tqdm import tqdm
+
+from deit_ablate.distributed import DistInfo, all_reduce_sum
+
+LossFn = Callable[[torch.Tensor, object, torch.Tensor], torch.Tensor]  # (images, model outputs, targets) -> loss
+
+
+class Diverged(RuntimeError):
+    """The training loss became NaN or infinite: a result for Table 8, not a crash."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"training loss is {loss} at step {step}")
+        self.step = step
+        self.loss = loss
+
+
+@dataclass
+class Trainer:
+    """What one optimizer step needs, and the step counter it advances."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loss_fn: LossFn
+    info: DistInfo
+    accum_steps: int = 1
+    mixup: Mixup | None = None
+    ema: ModelEmaV3 | None = None
+    amp_dtype: torch.dtype | None = None
+    clip_grad: float | None = None
+    log_interval: int = 10
+    step: int = 0
+    on_log: Callable[[dict, int], None] = field(default=lambda metrics, step: None)
+
+    def autocast(self):
+        """bf16 autocast where configured (GPU), a no-op context elsewhere."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.info.device.type, dtype=self.amp_dtype)
+
+    def train_step(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on this rank's share of the global batch, in `accum_steps` chunks."""
+        if self.mixup is not None:
+            images, targets = self.mixup(images, targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=images.device)
+        chunks = list(zip(images.chunk(self.accum_steps), targets.chunk(self.accum_steps), strict=False))
+        for index, (chunk_images, chunk_targets) in enumerate(chunks):
+            last = index == len(chunks) - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                with self.autocast():
+                    outputs = self.model(chunk_images)
+                    loss = self.loss_fn(chunk_images, outputs, chunk_targets)
+                (loss / len(chunks)).backward()
+            total += loss.detach() / len(chunks)
+        if self.clip_grad:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
+        self.optimizer.step()
+        self.step += 1
+        self.scheduler.step_update(num_updates=self.step)
+        if self.ema is not None:
+            self.ema.update(getattr(self.model, "module", self.model), step=self.step)
+        return total
+
+    def train_epoch(self, loader, epoch: int, max_steps: int | None = None,
+                    step_hook: Callable[[], None] | None = None) -> float:
+        """Run the epoch's batches; returns the mean training loss. Raises Diverged on a non-finite loss."""
+        self.model.train()
+        bar = tqdm(loader, desc=f"epoch {epoch}", disable=not self.info.is_main, dynamic_ncols=True, leave=False,
+                   mininterval=1.0)
+        loss_sum = torch.zeros((), device=self.info.device)
+        window_loss = torch.zeros((), device=self.info.device)
+        steps_in_epoch, window_steps, window_images = 0, 0, 0
+        window_start = time.perf_counter()
+        for images, targets in bar:
+            if max_steps is not None and self.step >= max_steps:
+                break
+            images = images.to(self.info.device, non_blocking=True)
+            targets = targets.to(self.info.device, non_blocking=True)
+            loss = self.train_step(images, targets)
+            loss_sum += loss
+            window_loss += loss
+            steps_in_epoch += 1
+            window_steps += 1
+            window_images += images.shape[0] * self.info.world_size
+            if self.step % self.log_interval == 0:
+                # The only host-device sync of the loop: once per logging interval.
+                mean_loss = window_loss.item() / window_steps
+                rate = window_images / (time.perf_counter() - window_start)
+                lr = self.optimizer.param_groups[0]["lr"]
+                bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}")
+                self.on_log({"train/loss": mean_loss, "train/lr": lr, "train/img_per_s": rate, "epoch": epoch},
+                            self.step)
+                if not math.isfinite(mean_loss):
+                    raise Diverged(self.step, mean_loss)
+                window_loss.zero_()
+                window_steps, window_images = 0, 0
+                window_start = time.perf_counter()
+            if step_hook is not None:
+                step_hook()
+        bar.close()
+        mean = loss_sum.item() / max(steps_in_epoch, 1)
+        if not math.isfinite(mean):
+            raise Diverged(self.step, mean)
+        return mean
+
+
+@torch.inference_mode()
+def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dtype | None = None,
+             max_batches: int | None = None) -> dict[str, float]:
+    """Top-1, top-5 (in percent) and mean cross-entropy over the whole eval set, summed across ranks."""
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=info.device)  # correct@1, correct@5, loss, count
+    autocast = (torch.autocast(device_type=info.device.type, dtype=amp_dtype) if amp_dtype is not None
+                else contextlib.nullcontext())
+    for index, (images, targets) in enumerate(loader):
+        if max_batches is not None and index >= max_batches:
+            break
+        images = images.to(info.device, non_blocking=True)
+        targets = targets.to(info.device, non_blocking=True)
+        with autocast:
+            logits = model(images)
+        logits = logits.float()
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hits = top5.eq(targets[:, None])
+        sums[0] += hits[:, 0].sum()
+        sums[1] += hits.any(dim=1).sum()
+        sums[2] += torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+        sums[3] += targets.numel()
+    all_reduce_sum(sums, info)
+    count = max(sums[3].item(), 1.0)
+    return {"top1": 100 * sums[0].item() / count, "top5": 100 * sums[1].item() / count,
+            "loss": sums[2].item() / count}

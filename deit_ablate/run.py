@@ -1,0 +1,265 @@
+"""One training run: build the pieces from the config, resume if a checkpoint exists, train, evaluate, log."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from timm.utils import ModelEmaV3
+
+from deit_ablate import checkpoint as ckpt
+from deit_ablate.data.datasets import build_dataset, dataset_root
+from deit_ablate.data.loader import ShardSampler, build_loader, build_train_sampler, set_sampler_epoch
+from deit_ablate.data.transforms import build_eval_transform, build_train_transform
+from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, init_distributed
+from deit_ablate.engine import Diverged, Trainer, evaluate
+from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra
+from deit_ablate.mixing import build_criterion, build_mixup
+from deit_ablate.models import build_model
+from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
+from deit_ablate.stages import StageRecipe, stage_recipe
+from deit_ablate.tracking import Tracker
+from deit_ablate.validate import BatchPlan, plan_batch, validate_config
+
+RESULT_FILE = "result.json"
+LAST, BEST = "checkpoint-last.pt", "checkpoint-best.pt"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (the CPU and every GPU)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write a small JSON file via a temp file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+
+
+def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on GPU under `auto`, full precision on CPU."""
+    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+@dataclass
+class Pieces:
+    """Everything a run builds before its first step."""
+
+    trainer: Trainer
+    train_loader: Any
+    train_sampler: Any
+    val_loader: Any
+    steps_per_epoch: int
+    recipe: StageRecipe
+    plan: BatchPlan
+
+
+def build_pieces(cfg: DictConfig, info: DistInfo, tracker: Tracker) -> Pieces:
+    """Data, model, optimizer, schedule and loss for this stage of the run."""
+    recipe = stage_recipe(cfg)
+    plan = plan_batch(cfg, info.world_size)
+    root = dataset_root(cfg) if info.is_main else None
+    barrier(info)
+    root = dataset_root(cfg) if root is None else root
+    train_set = build_dataset(cfg, "train", build_train_transform(cfg), root)
+    val_set = build_dataset(cfg, "val", build_eval_transform(cfg), root)
+    train_sampler = build_train_sampler(train_set, cfg.augment.repeated_aug, info.world_size, info.rank, cfg.seed)
+    train_loader = build_loader(train_set, train_sampler, plan.per_rank_batch, cfg, train=True)
+    val_sampler = ShardSampler(len(val_set), info.world_size, info.rank)
+    val_loader = build_loader(val_set, val_sampler, cfg.train.eval_batch, cfg, train=False)
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise ValueError(f"an epoch of {len(train_sampler)} images per rank holds no full batch of "
+                         f"{plan.per_rank_batch}; lower train.global_batch.")
+
+    model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size).to(info.device)
+    if recipe.init_checkpoint is not None:
+        from deit_ablate.stages import load_pretrained
+
+        load_pretrained(model, recipe.init_checkpoint)
+    if info.enabled:
+        ddp_device = [info.device.index] if info.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ddp_device)
+    module = model.module if info.enabled else model
+
+    lr = scaled_lr(recipe.lr, cfg.train.global_batch, cfg.optimizer.lr_base_batch)
+    optimizer = build_optimizer(module, recipe.optimizer, lr, recipe.weight_decay, cfg.optimizer.momentum,
+                                tuple(cfg.optimizer.betas), cfg.optimizer.eps)
+    total_steps = recipe.epochs * steps_per_epoch  # train.max_steps stops a run early; the schedule keeps its length
+    warmup_steps = min(round(recipe.warmup_epochs * steps_per_epoch), max(total_steps - 1, 0))
+    scheduler = build_scheduler(optimizer, total_steps, warmup_steps, scaled_lr(recipe.min_lr, 1, 1),
+                                cfg.optimizer.warmup_lr)
+    mixup = build_mixup(cfg.mix, cfg.data.num_classes)
+    criterion = build_criterion(cfg.mix, mixup)
+    ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None
+
+    def loss_fn(images, outputs, targets):
+        return criterion(outputs, targets)
+
+    trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
+                      accum_steps=plan.accum_steps, mixup=mixup, ema=ema, amp_dtype=amp_dtype(cfg.train.amp, info.device),
+                      clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.train.log_interval, on_log=tracker.log)
+    return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan)
+
+
+def training_state(pieces: Pieces, epoch: int, best_top1: float) -> dict[str, Any]:
+    """What a resume needs: weights, optimizer, schedule, EMA and where the run stands."""
+    trainer = pieces.trainer
+    module = trainer.model.module if trainer.info.enabled else trainer.model
+    state = {"model": module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+             "scheduler": trainer.scheduler.state_dict(), "epoch": epoch, "step": trainer.step,
+             "best_top1": best_top1}
+    if trainer.ema is not None:
+        state["ema"] = trainer.ema.module.state_dict()
+    return state
+
+
+def restore(pieces: Pieces, state: dict[str, Any]) -> tuple[int, float]:
+    """Load a training state; returns (epochs done, best top-1 so far)."""
+    trainer = pieces.trainer
+    module = trainer.model.module if trainer.info.enabled else trainer.model
+    module.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    if trainer.ema is not None and "ema" in state:
+        trainer.ema.module.load_state_dict(state["ema"])
+    trainer.step = int(state["step"])
+    return int(state["epoch"]), float(state["best_top1"])
+
+
+def discard_empty_run_dir() -> None:
+    """Remove the run folder Hydra made for a run that failed before writing anything of its own."""
+    run_dir = current_run_dir()
+    ours = [p for p in run_dir.iterdir() if p.name not in (".hydra", "main.log", "train.log")] if run_dir.is_dir() else []
+    if run_dir.is_dir() and not ours:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run(cfg: DictConfig) -> dict[str, Any] | None:
+    """Train one run to the end (or to divergence) and return its summary; rank 0 writes everything."""
+    validate_config(cfg)
+    identity = identity_from_hydra(cfg)
+    run_dir = current_run_dir()
+    result_path = run_dir / RESULT_FILE
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+        print(f"[run] {identity.name}: already {result['status']} (top-1 {result.get('top1', float('nan')):.2f}); "
+              f"skipping. Delete {result_path} to run it again.")
+        return result
+    info = init_distributed(cfg.train.device)
+    try:
+        return _train(cfg, info, identity, run_dir)
+    finally:
+        cleanup(info)
+
+
+def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path) -> dict[str, Any]:
+    seed_everything(cfg.seed)
+    tracker = Tracker(cfg, identity.run_id, identity.name, identity.group, enabled=info.is_main)
+    pieces = build_pieces(cfg, info, tracker)
+    trainer, plan = pieces.trainer, pieces.plan
+    start_epoch, best_top1 = 0, 0.0
+    last_path = run_dir / LAST
+    if last_path.exists():
+        start_epoch, best_top1 = restore(pieces, ckpt.load(last_path))
+        if info.is_main:
+            print(f"[run] resuming {identity.name} from {last_path}: epoch {start_epoch}, step {trainer.step}")
+    if info.is_main:
+        print(f"[run] {identity.name}: world size {info.world_size}, global batch {cfg.train.global_batch} = "
+              f"{info.world_size} x {plan.per_rank_batch} per rank ({plan.accum_steps} accumulation step(s) of "
+              f"{plan.micro_batch}), {pieces.steps_per_epoch} steps/epoch, {pieces.recipe.epochs} epochs, "
+              f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}")
+    tracker.summary({"world_size": info.world_size, "per_device_batch": plan.per_rank_batch,
+                     "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
+                     "effective_batch": cfg.train.global_batch})
+    status, metrics, ema_metrics, final = "finished", {}, {}, {}
+    started = time.perf_counter()
+    epoch = start_epoch
+    try:
+        for epoch in range(start_epoch, pieces.recipe.epochs):
+            if cfg.train.max_steps is not None and trainer.step >= cfg.train.max_steps:
+                break
+            seed_everything(cfg.seed * 10_007 + epoch * 101 + info.rank)  # exact resume at epoch boundaries
+            set_sampler_epoch(pieces.train_sampler, epoch, cfg.seed)
+            pieces.train_loader.generator = torch.Generator().manual_seed(cfg.seed * 10_007 + epoch)
+            train_loss = trainer.train_epoch(pieces.train_loader, epoch, cfg.train.max_steps)
+            metrics, ema_metrics = evaluate_all(cfg, pieces)
+            headline = ema_metrics["top1"] if ema_metrics else metrics["top1"]
+            best_top1 = max(best_top1, headline)
+            row = {"epoch": epoch, "train/epoch_loss": train_loss, **{f"val/{k}": v for k, v in metrics.items()},
+                   **{f"val_ema/{k}": v for k, v in ema_metrics.items()}}
+            tracker.log(row, trainer.step)
+            if info.is_main:
+                ema_text = f", EMA top-1 {ema_metrics['top1']:.2f}" if ema_metrics else ""
+                print(f"[epoch {epoch}] train loss {train_loss:.4f} | val top-1 {metrics['top1']:.2f} "
+                      f"top-5 {metrics['top5']:.2f}{ema_text} | step {trainer.step}", flush=True)
+                state = training_state(pieces, epoch + 1, best_top1)
+                ckpt.save_atomic(state, last_path)
+                if headline >= best_top1:
+                    ckpt.save_atomic(state, run_dir / BEST)
+            barrier(info)
+    except Diverged as diverged:
+        status = "diverged"
+        if info.is_main:
+            print(f"[run] {identity.name} diverged: {diverged}. Recorded as a result; the sweep goes on.")
+    final = summarize(status, metrics, ema_metrics, best_top1, epoch, trainer.step, time.perf_counter() - started)
+    tracker.summary(final)
+    tracker.finish(exit_code=0)
+    if info.is_main:
+        write_json_atomic(run_dir / RESULT_FILE, {"run_id": identity.run_id, "name": identity.name, **final})
+        print_summary(identity, final, run_dir)
+    final = broadcast_object(final, info)
+    return final
+
+
+def evaluate_all(cfg: DictConfig, pieces: Pieces) -> tuple[dict[str, float], dict[str, float]]:
+    """Top-1/top-5 of the model, and of its EMA when one is kept."""
+    trainer = pieces.trainer
+    metrics = evaluate(trainer.model, pieces.val_loader, trainer.info, trainer.amp_dtype, cfg.train.eval_max_batches)
+    ema_metrics = {}
+    if trainer.ema is not None:
+        ema_metrics = evaluate(trainer.ema.module, pieces.val_loader, trainer.info, trainer.amp_dtype,
+                               cfg.train.eval_max_batches)
+    return metrics, ema_metrics
+
+
+def summarize(status: str, metrics: dict, ema_metrics: dict, best_top1: float, epoch: int, step: int,
+              seconds: float) -> dict[str, Any]:
+    """The run's summary: headline top-1 (EMA's when EMA is on), best and final values, status."""
+    final = {"status": status, "epochs_done": epoch + 1 if metrics else epoch, "steps_done": step,
+             "train_seconds": round(seconds, 1)}
+    if metrics:
+        final.update(top1_final=metrics["top1"], top5_final=metrics["top5"], val_loss_final=metrics["loss"])
+    if ema_metrics:
+        final.update(top1_ema_final=ema_metrics["top1"], top5_ema_final=ema_metrics["top5"],
+                     top1_ema_best=best_top1)
+    headline = ema_metrics.get("top1", metrics.get("top1"))
+    if headline is not None:
+        final["top1"] = headline
+        final["top1_best"] = best_top1
+    return final
+
+
+def print_summary(identity: RunIdentity, final: dict[str, Any], run_dir: Path) -> None:
+    """A few lines a person reads at the end of a run."""
+    print("\n" + "=" * 72)
+    print(f"run       {identity.name}  (wandb id {identity.run_id})")
+    print(f"status    {final['status']} after {final['steps_done']} steps, {final['train_seconds']:.0f}s")
+    if "top1" in final:
+        print(f"top-1     {final['top1']:.2f}% final, {final['top1_best']:.2f}% best   "
+              f"top-5 {final.get('top5_ema_final', final.get('top5_final', float('nan'))):.2f}%")
+    print(f"outputs   {run_dir}")
+    print("=" * 72, flush=True)

@@ -1,0 +1,100 @@
+"""Checks that a run can start, made before any data is read or any job is queued."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import timm
+from omegaconf import DictConfig
+from timm.optim import list_optimizers
+
+from deit_ablate.data.datasets import check_data_root
+from deit_ablate.errors import ConfigError
+
+CHOICES = {
+    "stage": ("pretrain", "finetune"),
+    "data.name": ("builtin", "imagenet", "imagefolder", "cifar100"),
+    "distill.type": ("none", "soft", "hard", "hard_token", "soft_token"),
+    "distill.kl_normalization": ("elements", "batch"),
+    "distill.fusion": ("prob", "logit"),
+    "mix.mode": ("batch", "pair", "elem"),
+    "augment.remode": ("pixel", "rand", "const"),
+    "train.amp": ("auto", "bf16", "fp32"),
+    "tracking.mode": ("offline", "online", "disabled"),
+}
+PROBABILITIES = ("augment.reprob", "augment.hflip", "mix.prob", "mix.switch_prob", "mix.label_smoothing",
+                 "model.drop_path", "model.dropout")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch splits: per rank, then into accumulation steps of `micro_batch`."""
+
+    world_size: int
+    per_rank_batch: int
+    accum_steps: int
+
+    @property
+    def micro_batch(self) -> int:
+        return self.per_rank_batch // self.accum_steps
+
+
+def _get(cfg: DictConfig, dotted: str):
+    node = cfg
+    for key in dotted.split("."):
+        node = node[key]
+    return node
+
+
+def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
+    """Split train.global_batch over `world_size` ranks, accumulating when a rank's share exceeds the cap."""
+    global_batch, cap = cfg.train.global_batch, cfg.train.max_batch_per_device
+    if global_batch <= 0 or cap <= 0:
+        raise ConfigError(f"train.global_batch={global_batch} and train.max_batch_per_device={cap} must be positive.")
+    if global_batch % world_size:
+        raise ConfigError(
+            f"train.global_batch={global_batch} cannot be split over {world_size} processes. The global batch is "
+            f"the recipe's quantity, so each process must take an equal share: choose a global batch that is a "
+            f"multiple of {world_size} (e.g. {global_batch // world_size * world_size or world_size}) or change the "
+            "number of processes."
+        )
+    per_rank = global_batch // world_size
+    accum = -(-per_rank // cap)
+    while per_rank % accum:
+        accum += 1
+    plan = BatchPlan(world_size, per_rank, accum)
+    mixing = cfg.mix.mixup_alpha > 0 or cfg.mix.cutmix_alpha > 0
+    if mixing and cfg.mix.mode == "batch" and per_rank % 2:
+        raise ConfigError(f"Mixup/CutMix pairs images within a batch, so each process needs an even batch; "
+                          f"{global_batch} over {world_size} processes gives {per_rank}. Use an even share.")
+    return plan
+
+
+def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
+    """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value} is not one of {', '.join(allowed)}. Set {key} to one of them.")
+    for key in PROBABILITIES:
+        value = _get(cfg, key)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{key}={value} must lie between 0 and 1.")
+    if cfg.mix.mixup_alpha < 0 or cfg.mix.cutmix_alpha < 0:
+        raise ConfigError("mix.mixup_alpha and mix.cutmix_alpha are Beta parameters and must be >= 0 (0 turns one off).")
+    if cfg.augment.repeated_aug < 1:
+        raise ConfigError(f"augment.repeated_aug={cfg.augment.repeated_aug}: the number of copies must be >= 1 "
+                          "(1 turns repeated augmentation off).")
+    for name in {cfg.model.name, cfg.distill.teacher.model if cfg.distill.type != "none" else cfg.model.name}:
+        if not timm.is_model(name):
+            close = timm.list_models(f"*{name.split('_')[0]}*")[:8]
+            raise ConfigError(f"timm has no model named '{name}'. Close names: {', '.join(close) or 'none'}. "
+                              "Pick a `model=` option (see conf/model/) or a timm model name in model.name.")
+    optimizers = {cfg.optimizer.name, cfg.finetune.optimizer or cfg.optimizer.name}
+    for name in optimizers:
+        if name not in list_optimizers():
+            raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw or optimizer=sgd.")
+    if cfg.data.name != "builtin":
+        check_data_root(cfg)
+    if world_size is not None:
+        plan_batch(cfg, world_size)

@@ -1,0 +1,293 @@
+#!/usr/bin/env bash
+# Bring up a real one-node SLURM cluster on this (Debian, root) machine, for tests.
+#
+#   scripts/slurm_up.sh      # idempotent: running it again is harmless
+#   scripts/slurm_down.sh    # stops it again
+#
+# What it does:
+#   * installs `slurm-wlm` and `munge` with apt-get, only if they are missing;
+#   * creates the munge key (/etc/munge/munge.key, owned by munge) and starts `munged` as munge;
+#   * makes eight fake GPUs (character devices `mknod /dev/fakegpuN c 1 3`, i.e. /dev/null clones);
+#   * writes /etc/slurm/slurm.conf and /etc/slurm/gres.conf: one node (this host) advertised with
+#     CPUs=16 RealMemory=16000 Gres=gpu:8 (SlurmdParameters=config_overrides lets slurmd accept a
+#     node bigger than the machine), partition `debug` (default) and a higher-priority partition
+#     `urgent` whose jobs preempt (requeue) `debug` jobs, accounting off, JobRequeue=1;
+#   * starts slurmctld and slurmd (restarting them if the config changed) and waits until the node
+#     is idle.
+#
+# Environment knobs (all optional):
+#   SLURM_UP_TIMEOUT   seconds to wait for the node to become idle (default 60)
+#   SLURM_UP_CPUS      CPUs advertised for the node (default 16)
+#   SLURM_UP_MEM_MB    RealMemory advertised for the node, in MB (default 16000)
+#   SLURM_UP_GPUS      number of fake GPUs (default 8)
+set -euo pipefail
+
+TIMEOUT="${SLURM_UP_TIMEOUT:-60}"
+NODE_CPUS="${SLURM_UP_CPUS:-16}"
+NODE_MEM_MB="${SLURM_UP_MEM_MB:-16000}"
+NGPUS="${SLURM_UP_GPUS:-8}"
+
+CONF_DIR=/etc/slurm
+STATE_DIR=/var/spool/slurmctld
+SPOOL_DIR=/var/spool/slurmd
+LOG_DIR=/var/log/slurm
+RUN_DIR=/run/slurm
+GPU_PREFIX=/dev/fakegpu
+MUNGE_KEY=/etc/munge/munge.key
+MUNGE_PID=/run/munge/munged.pid
+CTLD_PID="$RUN_DIR/slurmctld.pid"
+SLURMD_PID="$RUN_DIR/slurmd.pid"
+
+log() { echo "[slurm_up] $*"; }
+die() { echo "[slurm_up] ERROR: $*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "must run as root (it installs packages and starts daemons)"
+
+pid_alive() {  # pid_alive PIDFILE -> 0 if the process named in PIDFILE is running
+    local pid
+    [ -s "$1" ] || return 1
+    pid="$(cat "$1" 2>/dev/null)" || return 1
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+}
+
+stop_pidfile() {  # stop_pidfile PIDFILE NAME: SIGTERM the process, wait up to 15 s for it to go
+    local pid i
+    pid_alive "$1" || { rm -f "$1"; return 0; }
+    pid="$(cat "$1")"
+    log "stopping $2 (pid $pid)"
+    kill "$pid" 2>/dev/null || true
+    for i in $(seq 1 30); do
+        kill -0 "$pid" 2>/dev/null || { rm -f "$1"; return 0; }
+        sleep 0.5
+    done
+    log "$2 did not stop after 15 s, sending SIGKILL"
+    kill -9 "$pid" 2>/dev/null || true
+    rm -f "$1"
+}
+
+dump_logs() {
+    echo "----- $LOG_DIR/slurmctld.log (last 60 lines) -----" >&2
+    tail -n 60 "$LOG_DIR/slurmctld.log" >&2 2>/dev/null || echo "(missing)" >&2
+    echo "----- $LOG_DIR/slurmd.log (last 60 lines) -----" >&2
+    tail -n 60 "$LOG_DIR/slurmd.log" >&2 2>/dev/null || echo "(missing)" >&2
+    echo "----- /var/log/munge/munged.log (last 20 lines) -----" >&2
+    tail -n 20 /var/log/munge/munged.log >&2 2>/dev/null || echo "(missing)" >&2
+}
+
+# ---------------------------------------------------------------------------------------------
+# 1. packages
+# ---------------------------------------------------------------------------------------------
+missing=()
+for bin in slurmctld slurmd sinfo sbatch munged; do
+    command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    log "missing ${missing[*]}: installing slurm-wlm and munge with apt-get"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    # Services are not started by the packages (no systemd here; policy-rc.d may forbid it anyway);
+    # this script starts the daemons itself.
+    apt-get install -y -q --no-install-recommends \
+        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+        slurm-wlm munge
+else
+    log "slurm-wlm and munge already installed"
+fi
+for bin in slurmctld slurmd sinfo sbatch scontrol munged munge unmunge; do
+    command -v "$bin" >/dev/null 2>&1 || die "$bin not found after installing slurm-wlm and munge"
+done
+
+HOST="$(hostname -s)"
+[ -n "$HOST" ] || die "hostname -s is empty"
+getent hosts "$HOST" >/dev/null || die "hostname '$HOST' does not resolve; add it to /etc/hosts"
+SLURM_USER=root
+if id slurm >/dev/null 2>&1; then SLURM_USER=slurm; fi
+
+# ---------------------------------------------------------------------------------------------
+# 2. munge
+# ---------------------------------------------------------------------------------------------
+id munge >/dev/null 2>&1 || die "user 'munge' does not exist (the munge package should create it)"
+install -d -o munge -g munge -m 0700 /etc/munge /var/lib/munge /var/log/munge
+install -d -o munge -g munge -m 0755 /run/munge
+if [ ! -s "$MUNGE_KEY" ]; then
+    log "creating munge key $MUNGE_KEY"
+    if command -v mungekey >/dev/null 2>&1; then
+        mungekey --create --keyfile="$MUNGE_KEY" --force
+    else
+        dd if=/dev/urandom of="$MUNGE_KEY" bs=1024 count=1 status=none
+    fi
+fi
+chown munge:munge "$MUNGE_KEY"
+chmod 0400 "$MUNGE_KEY"
+
+if pid_alive "$MUNGE_PID" && munge -n </dev/null | unmunge >/dev/null 2>&1; then
+    log "munged already running (pid $(cat "$MUNGE_PID"))"
+else
+    stop_pidfile "$MUNGE_PID" munged
+    log "starting munged as user munge"
+    # --force: start even if a stale socket from an unclean stop is left behind
+    runuser -u munge -- munged --force
+    for i in $(seq 1 20); do
+        munge -n </dev/null | unmunge >/dev/null 2>&1 && break
+        sleep 0.5
+    done
+    munge -n </dev/null | unmunge >/dev/null 2>&1 || { dump_logs; die "munged does not answer"; }
+    log "munged up (pid $(cat "$MUNGE_PID" 2>/dev/null || echo '?'))"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 3. fake GPUs
+# ---------------------------------------------------------------------------------------------
+last=$((NGPUS - 1))
+for i in $(seq 0 "$last"); do
+    dev="$GPU_PREFIX$i"
+    if [ ! -c "$dev" ]; then
+        rm -f "$dev"
+        mknod -m 0666 "$dev" c 1 3
+    fi
+done
+log "fake GPUs: ${GPU_PREFIX}[0-$last]"
+
+# ---------------------------------------------------------------------------------------------
+# 4. config files
+# ---------------------------------------------------------------------------------------------
+install -d -m 0755 "$CONF_DIR" "$LOG_DIR" "$RUN_DIR"
+install -d -m 0755 "$SPOOL_DIR"
+install -d -o "$SLURM_USER" -g "$SLURM_USER" -m 0755 "$STATE_DIR"
+chown "$SLURM_USER:$SLURM_USER" "$LOG_DIR" "$RUN_DIR"
+
+CHANGED=0
+write_if_changed() {  # write_if_changed PATH  (content on stdin); sets CHANGED=1 if it differs
+    local tmp
+    tmp="$(mktemp)"
+    cat >"$tmp"
+    if [ -f "$1" ] && cmp -s "$tmp" "$1"; then
+        rm -f "$tmp"
+    else
+        log "writing $1"
+        install -m 0644 "$tmp" "$1"
+        rm -f "$tmp"
+        CHANGED=1
+    fi
+}
+
+write_if_changed "$CONF_DIR/slurm.conf" <<EOF
+# Generated by deit_ablate scripts/slurm_up.sh -- one-node test cluster. Edits are overwritten.
+ClusterName=deitlocal
+SlurmctldHost=$HOST
+SlurmUser=$SLURM_USER
+AuthType=auth/munge
+# job-step credential lifetime; it is also the delay before a requeued job may start again
+# (default 120 s, far too slow for tests)
+AuthInfo=cred_expire=10
+MpiDefault=none
+MailProg=/bin/true
+SwitchType=switch/none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+# accept a node description bigger than the real machine (16 CPUs, 16 GB, 8 GPUs on a 2-core VM)
+SlurmdParameters=config_overrides
+ReturnToService=2
+StateSaveLocation=$STATE_DIR
+SlurmdSpoolDir=$SPOOL_DIR
+SlurmctldPidFile=$CTLD_PID
+SlurmdPidFile=$SLURMD_PID
+SlurmctldLogFile=$LOG_DIR/slurmctld.log
+SlurmdLogFile=$LOG_DIR/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+
+# accounting off (submitit warns about sacct and carries on; use scontrol show job)
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+
+# scheduling: quick, CPUs/GPUs consumable (memory is not, so --mem only has to fit RealMemory)
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+GresTypes=gpu
+
+# requeue / preemption: jobs may be requeued (scontrol requeue, submitit's own requeue);
+# a job in partition "urgent" preempts (requeues) "debug" jobs; the job's --signal (submitit's
+# USR2) is sent at preemption, then GraceTime seconds later the job is killed and requeued.
+JobRequeue=1
+# reject at submit time a job that can never fit (e.g. 8 tasks x 10 CPUs on this 16-CPU node)
+# instead of leaving it pending forever with Reason=PartitionConfig
+EnforcePartLimits=ALL
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
+
+# short timeouts so tests are fast; finished jobs stay visible to scontrol for 5 minutes
+KillWait=5
+MinJobAge=300
+InactiveLimit=0
+Waittime=0
+MessageTimeout=10
+SlurmctldTimeout=30
+SlurmdTimeout=60
+UnkillableStepTimeout=30
+
+NodeName=$HOST NodeAddr=$HOST CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB Gres=gpu:$NGPUS State=UNKNOWN
+PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
+PartitionName=urgent Nodes=$HOST Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+EOF
+
+write_if_changed "$CONF_DIR/gres.conf" <<EOF
+# Generated by deit_ablate scripts/slurm_up.sh -- fake GPUs (mknod c 1 3), no autodetection.
+AutoDetect=off
+Name=gpu File=${GPU_PREFIX}[0-$last]
+EOF
+
+# ---------------------------------------------------------------------------------------------
+# 5. daemons
+# ---------------------------------------------------------------------------------------------
+if [ "$CHANGED" -eq 1 ] && { pid_alive "$CTLD_PID" || pid_alive "$SLURMD_PID"; }; then
+    log "configuration changed: restarting slurm daemons"
+    stop_pidfile "$SLURMD_PID" slurmd
+    stop_pidfile "$CTLD_PID" slurmctld
+fi
+
+if pid_alive "$CTLD_PID"; then
+    log "slurmctld already running (pid $(cat "$CTLD_PID"))"
+else
+    log "starting slurmctld"
+    slurmctld || { dump_logs; die "slurmctld failed to start"; }
+fi
+if pid_alive "$SLURMD_PID"; then
+    log "slurmd already running (pid $(cat "$SLURMD_PID"))"
+else
+    log "starting slurmd"
+    slurmd || { dump_logs; die "slurmd failed to start"; }
+fi
+
+log "waiting up to ${TIMEOUT}s for node $HOST to be idle"
+start=$(date +%s)
+resumed=0
+while :; do
+    state="$(sinfo -h -n "$HOST" -o '%T' 2>/dev/null | head -n 1 || true)"
+    case "$state" in
+        idle | mixed | allocated | completing)
+            break ;;
+        drain* | down* | fail*)
+            # e.g. left DOWN/DRAINED by an earlier unclean stop: put it back in service once
+            if [ "$resumed" -eq 0 ]; then
+                log "node is '$state', resuming it"
+                scontrol update NodeName="$HOST" State=RESUME >/dev/null 2>&1 || true
+                resumed=1
+            fi ;;
+    esac
+    if [ $(($(date +%s) - start)) -ge "$TIMEOUT" ]; then
+        echo "[slurm_up] ERROR: node $HOST not idle after ${TIMEOUT}s (state: '${state:-unknown}')" >&2
+        sinfo -N -l >&2 2>/dev/null || true
+        scontrol show node "$HOST" >&2 2>/dev/null || true
+        dump_logs
+        exit 1
+    fi
+    sleep 0.5
+done
+
+log "cluster up in $(($(date +%s) - start))s of waiting: node $HOST is $state"
+sinfo

@@ -1,0 +1,173 @@
+"""The recipe against its definition: drop path, weight decay, lr rule, Mixup/CutMix, repeated augmentation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
+from deit_ablate.data.loader import build_train_sampler
+from deit_ablate.mixing import build_criterion, build_mixup
+from deit_ablate.models import build_model, drop_path_rates
+from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr, weight_decay_groups
+from tests.conftest import compose_config
+
+
+def _tiny_vit(cfg, depth=4):
+    cfg.model.kwargs.depth = depth
+    return build_model(cfg.model, num_classes=10, img_size=32)
+
+
+def test_drop_path_rates_are_linspace_from_zero():
+    cfg = compose_config(["model.drop_path=0.1"])
+    model = _tiny_vit(cfg, depth=6)
+    expected = [0.1 * i / 5 for i in range(6)]  # timm / DeiT: linspace(0, p, depth), first block 0
+    assert drop_path_rates(model) == pytest.approx(expected)
+    assert drop_path_rates(model)[0] == 0.0
+
+
+def test_paper_model_has_the_same_drop_path_schedule():
+    cfg = compose_config(["preset=paper"])
+    model = build_model(cfg.model, num_classes=1000, img_size=224)
+    assert len(model.blocks) == 12 and model.embed_dim == 768
+    assert drop_path_rates(model) == pytest.approx(np.linspace(0, 0.1, 12).tolist())
+
+
+def test_dropout_row_sets_every_dropout_of_deit():
+    cfg = compose_config(["ablation=dropout"])
+    model = _tiny_vit(cfg)
+    assert model.pos_drop.p == 0.1 and model.blocks[0].mlp.drop1.p == 0.1 and model.blocks[0].attn.proj_drop.p == 0.1
+    assert model.head_drop.p == 0.1
+
+
+@pytest.mark.parametrize("model_option", ["vit_demo", "vit_demo_distilled"])
+def test_weight_decay_skips_1d_params_tokens_and_position_table(model_option):
+    cfg = compose_config([f"model={model_option}"])
+    model = _tiny_vit(cfg, depth=2)
+    optimizer = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.05)
+    decay = weight_decay_groups(optimizer, model)
+    assert set(decay) == {name for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        no_decay = param.ndim <= 1 or name in ("cls_token", "dist_token", "pos_embed")
+        assert decay[name] == (0.0 if no_decay else 0.05), name
+    assert decay["blocks.0.attn.qkv.weight"] == 0.05 and decay["blocks.0.norm1.weight"] == 0.0
+    assert decay["pos_embed"] == 0.0 and decay["cls_token"] == 0.0
+    if model_option.endswith("distilled"):
+        assert decay["dist_token"] == 0.0 and decay["head_dist.weight"] == 0.05
+
+
+def test_adamw_and_sgd_settings():
+    model = torch.nn.Linear(4, 2)
+    adamw = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.05, betas=(0.9, 0.999), eps=1e-8)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == (0.9, 0.999)
+    sgd = build_optimizer(model, "sgd", lr=1e-3, weight_decay=0.05, momentum=0.9)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
+
+
+@pytest.mark.parametrize(("global_batch", "expected"), [(512, 5e-4), (1024, 1e-3), (256, 2.5e-4), (128, 1.25e-4)])
+def test_lr_scales_linearly_from_512(global_batch, expected):
+    assert scaled_lr(5e-4, global_batch) == pytest.approx(expected)
+
+
+def test_schedule_warms_up_linearly_then_cosine_to_min_lr():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    scheduler = build_scheduler(optimizer, total_steps=100, warmup_steps=10, min_lr=1e-5, warmup_lr=1e-6)
+    lrs = []
+    for step in range(1, 101):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step_update(step)
+    assert lrs[0] == pytest.approx(1e-6)
+    assert lrs[5] == pytest.approx(1e-6 + 5 * (1e-3 - 1e-6) / 10)
+    assert lrs[10] == pytest.approx(1e-3)
+    mid = 10 + 45
+    assert lrs[mid] == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * 45 / 90)), rel=1e-6)
+    assert min(lrs[10:]) >= 1e-5 - 1e-12
+
+
+def test_mixup_gets_deits_beta_alphas_and_switch_probability():
+    cfg = compose_config([])
+    mixup = build_mixup(cfg.mix, num_classes=10)
+    assert isinstance(mixup, Mixup)
+    assert mixup.mixup_alpha == 0.8 and mixup.cutmix_alpha == 1.0  # Beta(0.8, 0.8) and Beta(1, 1)
+    assert mixup.mix_prob == 1.0 and mixup.switch_prob == 0.5 and mixup.mode == "batch"
+    assert mixup.label_smoothing == 0.1 and mixup.correct_lam  # CutMix's lambda from the clipped box area
+    assert isinstance(build_criterion(cfg.mix, mixup), SoftTargetCrossEntropy)
+
+
+def test_mixup_draws_lambda_from_the_beta_distribution():
+    cfg = compose_config(["mix=mixup_only"])
+    mixup = build_mixup(cfg.mix, num_classes=10)
+    np.random.seed(0)
+    lams = np.array([mixup._params_per_batch()[0] for _ in range(4000)])
+    # Beta(0.8, 0.8): mean 0.5, variance a^2 / ((2a)^2 (2a + 1)) = 1 / (4 (2a + 1)) = 0.0962
+    assert lams.mean() == pytest.approx(0.5, abs=0.02)
+    assert lams.var() == pytest.approx(1 / (4 * 2.6), rel=0.08)
+
+
+def test_one_of_mixup_or_cutmix_per_batch_half_the_time():
+    cfg = compose_config([])
+    mixup = build_mixup(cfg.mix, num_classes=10)
+    np.random.seed(1)
+    use_cutmix = [mixup._params_per_batch()[1] for _ in range(4000)]
+    assert np.mean(use_cutmix) == pytest.approx(0.5, abs=0.03)
+
+
+def test_no_mixing_uses_label_smoothing_on_integer_labels():
+    cfg = compose_config(["mix=none"])
+    assert build_mixup(cfg.mix, 10) is None
+    criterion = build_criterion(cfg.mix, None)
+    assert isinstance(criterion, LabelSmoothingCrossEntropy) and criterion.smoothing == 0.1
+
+
+class _Sized:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def test_repeated_augmentation_single_process_sees_each_image_three_times_cut_to_the_dataset():
+    dataset = _Sized(600)
+    sampler = build_train_sampler(dataset, repeats=3, world_size=1, rank=0, seed=0)
+    sampler.set_epoch(0)
+    indices = list(sampler)
+    assert len(indices) == 512  # DeiT: an epoch is cut back to the dataset size, rounded down to 256s
+    # Consecutive triples are copies of one image on a single rank.
+    assert all(indices[i] == indices[i + 1] == indices[i + 2] for i in range(0, 510, 3))
+
+
+def test_repeated_augmentation_sends_each_copy_to_a_different_rank():
+    dataset = _Sized(1024)
+    world = 4
+    per_rank = []
+    for rank in range(world):
+        sampler = build_train_sampler(dataset, repeats=3, world_size=world, rank=rank, seed=0)
+        sampler.set_epoch(0)
+        per_rank.append(list(sampler))
+    assert all(len(ids) == 1024 // world for ids in per_rank)  # the epoch is |dataset| images in total
+    # Position i of rank r is element 4i + r of the repeated list [a, a, a, b, b, b, ...].
+    merged = [per_rank[i % world][i // world] for i in range(1024)]
+    for start in range(0, 1023, 3):
+        triple = merged[start:start + 3]
+        if len(triple) == 3:
+            assert triple[0] == triple[1] == triple[2]
+            ranks = {(start + k) % world for k in range(3)}
+            assert len(ranks) == 3  # three copies on three different ranks
+    distinct = len(set(merged))
+    assert distinct == math.ceil(1024 / 3)  # a third of the images per epoch, each seen three times
+
+
+def test_without_repeats_ranks_partition_the_data():
+    dataset = _Sized(100)
+    shards = []
+    for rank in range(4):
+        sampler = build_train_sampler(dataset, repeats=1, world_size=4, rank=rank, seed=0)
+        sampler.set_epoch(3)
+        shards.append(list(sampler))
+    assert sorted(i for shard in shards for i in shard) == list(range(100))

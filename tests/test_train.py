@@ -1,0 +1,109 @@
+"""train.py end to end in a subprocess: a finished run, divergence, resume, sweeps and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.conftest import TINY, run_train
+
+
+def _only_run_dir(cwd: Path) -> Path:
+    runs = [p for p in (cwd / "outputs" / "runs").iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_tiny_run_trains_evaluates_checkpoints_and_logs(tmp_path, data_cache):
+    proc = run_train(TINY, tmp_path, data_cache)
+    run_dir = _only_run_dir(tmp_path)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "finished" and result["steps_done"] == 8  # 256 repeated images / batch 32
+    assert 0.0 <= result["top1"] <= 100.0 and result["top5_final"] >= result["top1"]
+    state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    assert state["epoch"] == 1 and state["step"] == 8 and "pos_embed" in state["model"]
+    assert (run_dir / "checkpoint-best.pt").exists()
+    assert not list(run_dir.glob(".*.tmp"))  # no half-written checkpoint left behind
+    assert "status    finished" in proc.stdout and "top-1" in proc.stdout
+    assert "img_s=" in proc.stderr and "lr=" in proc.stderr and "loss=" in proc.stderr  # the progress bar
+    assert "global batch 32 = 1 x 32 per rank (1 accumulation step(s) of 32)" in proc.stdout
+    offline = list((tmp_path / "outputs" / "wandb").glob(f"offline-run-*-{result['run_id']}"))
+    assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
+
+
+def test_relaunch_skips_a_finished_run(tmp_path, data_cache):
+    run_train(TINY, tmp_path, data_cache)
+    proc = run_train(TINY, tmp_path, data_cache)
+    assert "already finished" in proc.stdout and "skipping" in proc.stdout
+    assert len(list((tmp_path / "outputs" / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_divergence_ends_the_run_as_a_result_with_exit_status_0(tmp_path, data_cache):
+    proc = run_train(TINY + ["optimizer.lr=1e12", "optimizer.warmup_epochs=0"], tmp_path, data_cache)
+    assert proc.returncode == 0
+    result = json.loads((_only_run_dir(tmp_path) / "result.json").read_text())
+    assert result["status"] == "diverged" and result["steps_done"] < 8
+    assert "diverged" in proc.stdout
+
+
+def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(tmp_path, data_cache):
+    two = TINY + ["train.epochs=2", "mix=mixup_cutmix"]
+    straight = tmp_path / "straight"
+    run_train(two + [f"hydra.run.dir={straight}"], tmp_path, data_cache)
+    resumed = tmp_path / "resumed"
+    run_train(two + ["train.max_steps=8", f"hydra.run.dir={resumed}"], tmp_path, data_cache)
+    first_half = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
+    assert first_half["epoch"] == 1 and first_half["step"] == 8
+    (resumed / "result.json").unlink()  # as if the job had been stopped after its first epoch
+    proc = run_train(two + [f"hydra.run.dir={resumed}"], tmp_path, data_cache)
+    assert "resuming" in proc.stdout
+    a = torch.load(straight / "checkpoint-last.pt", weights_only=True)
+    b = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
+    assert a["step"] == b["step"] == 16
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert not torch.equal(a["model"]["head.weight"], first_half["model"]["head.weight"])
+
+
+def test_mix_sweep_runs_three_runs_in_one_sweep_folder(tmp_path, data_cache):
+    proc = run_train(["-m", "mix=none,mixup_only,cutmix_only"] + TINY, tmp_path, data_cache)
+    runs = sorted(p.name for p in (tmp_path / "outputs" / "runs").iterdir() if p.is_dir())
+    assert len(runs) == 3 and all(name.startswith("data.builtin") for name in runs)
+    assert {name.split("mix=")[1].split(",")[0] for name in runs} == {"none", "mixup_only", "cutmix_only"}
+    for name in runs:
+        result = json.loads((tmp_path / "outputs" / "runs" / name / "result.json").read_text())
+        assert result["status"] == "finished"
+    assert proc.stdout.count("status    finished") == 3
+
+
+def test_missing_data_root_is_a_clear_error_and_leaves_nothing(tmp_path, data_cache):
+    proc = run_train(["data=imagenet"] + TINY, tmp_path, data_cache, check=False)
+    assert proc.returncode == 2
+    assert "data=imagenet needs data.root" in proc.stderr and "data.root=/path/to/imagenet" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not any((tmp_path / "outputs" / "runs").glob("*/result.json"))
+    proc = run_train(["data=imagenet", f"data.root={tmp_path / 'nowhere'}"] + TINY, tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_imagefolder_without_val_split_names_the_layout(tmp_path, data_cache):
+    (tmp_path / "data" / "train" / "a").mkdir(parents=True)
+    proc = run_train(["data=imagenet", f"data.root={tmp_path / 'data'}"] + TINY, tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "no val folder" in proc.stderr
+
+
+def test_odd_batch_with_mixup_is_a_clear_error(tmp_path, data_cache):
+    proc = run_train(TINY + ["train.global_batch=33"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "even" in proc.stderr and "33" in proc.stderr
+
+
+def test_unknown_model_name_is_a_clear_error(tmp_path, data_cache):
+    proc = run_train(TINY + ["model.name=deit_tinny_patch16_224"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "timm has no model named 'deit_tinny_patch16_224'" in proc.stderr
+
+
+def test_accumulation_kicks_in_when_a_batch_does_not_fit(tmp_path, data_cache):
+    proc = run_train(TINY + ["train.max_batch_per_device=8"], tmp_path, data_cache)
+    assert "global batch 32 = 1 x 32 per rank (4 accumulation step(s) of 8)" in proc.stdout
