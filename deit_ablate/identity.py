@@ -25,8 +25,13 @@ class RunIdentity:
     group: str
 
 
+# Overrides that restate a default and so do not change the run: `stage=pretrain` names the same run as none.
+DEFAULT_ITEMS = ("stage=pretrain",)
+
+
 def run_name_from_overrides(override_dirname: str) -> str:
     """A folder-safe, readable run name; `default` when the run has no overrides."""
+    override_dirname = ",".join(item for item in _items(override_dirname) if item not in DEFAULT_ITEMS)
     if not override_dirname:
         return "default"
     name = _UNSAFE.sub("_", override_dirname)

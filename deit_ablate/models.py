@@ -43,14 +43,39 @@ def drop_path_rates(model: torch.nn.Module) -> list[float]:
     return rates
 
 
-def resize_pos_embed_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Resample a checkpoint's position table bicubically to `model`'s patch grid; prefix-token rows are kept."""
-    if "pos_embed" not in state or not hasattr(model, "pos_embed"):
-        return state
-    old, target = state["pos_embed"], model.pos_embed
-    if old.shape == target.shape:
-        return state
-    prefix = 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
-    grid = model.patch_embed.grid_size
-    return {**state, "pos_embed": resample_abs_pos_embed(old, new_size=list(grid), num_prefix_tokens=prefix,
-                                                         interpolation="bicubic", antialias=True)}
+def resize_pos_embed_state(
+    state_dict: dict[str, torch.Tensor], model: torch.nn.Module
+) -> dict[str, torch.Tensor]:
+    """Copy of ``state_dict`` with ``pos_embed`` fitted to ``model`` (prefix rows kept, grid bicubic)."""
+    out = dict(state_dict)
+    if "pos_embed" not in out or not hasattr(model, "pos_embed"):
+        return out
+    src = out["pos_embed"]
+    dst_shape = model.pos_embed.shape
+    if src.shape == dst_shape:
+        return out
+    n_prefix = 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens", 1))
+    if src.ndim != 3 or src.shape[-1] != dst_shape[-1]:
+        raise ValueError(
+            f"pos_embed of shape {tuple(src.shape)} cannot be resized to {tuple(dst_shape)}: the embedding "
+            "width differs, so the checkpoint is from another architecture."
+        )
+    old_patches = src.shape[1] - n_prefix
+    side = int(round(old_patches**0.5))
+    if old_patches <= 0 or side * side != old_patches:
+        raise ValueError(
+            f"pos_embed has {src.shape[1]} rows, which is not {n_prefix} prefix rows plus a square patch "
+            f"grid; the checkpoint's prefix tokens (class/distillation) differ from the model's "
+            f"({n_prefix}). Load a checkpoint of the same model family (distilled into distilled)."
+        )
+    new_grid = list(model.patch_embed.grid_size)
+    out["pos_embed"] = resample_abs_pos_embed(
+        src,
+        new_size=new_grid,
+        old_size=[side, side],
+        num_prefix_tokens=n_prefix,
+        interpolation="bicubic",
+        antialias=False,  # plain bicubic, as in the released DeiT fine-tuning code (timm defaults to True)
+        align_corners=False,
+    )
+    return out

@@ -25,7 +25,7 @@ from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hyd
 from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
-from deit_ablate.stages import StageRecipe, stage_recipe
+from deit_ablate.stages import StageRecipe, pretrain_status, stage_recipe
 from deit_ablate.tracking import Tracker
 from deit_ablate.validate import BatchPlan, plan_batch, validate_config
 
@@ -110,7 +110,8 @@ def build_pieces(cfg: DictConfig, info: DistInfo, tracker: Tracker) -> Pieces:
         return criterion(outputs, targets)
 
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
-                      accum_steps=plan.accum_steps, mixup=mixup, ema=ema, amp_dtype=amp_dtype(cfg.train.amp, info.device),
+                      accum_steps=plan.accum_steps, mixup=mixup, ema=ema,
+                      amp_dtype=amp_dtype(cfg.train.amp, info.device),
                       clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.train.log_interval, on_log=tracker.log)
     return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan)
 
@@ -143,8 +144,7 @@ def restore(pieces: Pieces, state: dict[str, Any]) -> tuple[int, float]:
 def discard_empty_run_dir() -> None:
     """Remove the run folder Hydra made for a run that failed before writing anything of its own."""
     run_dir = current_run_dir()
-    ours = [p for p in run_dir.iterdir() if p.name not in (".hydra", "main.log", "train.log")] if run_dir.is_dir() else []
-    if run_dir.is_dir() and not ours:
+    if run_dir.is_dir() and all(p.name in (".hydra", "train.log") for p in run_dir.iterdir()):
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -159,11 +159,27 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         print(f"[run] {identity.name}: already {result['status']} (top-1 {result.get('top1', float('nan')):.2f}); "
               f"skipping. Delete {result_path} to run it again.")
         return result
+    if cfg.stage == "finetune":
+        upstream = pretrain_status(cfg)
+        if upstream != "finished":
+            return record_without_training(cfg, identity, run_dir, upstream)
     info = init_distributed(cfg.train.device)
     try:
         return _train(cfg, info, identity, run_dir)
     finally:
         cleanup(info)
+
+
+def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: Path, upstream: str) -> dict[str, Any]:
+    """A fine-tune stage whose pre-training diverged: nothing to fine-tune, logged with the same status."""
+    final = {"status": upstream, "steps_done": 0, "epochs_done": 0, "train_seconds": 0.0,
+             "note": f"pre-training ended as {upstream}; not fine-tuned"}
+    tracker = Tracker(cfg, identity.run_id, identity.name, identity.group, enabled=True)
+    tracker.summary(final)
+    tracker.finish()
+    write_json_atomic(run_dir / RESULT_FILE, {"run_id": identity.run_id, "name": identity.name, **final})
+    print(f"[run] {identity.name}: {final['note']}.")
+    return final
 
 
 def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path) -> dict[str, Any]:
@@ -178,7 +194,8 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
         if info.is_main:
             print(f"[run] resuming {identity.name} from {last_path}: epoch {start_epoch}, step {trainer.step}")
     if info.is_main:
-        print(f"[run] {identity.name}: world size {info.world_size}, global batch {cfg.train.global_batch} = "
+        print(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px, world size {info.world_size}, "
+              f"global batch {cfg.train.global_batch} = "
               f"{info.world_size} x {plan.per_rank_batch} per rank ({plan.accum_steps} accumulation step(s) of "
               f"{plan.micro_batch}), {pieces.steps_per_epoch} steps/epoch, {pieces.recipe.epochs} epochs, "
               f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}")

@@ -28,29 +28,36 @@ class StageRecipe:
     init_checkpoint: Path | None = None
 
 
-def pretrain_checkpoint(cfg: DictConfig) -> Path:
-    """The finished pre-training checkpoint of this run's own row and seed (or finetune.init_checkpoint)."""
+def pretrain_run_dir(cfg: DictConfig) -> Path:
+    """The folder of the pre-training run this fine-tune stage starts from: same row, same seed."""
+    return Path(cfg.output_root) / "runs" / pretrain_run_name(current_override_dirname())
+
+
+def pretrain_status(cfg: DictConfig) -> str:
+    """How the pre-training run ended ("finished", "diverged", ...); a ConfigError if it has not."""
     if cfg.finetune.init_checkpoint:
         path = Path(cfg.finetune.init_checkpoint).expanduser()
         if not path.is_file():
-            raise ConfigError(f"finetune.init_checkpoint={path} does not exist. Point it at a checkpoint written by "
-                              "a pre-training run (outputs/runs/<run>/checkpoint-last.pt).")
-        return path
-    name = pretrain_run_name(current_override_dirname())
-    run_dir = Path(cfg.output_root) / "runs" / name
+            raise ConfigError(f"finetune.init_checkpoint={path} does not exist. Point it at a checkpoint written "
+                              "by a pre-training run (outputs/runs/<run>/checkpoint-last.pt).")
+        return "finished"
+    run_dir = pretrain_run_dir(cfg)
     result = run_dir / "result.json"
     if not result.exists():
         raise ConfigError(
-            f"stage=finetune starts from the pre-training run '{name}', which has not finished "
+            f"stage=finetune starts from the pre-training run '{run_dir.name}', which has not finished "
             f"({result} is missing). Run the pre-training first (the same command without stage=finetune), "
             "sweep both stages in one command (stage=pretrain,finetune, pre-training listed first), or set "
             "finetune.init_checkpoint=/path/to/checkpoint.pt."
         )
-    status = json.loads(result.read_text())["status"]
-    if status != "finished":
-        raise ConfigError(f"the pre-training run '{name}' ended as '{status}'; there is no model to fine-tune. "
-                          "Fine-tuning is skipped for it (Table 8 shows such rows as did-not-train).")
-    return run_dir / "checkpoint-last.pt"
+    return json.loads(result.read_text())["status"]
+
+
+def pretrain_checkpoint(cfg: DictConfig) -> Path:
+    """The weights a fine-tune stage starts from: finetune.init_checkpoint, else its pre-training's last."""
+    if cfg.finetune.init_checkpoint:
+        return Path(cfg.finetune.init_checkpoint).expanduser()
+    return pretrain_run_dir(cfg) / "checkpoint-last.pt"
 
 
 def stage_recipe(cfg: DictConfig) -> StageRecipe:

@@ -81,7 +81,8 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{key}={value} must lie between 0 and 1.")
     if cfg.mix.mixup_alpha < 0 or cfg.mix.cutmix_alpha < 0:
-        raise ConfigError("mix.mixup_alpha and mix.cutmix_alpha are Beta parameters and must be >= 0 (0 turns one off).")
+        raise ConfigError("mix.mixup_alpha and mix.cutmix_alpha are Beta parameters and must be >= 0 "
+                          "(0 turns one off).")
     if cfg.augment.repeated_aug < 1:
         raise ConfigError(f"augment.repeated_aug={cfg.augment.repeated_aug}: the number of copies must be >= 1 "
                           "(1 turns repeated augmentation off).")

@@ -55,5 +55,6 @@ def run_train(args: list[str], cwd: Path, cache: Path, extra_env: dict | None = 
     command = (module or [sys.executable, str(REPO / "train.py")]) + args
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{' '.join(command)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

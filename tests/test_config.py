@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ValidationError
 
 from tests.conftest import REPO, compose_config
 
@@ -38,7 +38,8 @@ def test_paper_preset_is_table_9():
 def test_paper_finetune_stage_is_the_384_recipe():
     cfg = compose_config(["preset=paper", "stage=finetune"])
     assert (cfg.resolution.train_size, cfg.resolution.crop_pct) == (384, 1.0)
-    assert (cfg.finetune.lr, cfg.finetune.weight_decay, cfg.finetune.epochs, cfg.finetune.min_lr) == (5e-6, 1e-8, 30, 5e-6)
+    ft = cfg.finetune
+    assert (ft.lr, ft.weight_decay, ft.epochs, ft.min_lr) == (5e-6, 1e-8, 30, 5e-6)
 
 
 def test_demo_preset_keeps_every_ingredient_on():

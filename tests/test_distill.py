@@ -23,10 +23,10 @@ from deit_ablate.distill import (
     distilled_head_logits,
     fuse_predictions,
     load_teacher,
-    resize_pos_embed_state,
     teacher_forward,
 )
 from deit_ablate.errors import ConfigError
+from deit_ablate.models import resize_pos_embed_state
 
 B, K, EPS = 4, 5, 0.1
 

@@ -22,10 +22,8 @@ _MARKER = "COMPLETE.json"
 
 
 def _polygon(cx: float, cy: float, radius: float, sides: int, angle: float) -> list[tuple[float, float]]:
-    return [
-        (cx + radius * math.cos(angle + 2 * math.pi * k / sides), cy + radius * math.sin(angle + 2 * math.pi * k / sides))
-        for k in range(sides)
-    ]
+    angles = [angle + 2 * math.pi * k / sides for k in range(sides)]
+    return [(cx + radius * math.cos(a), cy + radius * math.sin(a)) for a in angles]
 
 
 def _draw_shape(draw: ImageDraw.ImageDraw, label: int, cx: float, cy: float, r: float, angle: float,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -56,8 +56,10 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
         try:
             dataset = CIFAR100(str(root), train=split == "train", transform=transform, download=False)
         except RuntimeError as error:
-            raise ConfigError(f"CIFAR-100 was not found under data.root={root} ({error}). Download it once with "
-                              "torchvision.datasets.CIFAR100(root, download=True) on a machine with internet.") from error
+            raise ConfigError(
+                f"CIFAR-100 was not found under data.root={root} ({error}). Download it once with "
+                "torchvision.datasets.CIFAR100(root, download=True) on a machine with internet."
+            ) from error
     else:
         dataset = ImageFolder(str(root / split), transform=transform)
     num_classes = len(dataset.classes)
