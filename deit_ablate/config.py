@@ -73,7 +73,7 @@ class TeacherConfig:
     """The convnet teacher of a distillation run."""
 
     model: str = "regnety_160"
-    checkpoint: str | None = None
+    checkpoint: str | None = None  # a checkpoint file, or a run folder / run name under outputs/runs
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,10 +82,10 @@ class DistillConfig:
     """Distillation from a teacher (DeiT section 5)."""
 
     type: str = "none"
-    alpha: float = 0.5
-    tau: float = 1.0
-    kl_normalization: str = "elements"
-    fusion: str = "prob"
+    alpha: float = 0.0  # weight of the teacher term
+    tau: float = 1.0  # temperature of the soft kinds
+    kl_normalization: str = "elements"  # elements: the released code's sum / (B K); batch: per image, sum / B
+    fusion: str = "prob"  # headline top-1 of a distilled model: prob = mean of softmaxes (paper); logit (code)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
 

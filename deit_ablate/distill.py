@@ -388,3 +388,53 @@ class TeacherWrapper(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------
 # Position embeddings
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Wiring into a run
+
+
+def resolve_teacher(teacher_cfg, output_root: str | Path) -> tuple[str, dict[str, Any], Path]:
+    """Teacher architecture, its timm kwargs and checkpoint file; a run folder (or run name) brings all three."""
+    reference = teacher_cfg.checkpoint
+    name, kwargs = teacher_cfg.model, dict(teacher_cfg.kwargs)
+    if reference is None or str(reference).strip() == "":
+        return name, kwargs, None  # load_teacher explains what to do
+    path = Path(str(reference)).expanduser()
+    if not path.exists() and (Path(output_root) / "runs" / str(reference)).is_dir():
+        path = Path(output_root) / "runs" / str(reference)
+    if path.is_dir():
+        run_config = path / ".hydra" / "config.yaml"
+        if run_config.exists():
+            import yaml
+
+            model = yaml.safe_load(run_config.read_text())["model"]
+            name, kwargs = model["name"], dict(model.get("kwargs") or {})
+        best, last = path / "checkpoint-best.pt", path / "checkpoint-last.pt"
+        path = best if best.exists() else last
+    return name, kwargs, path
+
+
+def check_distill_config(cfg) -> None:
+    """Before anything runs: the teacher resolves to a loadable file and token kinds have a token."""
+    kind = cfg.distill.type
+    if kind == "none":
+        return
+    if kind in TOKEN_KINDS and "distilled" not in cfg.model.name:
+        raise ConfigError(f"distill={kind} trains a distillation token, but model.name={cfg.model.name} has none. "
+                          "Use a distilled model (model=deit_tiny_distilled, model=vit_demo_distilled, ...) or "
+                          "distill=hard / distill=soft.")
+    name, _, path = resolve_teacher(cfg.distill.teacher, cfg.output_root)
+    if path is None or not Path(path).is_file():
+        load_teacher(name, path, cfg.data.num_classes)  # raises the message for a missing/unset checkpoint
+    if not timm.is_model(name):
+        raise ConfigError(f"distill.teacher.model={name} is not a timm model; set it to the teacher's architecture.")
+
+
+def build_teacher(cfg, device: torch.device) -> nn.Module:
+    """The frozen teacher on `device` (channels_last on GPU), checked against the data's class count."""
+    name, kwargs, path = resolve_teacher(cfg.distill.teacher, cfg.output_root)
+    teacher = load_teacher(name, path, cfg.data.num_classes, **kwargs).to(device)
+    if device.type == "cuda" and not hasattr(teacher, "pos_embed"):
+        teacher = teacher.to(memory_format=torch.channels_last)
+    return teacher

@@ -13,6 +13,7 @@ from timm.data import Mixup
 from timm.utils import ModelEmaV3
 from tqdm import tqdm
 
+from deit_ablate.distill import distilled_eval_outputs, distilled_head_logits
 from deit_ablate.distributed import DistInfo, all_reduce_sum
 
 LossFn = Callable[[torch.Tensor, object, torch.Tensor], torch.Tensor]  # (images, model outputs, targets) -> loss
@@ -119,12 +120,27 @@ class Trainer:
         return mean
 
 
+def _head_scores(model: torch.nn.Module, images: torch.Tensor, fusion: str) -> dict[str, torch.Tensor]:
+    """Scores to rank classes by: the logits, or for a distilled ViT each head and both fusion rules."""
+    if hasattr(model, "head_dist"):
+        cls_logits, dist_logits = distilled_head_logits(model, images)
+        return distilled_eval_outputs(cls_logits.float(), dist_logits.float(), fusion)
+    return {"main": model(images).float()}
+
+
+_HEADS = ((4, "cls"), (5, "dist"), (6, "fused_alt"))
+
+
 @torch.inference_mode()
 def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dtype | None = None,
-             max_batches: int | None = None) -> dict[str, float]:
-    """Top-1, top-5 (in percent) and mean cross-entropy over the whole eval set, summed across ranks."""
+             max_batches: int | None = None, fusion: str = "prob") -> dict[str, float]:
+    """Top-1, top-5 (in percent) and mean cross-entropy over the whole eval set, summed across ranks.
+
+    A model with a distillation token is ranked by its fused prediction (rule `fusion`); the class head, the
+    distillation head and the other fusion rule are reported as top1_cls, top1_dist and top1_fused_alt."""
+    model = getattr(model, "module", model)
     model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=info.device)  # correct@1, correct@5, loss, count
+    sums = torch.zeros(7, dtype=torch.float64, device=info.device)  # correct@1, @5, loss, count, then _HEADS
     autocast = (torch.autocast(device_type=info.device.type, dtype=amp_dtype) if amp_dtype is not None
                 else contextlib.nullcontext())
     for index, (images, targets) in enumerate(loader):
@@ -133,15 +149,21 @@ def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dt
         images = images.to(info.device, non_blocking=True)
         targets = targets.to(info.device, non_blocking=True)
         with autocast:
-            logits = model(images)
-        logits = logits.float()
-        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
+            scores = _head_scores(model, images, fusion)
+        ranked = scores.get("main", scores.get("fused"))
+        top5 = ranked.topk(min(5, ranked.shape[1]), dim=1).indices
         hits = top5.eq(targets[:, None])
         sums[0] += hits[:, 0].sum()
         sums[1] += hits.any(dim=1).sum()
-        sums[2] += torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+        sums[2] += torch.nn.functional.cross_entropy(scores.get("main", scores.get("cls")), targets, reduction="sum")
         sums[3] += targets.numel()
+        for slot, head in _HEADS:
+            if head in scores:
+                sums[slot] += scores[head].argmax(dim=1).eq(targets).sum()
     all_reduce_sum(sums, info)
     count = max(sums[3].item(), 1.0)
-    return {"top1": 100 * sums[0].item() / count, "top5": 100 * sums[1].item() / count,
-            "loss": sums[2].item() / count}
+    metrics = {"top1": 100 * sums[0].item() / count, "top5": 100 * sums[1].item() / count,
+               "loss": sums[2].item() / count}
+    if hasattr(model, "head_dist"):
+        metrics.update({f"top1_{head}": 100 * sums[slot].item() / count for slot, head in _HEADS})
+    return metrics

@@ -19,6 +19,7 @@ from deit_ablate import checkpoint as ckpt
 from deit_ablate.data.datasets import build_dataset, dataset_root
 from deit_ablate.data.loader import ShardSampler, build_loader, build_train_sampler, set_sampler_epoch
 from deit_ablate.data.transforms import build_eval_transform, build_train_transform
+from deit_ablate.distill import TOKEN_KINDS, DistillationLoss, build_teacher, teacher_forward
 from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, init_distributed
 from deit_ablate.engine import Diverged, Trainer, evaluate
 from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra
@@ -106,14 +107,26 @@ def build_pieces(cfg: DictConfig, info: DistInfo, tracker: Tracker) -> Pieces:
     criterion = build_criterion(cfg.mix, mixup)
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None
 
-    def loss_fn(images, outputs, targets):
-        return criterion(outputs, targets)
+    loss_fn = build_loss_fn(cfg, module, criterion, info.device)
 
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
                       accum_steps=plan.accum_steps, mixup=mixup, ema=ema,
                       amp_dtype=amp_dtype(cfg.train.amp, info.device),
                       clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.train.log_interval, on_log=tracker.log)
     return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan)
+
+
+def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.Module, device: torch.device):
+    """The loss of one (mixed) batch: the class criterion, plus the teacher's term when distilling."""
+    if cfg.distill.type == "none":
+        return lambda images, outputs, targets: criterion(outputs, targets)
+    teacher = build_teacher(cfg, device)
+    distill_loss = DistillationLoss(criterion, cfg.distill.type, cfg.distill.alpha, cfg.distill.tau,
+                                    cfg.distill.kl_normalization)
+    if hasattr(model, "set_distilled_training"):
+        model.set_distilled_training(cfg.distill.type in TOKEN_KINDS)
+    # The teacher sees exactly the student's batch: augmented, then mixed by Mixup/CutMix.
+    return lambda images, outputs, targets: distill_loss(outputs, teacher_forward(teacher, images), targets)
 
 
 def training_state(pieces: Pieces, epoch: int, best_top1: float) -> dict[str, Any]:
@@ -245,11 +258,9 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
 def evaluate_all(cfg: DictConfig, pieces: Pieces) -> tuple[dict[str, float], dict[str, float]]:
     """Top-1/top-5 of the model, and of its EMA when one is kept."""
     trainer = pieces.trainer
-    metrics = evaluate(trainer.model, pieces.val_loader, trainer.info, trainer.amp_dtype, cfg.train.eval_max_batches)
-    ema_metrics = {}
-    if trainer.ema is not None:
-        ema_metrics = evaluate(trainer.ema.module, pieces.val_loader, trainer.info, trainer.amp_dtype,
-                               cfg.train.eval_max_batches)
+    settings = (pieces.val_loader, trainer.info, trainer.amp_dtype, cfg.train.eval_max_batches, cfg.distill.fusion)
+    metrics = evaluate(trainer.model, *settings)
+    ema_metrics = evaluate(trainer.ema.module, *settings) if trainer.ema is not None else {}
     return metrics, ema_metrics
 
 
@@ -260,6 +271,9 @@ def summarize(status: str, metrics: dict, ema_metrics: dict, best_top1: float, e
              "train_seconds": round(seconds, 1)}
     if metrics:
         final.update(top1_final=metrics["top1"], top5_final=metrics["top5"], val_loss_final=metrics["loss"])
+        if "top1_cls" in metrics:  # a model with a distillation token: both heads and both fusion rules
+            final.update(top1_cls=metrics["top1_cls"], top1_dist=metrics["top1_dist"], top1_fused=metrics["top1"],
+                         top1_fused_alt=metrics["top1_fused_alt"])
     if ema_metrics:
         final.update(top1_ema_final=ema_metrics["top1"], top5_ema_final=ema_metrics["top5"],
                      top1_ema_best=best_top1)
@@ -278,5 +292,8 @@ def print_summary(identity: RunIdentity, final: dict[str, Any], run_dir: Path) -
     if "top1" in final:
         print(f"top-1     {final['top1']:.2f}% final, {final['top1_best']:.2f}% best   "
               f"top-5 {final.get('top5_ema_final', final.get('top5_final', float('nan'))):.2f}%")
+    if "top1_cls" in final:
+        print(f"heads     class {final['top1_cls']:.2f}%  distillation {final['top1_dist']:.2f}%  "
+              f"fused {final['top1_fused']:.2f}% (other rule {final['top1_fused_alt']:.2f}%)")
     print(f"outputs   {run_dir}")
     print("=" * 72, flush=True)

@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 from timm.optim import list_optimizers
 
 from deit_ablate.data.datasets import check_data_root
+from deit_ablate.distill import check_distill_config
 from deit_ablate.errors import ConfigError
 
 CHOICES = {
@@ -97,5 +98,6 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw or optimizer=sgd.")
     if cfg.data.name != "builtin":
         check_data_root(cfg)
+    check_distill_config(cfg)
     if world_size is not None:
         plan_batch(cfg, world_size)

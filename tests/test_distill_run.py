@@ -1,0 +1,106 @@
+"""Distillation inside a run: the teacher sees the mixed batch; a CNN teacher -> DeiT student end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from timm.data import Mixup
+from timm.loss import SoftTargetCrossEntropy
+
+import deit_ablate.run as run_module
+from deit_ablate.distributed import DistInfo
+from deit_ablate.engine import Trainer
+from deit_ablate.models import build_model
+from deit_ablate.optim import build_optimizer, build_scheduler
+from tests.conftest import TINY, compose_config, run_train
+
+DATA = [item for item in TINY if not item.startswith("model.")]
+STUDENT = ["model=vit_demo_distilled", "model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]
+
+
+@pytest.fixture(scope="module")
+def teacher_checkpoint(tmp_path_factory) -> Path:
+    """A resnet10t with 10 classes, saved the way our runs save checkpoints."""
+    path = tmp_path_factory.mktemp("teacher") / "checkpoint-last.pt"
+    torch.save({"model": timm.create_model("resnet10t", num_classes=10).state_dict()}, path)
+    return path
+
+
+def test_teacher_receives_exactly_the_mixed_batch_the_student_sees(teacher_checkpoint, monkeypatch):
+    cfg = compose_config(STUDENT + ["distill=hard_token", f"distill.teacher.checkpoint={teacher_checkpoint}"])
+    student = build_model(cfg.model, 10, 32)
+    seen = {}
+    student.register_forward_pre_hook(lambda module, args: seen.__setitem__("student", args[0].clone()))
+    real_forward = run_module.teacher_forward
+
+    def recording_forward(teacher, images):
+        seen["teacher"] = images.clone()
+        assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+        return real_forward(teacher, images)
+
+    monkeypatch.setattr(run_module, "teacher_forward", recording_forward)
+    loss_fn = run_module.build_loss_fn(cfg, student, SoftTargetCrossEntropy(), torch.device("cpu"))
+    optimizer = build_optimizer(student, "adamw", 1e-3, 0.05)
+    trainer = Trainer(model=student, optimizer=optimizer, loss_fn=loss_fn, info=DistInfo(),
+                      scheduler=build_scheduler(optimizer, 10, 0, 1e-5, 1e-6),
+                      mixup=Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=10))
+    images = torch.randn(8, 3, 32, 32)
+    original = images.clone()  # timm's Mixup mixes in place
+    loss = trainer.train_step(images, torch.randint(0, 10, (8,)))
+    assert torch.isfinite(loss)
+    assert torch.equal(seen["teacher"], seen["student"])
+    assert not torch.equal(seen["teacher"], original)  # Mixup/CutMix had changed the batch first
+    assert student.distilled_training  # the student returns (class, distillation) logits in training
+
+
+def _run_dir(cwd: Path, fragment: str) -> Path:
+    return next(p for p in (cwd / "outputs" / "runs").iterdir() if fragment in p.name)
+
+
+def test_cnn_teacher_then_distilled_student_reports_three_heads(tmp_path, data_cache):
+    run_train(["model=cnn_demo"] + DATA, tmp_path, data_cache)
+    teacher_run = _run_dir(tmp_path, "model=cnn_demo")
+    assert (teacher_run / "checkpoint-best.pt").exists()
+    sweep = ["-m", "distill=none,soft,hard,hard_token", "stage=pretrain,finetune", "train.max_steps=3",
+             f"distill.teacher.checkpoint='{teacher_run}'"]
+    proc = run_train(sweep + STUDENT + DATA, tmp_path, data_cache)
+    results = {}
+    for path in (tmp_path / "outputs" / "runs").glob("*/result.json"):
+        overrides = (path.parent / ".hydra" / "overrides.yaml").read_text()
+        if "distill=" in overrides:
+            kind = overrides.split("distill=")[1].split()[0]
+            stage = "finetune" if "stage=finetune" in overrides else "pretrain"
+            results[(kind, stage)] = json.loads(path.read_text())
+    assert set(results) == {(k, s) for k in ("none", "soft", "hard", "hard_token") for s in ("pretrain", "finetune")}
+    for result in results.values():
+        assert result["status"] == "finished"
+        assert {"top1_cls", "top1_dist", "top1_fused", "top1_fused_alt"} <= set(result)
+        assert result["top1"] == result["top1_fused"]  # headline: the paper's fusion rule by default
+    assert proc.stdout.count("heads     class") == 8
+
+
+def test_distillation_without_a_teacher_checkpoint_fails_before_training(tmp_path, data_cache):
+    proc = run_train(STUDENT + DATA + ["distill=hard_token"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "distill.teacher.checkpoint is not set" in proc.stderr
+    assert "python train.py model=" in proc.stderr
+    proc = run_train(STUDENT + DATA + ["distill=hard_token", f"distill.teacher.checkpoint={tmp_path}/no.pt"],
+                     tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "no.pt" in proc.stderr
+
+
+def test_teacher_with_another_class_count_is_named(tmp_path, data_cache):
+    path = tmp_path / "teacher5.pt"
+    torch.save({"model": timm.create_model("resnet10t", num_classes=5).state_dict()}, path)
+    proc = run_train(STUDENT + DATA + ["distill=hard_token", f"distill.teacher.checkpoint={path}"], tmp_path,
+                     data_cache, check=False)
+    assert proc.returncode == 2 and "5" in proc.stderr and "10" in proc.stderr and "classes" in proc.stderr
+
+
+def test_token_kind_without_a_distillation_token_is_a_clear_error(teacher_checkpoint, tmp_path, data_cache):
+    proc = run_train(TINY + ["distill=hard_token", f"distill.teacher.checkpoint={teacher_checkpoint}"], tmp_path,
+                     data_cache, check=False)
+    assert proc.returncode == 2 and "distillation token" in proc.stderr and "distilled" in proc.stderr
