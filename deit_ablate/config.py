@@ -52,6 +52,7 @@ class AugmentConfig:
     recount: int = 1
     repeated_aug: int = 3  # copies of each image per epoch, each to a different rank; 1 = off
     scale: tuple[float, float] = (0.08, 1.0)
+    no_aug: bool = False  # resize + center crop only: a deterministic pipeline for equivalence tests
     hflip: float = 0.5
     interpolation: str = "bicubic"
 
@@ -144,7 +145,8 @@ class TrainConfig:
     log_interval: int = 10
     compile: bool = False
     device: str = "auto"
-    checkpoint_every_steps: int = 0  # 0: only at epoch ends
+    checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)
+    checkpoint_every_minutes: float = 10.0  # ... and every M minutes (0: off), so preemption loses little
     eval_max_batches: int | None = None
 
 

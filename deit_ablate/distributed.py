@@ -55,7 +55,9 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        print(f"[dist] rank {rank} of {world_size} joined the process group ({backend}, {device})", flush=True)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

@@ -78,7 +78,7 @@ class Trainer:
         return total
 
     def train_epoch(self, loader, epoch: int, max_steps: int | None = None,
-                    step_hook: Callable[[], None] | None = None) -> float:
+                    step_hook: Callable[[int], None] | None = None) -> float:
         """Run the epoch's batches; returns the mean training loss. Raises Diverged on a non-finite loss."""
         self.model.train()
         bar = tqdm(loader, desc=f"epoch {epoch}", disable=not self.info.is_main, dynamic_ncols=True, leave=False,
@@ -112,7 +112,7 @@ class Trainer:
                 window_steps, window_images = 0, 0
                 window_start = time.perf_counter()
             if step_hook is not None:
-                step_hook()
+                step_hook(steps_in_epoch)
         bar.close()
         mean = loss_sum.item() / max(steps_in_epoch, 1)
         if not math.isfinite(mean):

@@ -17,7 +17,7 @@ from timm.utils import ModelEmaV3
 
 from deit_ablate import checkpoint as ckpt
 from deit_ablate.data.datasets import build_dataset, dataset_root
-from deit_ablate.data.loader import ShardSampler, build_loader, build_train_sampler, set_sampler_epoch
+from deit_ablate.data.loader import ShardSampler, SkipFirst, build_loader, build_train_sampler, set_sampler_epoch
 from deit_ablate.data.transforms import build_eval_transform, build_train_transform
 from deit_ablate.distill import TOKEN_KINDS, DistillationLoss, build_teacher, teacher_forward
 from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, init_distributed
@@ -129,20 +129,20 @@ def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.M
     return lambda images, outputs, targets: distill_loss(outputs, teacher_forward(teacher, images), targets)
 
 
-def training_state(pieces: Pieces, epoch: int, best_top1: float) -> dict[str, Any]:
-    """What a resume needs: weights, optimizer, schedule, EMA and where the run stands."""
+def training_state(pieces: Pieces, epoch: int, best_top1: float, batches_done: int = 0) -> dict[str, Any]:
+    """What a resume needs: weights, optimizer, schedule, EMA and where the run stands (epoch, batch)."""
     trainer = pieces.trainer
     module = trainer.model.module if trainer.info.enabled else trainer.model
     state = {"model": module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
              "scheduler": trainer.scheduler.state_dict(), "epoch": epoch, "step": trainer.step,
-             "best_top1": best_top1}
+             "best_top1": best_top1, "batches_done": batches_done}
     if trainer.ema is not None:
         state["ema"] = trainer.ema.module.state_dict()
     return state
 
 
-def restore(pieces: Pieces, state: dict[str, Any]) -> tuple[int, float]:
-    """Load a training state; returns (epochs done, best top-1 so far)."""
+def restore(pieces: Pieces, state: dict[str, Any]) -> tuple[int, float, int]:
+    """Load a training state; returns (epoch to run, best top-1 so far, batches of it already done)."""
     trainer = pieces.trainer
     module = trainer.model.module if trainer.info.enabled else trainer.model
     module.load_state_dict(state["model"])
@@ -151,7 +151,7 @@ def restore(pieces: Pieces, state: dict[str, Any]) -> tuple[int, float]:
     if trainer.ema is not None and "ema" in state:
         trainer.ema.module.load_state_dict(state["ema"])
     trainer.step = int(state["step"])
-    return int(state["epoch"]), float(state["best_top1"])
+    return int(state["epoch"]), float(state["best_top1"]), int(state.get("batches_done", 0))
 
 
 def discard_empty_run_dir() -> None:
@@ -200,12 +200,13 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
     tracker = Tracker(cfg, identity.run_id, identity.name, identity.group, enabled=info.is_main)
     pieces = build_pieces(cfg, info, tracker)
     trainer, plan = pieces.trainer, pieces.plan
-    start_epoch, best_top1 = 0, 0.0
+    start_epoch, best_top1, skip_batches = 0, 0.0, 0
     last_path = run_dir / LAST
     if last_path.exists():
-        start_epoch, best_top1 = restore(pieces, ckpt.load(last_path))
+        start_epoch, best_top1, skip_batches = restore(pieces, ckpt.load(last_path))
         if info.is_main:
-            print(f"[run] resuming {identity.name} from {last_path}: epoch {start_epoch}, step {trainer.step}")
+            print(f"[run] resuming {identity.name} from {last_path}: epoch {start_epoch} (batch {skip_batches}), "
+                  f"step {trainer.step}")
     if info.is_main:
         print(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px, world size {info.world_size}, "
               f"global batch {cfg.train.global_batch} = "
@@ -218,14 +219,25 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
     status, metrics, ema_metrics, final = "finished", {}, {}, {}
     started = time.perf_counter()
     epoch = start_epoch
+    saver = MidEpochSaver(cfg, pieces, last_path, info.is_main)
     try:
         for epoch in range(start_epoch, pieces.recipe.epochs):
             if cfg.train.max_steps is not None and trainer.step >= cfg.train.max_steps:
                 break
             seed_everything(cfg.seed * 10_007 + epoch * 101 + info.rank)  # exact resume at epoch boundaries
             set_sampler_epoch(pieces.train_sampler, epoch, cfg.seed)
-            pieces.train_loader.generator = torch.Generator().manual_seed(cfg.seed * 10_007 + epoch)
-            train_loss = trainer.train_epoch(pieces.train_loader, epoch, cfg.train.max_steps)
+            loader = pieces.train_loader
+            if epoch == start_epoch and skip_batches:  # resumed mid-epoch (preemption): skip what was done
+                loader = build_loader(pieces.train_loader.dataset,
+                                      SkipFirst(pieces.train_sampler, skip_batches * plan.per_rank_batch),
+                                      plan.per_rank_batch, cfg, train=True)
+            loader.generator = torch.Generator().manual_seed(cfg.seed * 10_007 + epoch)
+            skipped = skip_batches if epoch == start_epoch else 0
+            saver.start_epoch(epoch, best_top1, skipped)
+            steps_before = trainer.step
+            train_loss = trainer.train_epoch(loader, epoch, cfg.train.max_steps, step_hook=saver)
+            batches_done = skipped + trainer.step - steps_before
+            complete = batches_done >= pieces.steps_per_epoch  # train.max_steps may stop an epoch part-way
             metrics, ema_metrics = evaluate_all(cfg, pieces)
             headline = ema_metrics["top1"] if ema_metrics else metrics["top1"]
             best_top1 = max(best_top1, headline)
@@ -236,7 +248,8 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
                 ema_text = f", EMA top-1 {ema_metrics['top1']:.2f}" if ema_metrics else ""
                 print(f"[epoch {epoch}] train loss {train_loss:.4f} | val top-1 {metrics['top1']:.2f} "
                       f"top-5 {metrics['top5']:.2f}{ema_text} | step {trainer.step}", flush=True)
-                state = training_state(pieces, epoch + 1, best_top1)
+                state = (training_state(pieces, epoch + 1, best_top1) if complete
+                         else training_state(pieces, epoch, best_top1, batches_done))
                 ckpt.save_atomic(state, last_path)
                 if headline >= best_top1:
                     ckpt.save_atomic(state, run_dir / BEST)
@@ -253,6 +266,31 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
         print_summary(identity, final, run_dir)
     final = broadcast_object(final, info)
     return final
+
+
+class MidEpochSaver:
+    """Called after every step: rank 0 saves a resumable checkpoint every N steps or M minutes, so a
+    preempted or timed-out job loses at most that much work and ends with the same step count."""
+
+    def __init__(self, cfg: DictConfig, pieces: Pieces, path: Path, enabled: bool) -> None:
+        self.pieces, self.path, self.enabled = pieces, path, enabled
+        self.every_steps = cfg.train.checkpoint_every_steps
+        self.every_seconds = 60 * cfg.train.checkpoint_every_minutes
+        self.last_save = time.monotonic()
+        self.epoch, self.best_top1, self.skipped = 0, 0.0, 0
+
+    def start_epoch(self, epoch: int, best_top1: float, skipped: int) -> None:
+        self.epoch, self.best_top1, self.skipped = epoch, best_top1, skipped
+
+    def __call__(self, batches_in_loader: int) -> None:
+        if not self.enabled:
+            return
+        by_steps = self.every_steps and self.pieces.trainer.step % self.every_steps == 0
+        by_time = self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds
+        if by_steps or by_time:
+            done = self.skipped + batches_in_loader
+            ckpt.save_atomic(training_state(self.pieces, self.epoch, self.best_top1, done), self.path)
+            self.last_save = time.monotonic()
 
 
 def evaluate_all(cfg: DictConfig, pieces: Pieces) -> tuple[dict[str, float], dict[str, float]]:

@@ -107,3 +107,16 @@ def test_unknown_model_name_is_a_clear_error(tmp_path, data_cache):
 def test_accumulation_kicks_in_when_a_batch_does_not_fit(tmp_path, data_cache):
     proc = run_train(TINY + ["train.max_batch_per_device=8"], tmp_path, data_cache)
     assert "global batch 32 = 1 x 32 per rank (4 accumulation step(s) of 8)" in proc.stdout
+
+
+def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    args = TINY + ["train.checkpoint_every_steps=2", f"hydra.run.dir={run_dir}"]
+    run_train(args + ["train.max_steps=3"], tmp_path, data_cache)
+    state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    assert (state["epoch"], state["batches_done"], state["step"]) == (0, 3, 3)
+    (run_dir / "result.json").unlink()  # as if the job had been preempted after step 3
+    proc = run_train(args, tmp_path, data_cache)
+    assert "epoch 0 (batch 3), step 3" in proc.stdout
+    final = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    assert (final["epoch"], final["step"]) == (1, 8)  # the same step count as a run never interrupted

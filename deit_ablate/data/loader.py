@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -37,6 +38,19 @@ class ShardSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+class SkipFirst(Sampler):
+    """`sampler` without its first `count` indices: the rest of an epoch that was interrupted."""
+
+    def __init__(self, sampler: Sampler, count: int) -> None:
+        self.sampler, self.count = sampler, count
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.count, None)
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.count, 0)
 
 
 def default_num_workers() -> int:

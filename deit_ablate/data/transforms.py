@@ -14,6 +14,7 @@ def build_train_transform(cfg: DictConfig) -> Callable:
     return create_transform(
         input_size=cfg.resolution.train_size,
         is_training=True,
+        no_aug=aug.no_aug,
         scale=tuple(aug.scale),
         hflip=aug.hflip,
         color_jitter=aug.color_jitter,

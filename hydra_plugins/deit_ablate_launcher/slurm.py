@@ -1,0 +1,92 @@
+"""hydra-submitit's SLURM launcher, plus two things a Table 8 sweep needs before anything is queued.
+
+1. Every run's config is composed and validated on the submitting machine (bad option, missing data root,
+   a global batch that does not split over nodes x tasks_per_node, a missing teacher): one error, nothing
+   submitted.
+2. A fine-tune run whose pre-training is in the same sweep waits for it with a SLURM dependency
+   (afterok), so both columns of Table 8 are one submission.
+
+Hydra only loads launchers from the `hydra_plugins` package, hence this module's home. It stays light to
+import: Hydra imports every plugin module at startup.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+
+log = logging.getLogger(__name__)
+
+
+class DeitSlurmLauncher(SlurmLauncher):
+    """Validate every run, then submit pre-training runs as an array and fine-tunes with afterok on them."""
+
+    def _executor(self):
+        import submitit
+        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+        from omegaconf import OmegaConf
+
+        executor = submitit.AutoExecutor(cluster="slurm", folder=self.params["submitit_folder"],
+                                         slurm_max_num_timeout=self.params["max_num_timeout"])
+        base = set(OmegaConf.structured(BaseQueueConf).keys())
+        skip = {"submitit_folder", "max_num_timeout"}
+        executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in self.params.items()
+                                      if k not in skip})
+        return executor
+
+    def _validated_configs(self, job_overrides: Sequence[Sequence[str]]) -> list:
+        from deit_ablate.errors import ConfigError
+        from deit_ablate.validate import validate_config
+
+        world_size = int(self.params["nodes"]) * int(self.params["tasks_per_node"])
+        configs = []
+        for overrides in job_overrides:
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            try:
+                validate_config(cfg, world_size=world_size)
+            except ConfigError as error:
+                run = " ".join(filter_overrides(overrides)) or "no overrides"
+                print(f"\nerror: {error}\n(run: {run}; world size {world_size}). Nothing was submitted.\n",
+                      file=sys.stderr)
+                sys.exit(2)
+            configs.append(cfg)
+        return configs
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        """Validate all runs, submit them, wait, and return their results in sweep order."""
+        from deit_ablate.identity import pretrain_run_name
+
+        assert self.config is not None and self.hydra_context is not None
+        configs = self._validated_configs(job_overrides)
+        names = [cfg.hydra.sweep.subdir for cfg in configs]
+        pretrain_index = {name: i for i, (name, cfg) in enumerate(zip(names, configs, strict=True))
+                          if cfg.stage == "pretrain"}
+        upstream = {}
+        for i, cfg in enumerate(configs):
+            if cfg.stage == "finetune":
+                parent = pretrain_run_name(cfg.hydra.job.override_dirname)
+                if parent in pretrain_index:
+                    upstream[i] = pretrain_index[parent]
+        params = [(list(overrides), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
+                   Singleton.get_state()) for i, overrides in enumerate(job_overrides)]
+        for i, overrides in enumerate(job_overrides):
+            log.info(f"\t#{initial_job_idx + i} : {' '.join(filter_overrides(overrides))}")
+
+        executor = self._executor()
+        first = [i for i in range(len(params)) if i not in upstream]
+        jobs = dict(zip(first, executor.map_array(self, *zip(*(params[i] for i in first), strict=True)),
+                        strict=True))
+        extra = dict(self.params.get("additional_parameters") or {})
+        for i, parent in upstream.items():
+            executor.update_parameters(slurm_additional_parameters={
+                **extra, "dependency": f"afterok:{jobs[parent].job_id}", "kill-on-invalid-dep": "yes"})
+            jobs[i] = executor.submit(self, *params[i])
+            log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} (its pre-training)")
+        # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
+        # which resumes from its own latest checkpoint (deit_ablate/run.py).
+        return [jobs[i].results()[0] for i in range(len(params))]

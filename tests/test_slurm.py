@@ -1,0 +1,100 @@
+"""Against the real one-node SLURM cluster of scripts/slurm_up.sh (16 CPUs, 8 fake GPUs): sweeps of 8-rank
+jobs over Gloo, fine-tunes chained after their pre-training, requeue mid-training, errors before sbatch."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from deit_ablate.aggregate.reader import read_offline
+from tests.conftest import REPO, TINY, run_train
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch: start the cluster with scripts/slurm_up.sh"),
+]
+# 8 tasks x 2 CPUs fit the test node; a global batch of 32 is 4 images per rank.
+SLURM = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=20"]
+
+
+def _rank_logs(cwd: Path) -> list[str]:
+    return [p.read_text() for p in (cwd / "outputs" / "runs" / ".submitit").rglob("*_log.out")]
+
+
+def _results(cwd: Path) -> dict[str, dict]:
+    out = {}
+    for path in (cwd / "outputs" / "runs").glob("*/result.json"):
+        overrides = (path.parent / ".hydra" / "overrides.yaml").read_text()
+        out["finetune" if "stage=finetune" in overrides else "pretrain"] = json.loads(path.read_text())
+    return out
+
+
+def test_sweep_runs_8_rank_jobs_and_chains_the_finetune_after_its_pretraining(tmp_path, data_cache):
+    proc = run_train(["-m", "stage=pretrain,finetune", "train.max_steps=3"] + SLURM + TINY, tmp_path, data_cache,
+                     timeout=900)
+    assert re.search(r"#1 : stage=finetune .* waits for job \d+", proc.stderr + proc.stdout, re.S)
+    results = _results(tmp_path)
+    assert set(results) == {"pretrain", "finetune"}
+    assert all(r["status"] == "finished" and r["steps_done"] == 3 for r in results.values())
+    logs = "\n".join(_rank_logs(tmp_path))
+    for rank in range(8):  # every job formed one Gloo group of world size 8
+        assert logs.count(f"[dist] rank {rank} of 8 joined the process group (gloo, cpu)") == 2
+    assert logs.count("global batch 32 = 8 x 4 per rank") == 2  # printed by rank 0 only
+    runs = read_offline(tmp_path / "outputs" / "wandb")
+    assert len(runs) == 2 and {r.config["stage"] for r in runs} == {"pretrain", "finetune"}  # rank 0 only
+    assert all(r.summary["world_size"] == 8 for r in runs)
+
+
+def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_cache):
+    args = ["-m", "train.epochs=6", "train.checkpoint_every_steps=1"] + SLURM + TINY
+    env = {**__import__("os").environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true",
+           "OMP_NUM_THREADS": "1"}
+    driver = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    checkpoint = None
+    deadline = time.time() + 600
+    while time.time() < deadline and driver.poll() is None:
+        found = list((tmp_path / "outputs" / "runs").glob("*/checkpoint-last.pt"))
+        if found:
+            try:
+                step = torch.load(found[0], weights_only=True)["step"]
+            except Exception:  # being replaced right now
+                step = 0
+            if step >= 3:
+                checkpoint = found[0]
+                break
+        time.sleep(0.5)
+    assert checkpoint is not None, "the job never reached step 3"
+    job_id = re.search(r"^(\d+)", next((tmp_path / "outputs" / "runs" / ".submitit").iterdir()).name).group(1)
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    output, _ = driver.communicate(timeout=900)
+    assert driver.returncode == 0, output
+    result = json.loads((checkpoint.parent / "result.json").read_text())
+    steps_per_epoch = 8  # 256 repeated images over 8 ranks at 4 per rank
+    assert result["status"] == "finished" and result["steps_done"] == 6 * steps_per_epoch
+    logs = "\n".join(_rank_logs(tmp_path))
+    assert "resuming" in logs  # the requeued job started from the checkpoint, not from scratch
+    runs = read_offline(tmp_path / "outputs" / "wandb")
+    assert len({r.run_id for r in runs}) == 1  # one wandb run, however many attempts wrote to it
+
+
+def test_config_errors_are_reported_before_anything_is_submitted(tmp_path, data_cache):
+    before = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, check=True).stdout
+    proc = run_train(["-m", "train.global_batch=36", "mix=none,cutmix_only"] + SLURM + TINY[:5], tmp_path,
+                     data_cache, check=False)
+    assert proc.returncode == 2 and "cannot be split over 8 processes" in proc.stderr
+    assert "Nothing was submitted" in proc.stderr
+    proc = run_train(["-m", "data=imagenet", "mix=none,cutmix_only"] + SLURM + TINY, tmp_path, data_cache,
+                     check=False)
+    assert proc.returncode == 2 and "data.root" in proc.stderr
+    assert not (tmp_path / "outputs" / "runs" / ".submitit").exists()
+    after = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, check=True).stdout
+    assert after == before
