@@ -1,0 +1,28 @@
+"""DDP over Gloo on this CPU: 2 processes at the same global batch make the same first update as 1."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tests.conftest import REPO, TINY, run_train
+
+# Deterministic input: no crop/flip/RandAugment/erasing/repeats, no mixing, no drop path.
+DETERMINISTIC = ["augment=none", "augment.no_aug=true", "mix=none", "model.drop_path=0", "train.max_steps=1"]
+
+
+def test_two_processes_make_the_same_first_update_as_one(tmp_path, data_cache):
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(DETERMINISTIC + TINY + [f"hydra.run.dir={one}"], tmp_path, data_cache)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
+                str(REPO / "train.py")]
+    proc = run_train(DETERMINISTIC + TINY + [f"hydra.run.dir={two}"], tmp_path, data_cache, module=torchrun)
+    assert "rank 1 of 2 joined the process group (gloo, cpu)" in proc.stdout
+    assert "global batch 32 = 2 x 16 per rank" in proc.stdout
+    a = torch.load(one / "checkpoint-last.pt", weights_only=True)
+    b = torch.load(two / "checkpoint-last.pt", weights_only=True)
+    assert a["step"] == b["step"] == 1
+    # Equal only if DDP averaged the two halves' gradients: each half alone gives another update.
+    for name, tensor in a["model"].items():
+        assert torch.allclose(tensor, b["model"][name], atol=1e-6, rtol=1e-5), name
