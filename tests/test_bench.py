@@ -1,0 +1,64 @@
+"""scripts/bench.py --quick --skip-timm runs and writes every figure with device, command and settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from deit_ablate.bench.report import Figure, Report
+from deit_ablate.bench.timm_ref import parse_step, timm_args
+from tests.conftest import REPO, compose_config
+
+
+def test_quick_bench_writes_positive_figures_for_every_section(tmp_path, data_cache):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--skip-timm",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"]["cores"] >= 1 and result["device"]["summary"]
+    names = {(f["name"], f["variant"]) for f in result["figures"]}
+    for expected in [("matmul_rate", "float32"), ("train_step", "ours"), ("input_pipeline", "ours"),
+                     ("input_pipeline", "ours+fast_jpeg"), ("epoch_start_latency", "persistent_workers=True"),
+                     ("e2e_train", "ours"), ("train_step_in_run", "ours"), ("startup_cfg_job", "ours"),
+                     ("compose_sweep_26", "ours")]:
+        assert expected in names, expected
+    for figure in result["figures"]:
+        assert figure["value"] > 0 and figure["samples"] and all(v > 0 for v in figure["samples"]), figure
+        assert figure["device"] and figure["command"] and isinstance(figure["settings"], dict), figure
+    e2e = next(f for f in result["figures"] if f["name"] == "e2e_train")
+    assert 0 <= e2e["extra"]["data_wait_fraction"] < 1 and e2e["command"].startswith("python train.py")
+    step = next(f for f in result["figures"] if f["name"] == "train_step")
+    assert step["extra"]["train_flops_per_image"] > 0 and step["extra"]["mfu"] > 0
+    assert "input_pipeline" in proc.stdout and "ours+fast_jpeg / ours" in proc.stdout  # the printed table
+
+
+def test_timm_command_carries_our_model_batch_and_recipe(tmp_path):
+    cfg = compose_config(["augment.repeated_aug=1"])
+    args = timm_args(cfg, tmp_path, tmp_path / "out", workers=2, device="cpu")
+    text = " ".join(args)
+    for flag in ["--model deit_tiny_patch16_224", "-b 128", "-j 2", "--aa rand-m9-mstd0.5-inc1", "--reprob 0.25",
+                 "--remode pixel", "--mixup 0.8", "--cutmix 1.0", "--smoothing 0.1", "--drop-path 0.1", "--opt adamw",
+                 "--weight-decay 0.05", "--sched cosine", "--train-interpolation bicubic", "img_size=32",
+                 "patch_size=8"]:
+        assert flag in text, flag
+    assert "--amp" not in args and "--aug-repeats" not in args
+
+
+def test_timm_step_lines_are_parsed():
+    line = ("Train: 0 [   5/39 ( 15%)]  Loss: 2.30 (2.30)  Time: 0.201s,  638.31/s  (1.970s,   64.99/s)  "
+            "LR: 1.291e-04  Data: 0.008 (0.076)")
+    assert parse_step(line) == {"epoch": 0, "index": 5, "per_epoch": 39, "step_s": 0.201, "data_s": 0.008}
+    assert parse_step("Test: [   0/1]  Time: 0.1") is None
+
+
+def test_comparisons_pair_repeats_and_invert_times():
+    report = Report({"summary": "cpu"}, "bench")
+    for variant, samples in {"a": [2.0, 4.0], "b": [1.0, 2.0]}.items():
+        report.add(Figure("x", variant, sorted(samples)[len(samples) // 2], "s", "cpu", "cmd", {}, samples))
+    assert report.compare("x", "a", "b").paired_ratios == [2.0, 2.0]
+    assert report.compare("x", "a", "b", lower_is_better=True).ratio == 0.5
+    assert "x" in report.table()
