@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deit_ablate.checkpoint import read_weights
 from deit_ablate.errors import ConfigError
 
 KINDS = ("none", "soft", "hard", "hard_token", "soft_token")
@@ -224,43 +225,7 @@ class TeacherLoadError(ConfigError):
     """A teacher checkpoint that cannot be used, with the problem and the fix in the message."""
 
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _COMMON_CLASSIFIERS = ("head.fc", "fc", "head", "classifier", "last_linear")
-
-
-def _read_checkpoint(path: Path) -> Mapping[str, Any]:
-    """Load a checkpoint file to CPU: safetensors, or a torch pickle with weights_only=True."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path), device="cpu")
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def extract_state_dict(obj: Mapping[str, Any], source: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """Weights from ``{"model": sd}``, ``{"state_dict": sd}`` or a bare sd; strip DDP/compile prefixes."""
-    if not isinstance(obj, Mapping):
-        raise TeacherLoadError(
-            f"{source} holds a {type(obj).__name__}, not a state dict or a dict holding one."
-        )
-    state = obj
-    for key in ("model", "state_dict"):
-        if isinstance(obj.get(key), Mapping):
-            state = obj[key]
-            break
-    if not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise TeacherLoadError(
-            f"{source} is not a recognised checkpoint layout (top-level keys: {sorted(obj)[:8]}). Expected a "
-            "state dict, {'model': state_dict} or {'state_dict': state_dict}; re-save the teacher's weights "
-            "in one of these layouts."
-        )
-    out = {}
-    for key, value in state.items():
-        for prefix in _WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-        out[key] = value
-    return out
 
 
 def _classifier_names(model_name: str) -> tuple[str, ...]:
@@ -315,7 +280,7 @@ def load_teacher(
             "train a teacher first with `python train.py model=<cnn>` and point distill.teacher.checkpoint "
             "at its checkpoint file."
         )
-    state = extract_state_dict(_read_checkpoint(path), source=f"The teacher checkpoint {path}")
+    state = read_weights(path, source=f"The teacher checkpoint {path}")
     # Before building: a teacher trained on other classes is the commonest mistake, and says so plainly.
     _check_head(state, _classifier_names(model_name), num_classes, str(path))
 

@@ -129,31 +129,6 @@ def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.M
     return lambda images, outputs, targets: distill_loss(outputs, teacher_forward(teacher, images), targets)
 
 
-def training_state(pieces: Pieces, epoch: int, best_top1: float, batches_done: int = 0) -> dict[str, Any]:
-    """What a resume needs: weights, optimizer, schedule, EMA and where the run stands (epoch, batch)."""
-    trainer = pieces.trainer
-    module = trainer.model.module if trainer.info.enabled else trainer.model
-    state = {"model": module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-             "scheduler": trainer.scheduler.state_dict(), "epoch": epoch, "step": trainer.step,
-             "best_top1": best_top1, "batches_done": batches_done}
-    if trainer.ema is not None:
-        state["ema"] = trainer.ema.module.state_dict()
-    return state
-
-
-def restore(pieces: Pieces, state: dict[str, Any]) -> tuple[int, float, int]:
-    """Load a training state; returns (epoch to run, best top-1 so far, batches of it already done)."""
-    trainer = pieces.trainer
-    module = trainer.model.module if trainer.info.enabled else trainer.model
-    module.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    if trainer.ema is not None and "ema" in state:
-        trainer.ema.module.load_state_dict(state["ema"])
-    trainer.step = int(state["step"])
-    return int(state["epoch"]), float(state["best_top1"]), int(state.get("batches_done", 0))
-
-
 def discard_empty_run_dir() -> None:
     """Remove the run folder Hydra made for a run that failed before writing anything of its own."""
     run_dir = current_run_dir()
@@ -203,7 +178,7 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
     start_epoch, best_top1, skip_batches = 0, 0.0, 0
     last_path = run_dir / LAST
     if last_path.exists():
-        start_epoch, best_top1, skip_batches = restore(pieces, ckpt.load(last_path))
+        start_epoch, best_top1, skip_batches = ckpt.restore(trainer, ckpt.load(last_path))
         if info.is_main:
             print(f"[run] resuming {identity.name} from {last_path}: epoch {start_epoch} (batch {skip_batches}), "
                   f"step {trainer.step}")
@@ -219,7 +194,8 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
     status, metrics, ema_metrics, final = "finished", {}, {}, {}
     started = time.perf_counter()
     epoch = start_epoch
-    saver = MidEpochSaver(cfg, pieces, last_path, info.is_main)
+    saver = ckpt.MidEpochSaver(trainer, last_path, cfg.train.checkpoint_every_steps,
+                                cfg.train.checkpoint_every_minutes, info.is_main)
     try:
         for epoch in range(start_epoch, pieces.recipe.epochs):
             if cfg.train.max_steps is not None and trainer.step >= cfg.train.max_steps:
@@ -248,8 +224,8 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
                 ema_text = f", EMA top-1 {ema_metrics['top1']:.2f}" if ema_metrics else ""
                 print(f"[epoch {epoch}] train loss {train_loss:.4f} | val top-1 {metrics['top1']:.2f} "
                       f"top-5 {metrics['top5']:.2f}{ema_text} | step {trainer.step}", flush=True)
-                state = (training_state(pieces, epoch + 1, best_top1) if complete
-                         else training_state(pieces, epoch, best_top1, batches_done))
+                state = (ckpt.training_state(trainer, epoch + 1, best_top1) if complete
+                         else ckpt.training_state(trainer, epoch, best_top1, batches_done))
                 ckpt.save_atomic(state, last_path)
                 if headline >= best_top1:
                     ckpt.save_atomic(state, run_dir / BEST)
@@ -266,31 +242,6 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
         print_summary(identity, final, run_dir)
     final = broadcast_object(final, info)
     return final
-
-
-class MidEpochSaver:
-    """Called after every step: rank 0 saves a resumable checkpoint every N steps or M minutes, so a
-    preempted or timed-out job loses at most that much work and ends with the same step count."""
-
-    def __init__(self, cfg: DictConfig, pieces: Pieces, path: Path, enabled: bool) -> None:
-        self.pieces, self.path, self.enabled = pieces, path, enabled
-        self.every_steps = cfg.train.checkpoint_every_steps
-        self.every_seconds = 60 * cfg.train.checkpoint_every_minutes
-        self.last_save = time.monotonic()
-        self.epoch, self.best_top1, self.skipped = 0, 0.0, 0
-
-    def start_epoch(self, epoch: int, best_top1: float, skipped: int) -> None:
-        self.epoch, self.best_top1, self.skipped = epoch, best_top1, skipped
-
-    def __call__(self, batches_in_loader: int) -> None:
-        if not self.enabled:
-            return
-        by_steps = self.every_steps and self.pieces.trainer.step % self.every_steps == 0
-        by_time = self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds
-        if by_steps or by_time:
-            done = self.skipped + batches_in_loader
-            ckpt.save_atomic(training_state(self.pieces, self.epoch, self.best_top1, done), self.path)
-            self.last_save = time.monotonic()
 
 
 def evaluate_all(cfg: DictConfig, pieces: Pieces) -> tuple[dict[str, float], dict[str, float]]:

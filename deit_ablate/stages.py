@@ -72,5 +72,5 @@ def stage_recipe(cfg: DictConfig) -> StageRecipe:
 
 def load_pretrained(model: torch.nn.Module, path: str | Path) -> None:
     """Load pre-trained weights into `model`, resizing the position embeddings to its grid."""
-    state = resize_pos_embed_state(ckpt.model_state(ckpt.load(path)), model)
+    state = resize_pos_embed_state(ckpt.read_weights(path, source=f"The pre-trained checkpoint {path}"), model)
     model.load_state_dict(state)

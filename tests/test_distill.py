@@ -377,7 +377,7 @@ def test_missing_and_unexpected_keys_are_named(tmp_path) -> None:
 def test_unrecognized_layout_message(tmp_path) -> None:
     path = tmp_path / "t.pth"
     torch.save({"weights": {"a": 1}, "epoch": 2}, path)
-    with pytest.raises(TeacherLoadError, match="not a recognised checkpoint layout"):
+    with pytest.raises(ConfigError, match="not a recognised checkpoint layout"):
         load_teacher("test_resnet", path, num_classes=5)
 
 
