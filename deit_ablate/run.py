@@ -68,10 +68,9 @@ class Pieces:
     plan: BatchPlan
 
 
-def build_pieces(cfg: DictConfig, info: DistInfo, tracker: Tracker) -> Pieces:
+def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     """Data, model, optimizer, schedule and loss for this stage of the run."""
     recipe = stage_recipe(cfg)
-    plan = plan_batch(cfg, info.world_size)
     root = dataset_root(cfg) if info.is_main else None
     barrier(info)
     root = dataset_root(cfg) if root is None else root
@@ -112,7 +111,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, tracker: Tracker) -> Pieces:
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
                       accum_steps=plan.accum_steps, mixup=mixup, ema=ema,
                       amp_dtype=amp_dtype(cfg.train.amp, info.device),
-                      clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.train.log_interval, on_log=tracker.log)
+                      clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.train.log_interval)
     return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan)
 
 
@@ -172,9 +171,11 @@ def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: Pat
 
 def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path) -> dict[str, Any]:
     seed_everything(cfg.seed)
+    plan = plan_batch(cfg, info.world_size)
+    pieces = build_pieces(cfg, info, plan)  # every input error is raised by now, before anything is logged
     tracker = Tracker(cfg, identity.run_id, identity.name, identity.group, enabled=info.is_main)
-    pieces = build_pieces(cfg, info, tracker)
-    trainer, plan = pieces.trainer, pieces.plan
+    trainer = pieces.trainer
+    trainer.on_log = tracker.log
     start_epoch, best_top1, skip_batches = 0, 0.0, 0
     last_path = run_dir / LAST
     if last_path.exists():

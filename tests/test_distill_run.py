@@ -98,6 +98,8 @@ def test_teacher_with_another_class_count_is_named(tmp_path, data_cache):
     proc = run_train(STUDENT + DATA + ["distill=hard_token", f"distill.teacher.checkpoint={path}"], tmp_path,
                      data_cache, check=False)
     assert proc.returncode == 2 and "5" in proc.stderr and "10" in proc.stderr and "classes" in proc.stderr
+    assert not list(tmp_path.glob("outputs/wandb/offline-run-*"))  # failed before anything was logged
+    assert not list(tmp_path.glob("outputs/runs/*"))
 
 
 def test_token_kind_without_a_distillation_token_is_a_clear_error(teacher_checkpoint, tmp_path, data_cache):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 
+from deit_ablate.aggregate.reader import read_offline
 from tests.conftest import TINY, run_train
 
 
@@ -31,6 +33,12 @@ def test_tiny_run_trains_evaluates_checkpoints_and_logs(tmp_path, data_cache):
     assert "global batch 32 = 1 x 32 per rank (1 accumulation step(s) of 32)" in proc.stdout
     offline = list((tmp_path / "outputs" / "wandb").glob(f"offline-run-*-{result['run_id']}"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
+    (logged,) = read_offline(tmp_path / "outputs" / "wandb")
+    assert logged.config["ablation"] == "baseline" and logged.config["mix"]["mixup_alpha"] == 0.8
+    assert {"baseline", "pretrain", "demo"} == set(logged.tags)
+    assert logged.summary["status"] == "finished" and logged.summary["top1"] == result["top1"]
+    assert logged.summary["accum_steps"] == 1 and logged.summary["world_size"] == 1
+    assert not re.search(r"api_key|password|secret|token\b|WANDB_", json.dumps(logged.config), re.I)
 
 
 def test_relaunch_skips_a_finished_run(tmp_path, data_cache):
@@ -97,6 +105,7 @@ def test_imagefolder_without_val_split_names_the_layout(tmp_path, data_cache):
 def test_odd_batch_with_mixup_is_a_clear_error(tmp_path, data_cache):
     proc = run_train(TINY + ["train.global_batch=33"], tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "even" in proc.stderr and "33" in proc.stderr
+    assert not list(tmp_path.glob("outputs/wandb/offline-run-*")) and not list(tmp_path.glob("outputs/runs/*"))
 
 
 def test_unknown_model_name_is_a_clear_error(tmp_path, data_cache):
