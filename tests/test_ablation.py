@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -141,3 +142,15 @@ def test_finetune_before_pretraining_is_a_clear_error(tmp_path, data_cache):
     assert proc.returncode == 2 and "has not finished" in proc.stderr and "stage=pretrain,finetune" in proc.stderr
     assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())
 
+
+
+def test_resolution_sweep_fine_tunes_one_pretrained_checkpoint_at_each_size(tmp_path, data_cache):
+    run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache)
+    proc = run_train(["-m", "stage=finetune", "resolution=24px,48px", "train.max_steps=2"] + TINY, tmp_path,
+                     data_cache)
+    sizes = sorted(int(size) for size in re.findall(r"finetune at (\d+)px", proc.stdout))
+    assert sizes == [24, 48]
+    runs = read_offline(tmp_path / "outputs" / "wandb")
+    finetunes = [r for r in runs if r.config["stage"] == "finetune"]
+    assert sorted(r.config["resolution"]["train_size"] for r in finetunes) == [24, 48]
+    assert all(r.summary["status"] == "finished" for r in runs)
