@@ -123,11 +123,11 @@ class FinetuneConfig:
 
     init_checkpoint: str | None = None  # None: the same run's pre-training checkpoint
     optimizer: str | None = None  # None: the pre-training optimizer
-    lr: float = 5e-6
+    lr: float = 5e-6  # per lr_base_batch images, like optimizer.lr
     weight_decay: float = 1e-8
     epochs: int = 30
     warmup_epochs: float = 0.0
-    min_lr: float = 5e-6
+    min_lr: float = 5e-6  # absolute, like optimizer.min_lr (DeiT scales only the peak lr)
 
 
 @dataclass

@@ -22,11 +22,12 @@ from deit_ablate.data.transforms import build_eval_transform, build_train_transf
 from deit_ablate.distill import TOKEN_KINDS, DistillationLoss, build_teacher, teacher_forward
 from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, init_distributed
 from deit_ablate.engine import Diverged, Trainer, evaluate
+from deit_ablate.errors import ConfigError
 from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra
 from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
-from deit_ablate.stages import StageRecipe, pretrain_status, stage_recipe
+from deit_ablate.stages import StageRecipe, load_pretrained, pretrain_status, stage_recipe
 from deit_ablate.tracking import Tracker
 from deit_ablate.validate import BatchPlan, plan_batch, validate_config
 
@@ -82,13 +83,11 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     val_loader = build_loader(val_set, val_sampler, cfg.train.eval_batch, cfg, train=False)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
-        raise ValueError(f"an epoch of {len(train_sampler)} images per rank holds no full batch of "
-                         f"{plan.per_rank_batch}; lower train.global_batch.")
+        raise ConfigError(f"an epoch of {len(train_sampler)} images per rank holds no full batch of "
+                          f"{plan.per_rank_batch}; lower train.global_batch or use more data.")
 
     model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size).to(info.device)
     if recipe.init_checkpoint is not None:
-        from deit_ablate.stages import load_pretrained
-
         load_pretrained(model, recipe.init_checkpoint)
     if info.enabled:
         ddp_device = [info.device.index] if info.device.type == "cuda" else None
@@ -100,8 +99,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
                                 tuple(cfg.optimizer.betas), cfg.optimizer.eps)
     total_steps = recipe.epochs * steps_per_epoch  # train.max_steps stops a run early; the schedule keeps its length
     warmup_steps = min(round(recipe.warmup_epochs * steps_per_epoch), max(total_steps - 1, 0))
-    scheduler = build_scheduler(optimizer, total_steps, warmup_steps, scaled_lr(recipe.min_lr, 1, 1),
-                                cfg.optimizer.warmup_lr)
+    scheduler = build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, cfg.optimizer.warmup_lr)
     mixup = build_mixup(cfg.mix, cfg.data.num_classes)
     criterion = build_criterion(cfg.mix, mixup)
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None
