@@ -36,6 +36,7 @@ class DataConfig:
     root: str | None = None
     num_classes: int = 10
     num_workers: int | None = None  # None: the cores available to this process
+    fast_jpeg: bool = False  # decode training JPEGs at a reduced DCT scale for large crops (changes pixels)
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     builtin: BuiltinDataConfig = field(default_factory=BuiltinDataConfig)
@@ -143,7 +144,7 @@ class TrainConfig:
     ema_decay: float = 0.99996
     amp: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32
     log_interval: int = 10
-    compile: bool = False
+    compile: bool = False  # torch.compile the model (opt-in; falls back to eager where it cannot)
     device: str = "auto"
     checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)
     checkpoint_every_minutes: float = 10.0  # ... and every M minutes (0: off), so preemption loses little

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import timm
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -32,6 +34,18 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int) -> torch
         drop_path_rate=model_cfg.drop_path,
         **kwargs,
     )
+
+
+def compile_in_place(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile the model in place (state_dict keys unchanged); where it cannot, stay eager with a warning."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eagerly
+    try:
+        model.compile()
+    except Exception as error:  # noqa: BLE001 - any backend failure means: train eagerly
+        warnings.warn(f"train.compile: torch.compile is unavailable here ({error}); training eagerly.", stacklevel=2)
+    return model
 
 
 def drop_path_rates(model: torch.nn.Module) -> list[float]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
@@ -17,13 +19,25 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     """timm's optimizer; weight decay skips 1-D parameters and the model's no_weight_decay() set
     (cls_token, dist_token, pos_embed)."""
     extra = {"betas": tuple(betas), "eps": eps} if name.startswith("adam") else {"momentum": momentum}
+    if name in ("adam", "adamw"):
+        # One fused kernel instead of a loop over ~400 tensors: 4.4x faster optimizer.step() on this CPU
+        # (docs/PERFORMANCE.md); torch would pick the per-tensor loop on CPU and foreach on GPU.
+        extra["fused"] = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
     # timm's "sgd" is SGD with Nesterov momentum, as DeiT's --opt sgd was.
     return create_optimizer_v2(model, opt=name, lr=lr, weight_decay=weight_decay, filter_bias_and_bn=True, **extra)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_lr: float,
                     warmup_lr: float) -> CosineLRScheduler:
-    """Linear warm-up then cosine decay to min_lr, stepped once per optimizer update."""
+    """Linear warm-up then cosine decay to min_lr, stepped once per optimizer update.
+
+    min_lr is absolute while the peak scales with the batch, so at a small batch the floor can exceed the
+    peak; it is then lowered to the peak (a flat schedule) rather than letting the cosine rise."""
+    peak = optimizer.param_groups[0]["lr"]
+    if min_lr > peak:
+        warnings.warn(f"min lr {min_lr:.3g} is above the peak lr {peak:.3g} at this batch size; using "
+                      f"{peak:.3g} as the floor.", stacklevel=2)
+        min_lr = peak
     return CosineLRScheduler(
         optimizer,
         t_initial=max(total_steps - warmup_steps, 1),

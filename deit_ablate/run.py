@@ -25,7 +25,7 @@ from deit_ablate.engine import Diverged, Trainer, evaluate
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra
 from deit_ablate.mixing import build_criterion, build_mixup
-from deit_ablate.models import build_model
+from deit_ablate.models import build_model, compile_in_place
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
 from deit_ablate.stages import StageRecipe, load_pretrained, pretrain_status, stage_recipe
 from deit_ablate.tracking import Tracker
@@ -103,6 +103,8 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     mixup = build_mixup(cfg.mix, cfg.data.num_classes)
     criterion = build_criterion(cfg.mix, mixup)
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None
+    if cfg.train.compile:
+        compile_in_place(module)  # after the EMA copy, which is only evaluated and stays eager
 
     loss_fn = build_loss_fn(cfg, module, criterion, info.device)
 

@@ -99,12 +99,5 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     if cfg.data.name != "builtin":
         check_data_root(cfg)
     check_distill_config(cfg)
-    for stage, lr, min_lr in (("optimizer", cfg.optimizer.lr, cfg.optimizer.min_lr),
-                              ("finetune", cfg.finetune.lr, cfg.finetune.min_lr)):
-        peak = lr * cfg.train.global_batch / cfg.optimizer.lr_base_batch
-        if min_lr > peak:
-            raise ConfigError(f"{stage}.min_lr={min_lr} is above the peak lr {peak:.3g} ({stage}.lr={lr} per "
-                              f"{cfg.optimizer.lr_base_batch} images at global batch {cfg.train.global_batch}): "
-                              f"the cosine schedule would rise. Lower {stage}.min_lr or raise {stage}.lr.")
     if world_size is not None:
         plan_batch(cfg, world_size)

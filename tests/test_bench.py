@@ -14,7 +14,7 @@ from tests.conftest import REPO, compose_config
 
 def test_quick_bench_writes_positive_figures_for_every_section(tmp_path, data_cache):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true"}
+    env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--skip-timm",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -97,14 +97,3 @@ def test_cfg_job_prints_the_resolved_paper_recipe():
     assert "name: deit_base_patch16_224" in proc.stdout
     assert "${" not in proc.stdout  # resolved: no interpolation left for the reader to work out
 
-
-def test_a_floor_above_the_peak_lr_is_refused(tmp_path):
-    from deit_ablate.errors import ConfigError
-    from deit_ablate.validate import validate_config
-
-    (tmp_path / "train").mkdir()
-    (tmp_path / "val").mkdir()
-    validate_config(compose_config([]))
-    validate_config(compose_config(["preset=paper", f"data.root={tmp_path}"]))
-    with pytest.raises(ConfigError, match=r"finetune.min_lr=0.001 is above the peak lr 0.0001"):
-        validate_config(compose_config(["finetune.min_lr=1e-3"]))

@@ -89,6 +89,18 @@ def test_schedule_warms_up_linearly_then_cosine_to_min_lr():
     assert min(lrs[10:]) >= 1e-5 - 1e-12
 
 
+def test_a_floor_above_the_peak_is_lowered_to_it_so_the_schedule_never_rises():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=2.5e-5)
+    with pytest.warns(UserWarning, match="above the peak lr"):
+        scheduler = build_scheduler(optimizer, total_steps=20, warmup_steps=0, min_lr=5e-5, warmup_lr=1e-6)
+    lrs = []
+    for step in range(1, 21):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step_update(step)
+    assert max(lrs) == pytest.approx(2.5e-5) and all(b <= a + 1e-15 for a, b in zip(lrs, lrs[1:], strict=False))
+
+
 def test_mixup_gets_deits_beta_alphas_and_switch_probability():
     cfg = compose_config([])
     mixup = build_mixup(cfg.mix, num_classes=10)

@@ -61,7 +61,7 @@ def default_num_workers() -> int:
 
 
 def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig, train: bool) -> DataLoader:
-    """A DataLoader with workers, pinned memory on GPU, persistent workers and prefetch."""
+    """A DataLoader with workers, pinned memory on GPU, prefetch, and persistent workers for evaluation."""
     workers = cfg.data.num_workers if cfg.data.num_workers is not None else default_num_workers()
     return DataLoader(
         dataset,
@@ -70,6 +70,8 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictC
         num_workers=workers,
         pin_memory=torch.cuda.is_available(),
         drop_last=train,
-        persistent_workers=workers > 0,
+        # Training workers start again each epoch so that run.py's per-epoch seeding reaches them (exact resume);
+        # it costs ~0.1 s an epoch at demo scale (docs/PERFORMANCE.md).
+        persistent_workers=workers > 0 and not train,
         prefetch_factor=4 if workers > 0 else None,
     )

@@ -1,0 +1,174 @@
+"""Input-pipeline throughput: our training transform and DataLoader on ImageNet-sized JPEGs, and worker startup."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torchvision.datasets import ImageFolder
+
+from deit_ablate.data.builtin import CLASSES, draw_image
+from deit_ablate.data.fast_jpeg import lazy_loader, with_draft_crop
+from deit_ablate.data.loader import build_loader, build_train_sampler, set_sampler_epoch
+from deit_ablate.data.transforms import build_train_transform
+
+JPEG_WIDTH, JPEG_HEIGHT, JPEG_QUALITY = 500, 375, 90  # about the mean ImageNet training image
+
+
+def cache_root() -> Path:
+    """$DEIT_ABLATE_CACHE, else the repository's .cache folder."""
+    from deit_ablate.bench.compose import REPO
+
+    return Path(os.environ.get("DEIT_ABLATE_CACHE") or REPO / ".cache").expanduser().resolve()
+
+
+def ensure_jpeg_set(count: int, root: Path | None = None, seed: int = 0) -> Path:
+    """An ImageFolder tree (train/<class>/*.jpg) of `count` built-in images drawn at 500x375, JPEG quality 90."""
+    spec = {"count": count, "width": JPEG_WIDTH, "height": JPEG_HEIGHT, "quality": JPEG_QUALITY, "seed": seed}
+    target = (root or cache_root() / "bench") / f"jpeg-{JPEG_WIDTH}x{JPEG_HEIGHT}-q{JPEG_QUALITY}-n{count}-seed{seed}"
+    marker = target / "COMPLETE.json"
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".jpeg-", dir=target.parent))
+    try:
+        side = max(JPEG_WIDTH, JPEG_HEIGHT)
+        top = (side - JPEG_HEIGHT) // 2
+        for index in range(count):
+            label = index % len(CLASSES)
+            folder = staging / "train" / CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            image = draw_image(label, side, np.random.default_rng([seed, index]))
+            image.crop((0, top, JPEG_WIDTH, top + JPEG_HEIGHT)).save(folder / f"{index:06d}.jpg", quality=JPEG_QUALITY)
+        marker_tmp = staging / "COMPLETE.json"
+        marker_tmp.write_text(json.dumps(spec))
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def jpeg_dataset(root: Path, transform: Callable, fast: bool) -> Dataset:
+    """The JPEG set with our training transform; `fast` pairs the lazy loader with the draft crop."""
+    if fast:
+        return ImageFolder(str(root / "train"), transform=with_draft_crop(transform), loader=lazy_loader)
+    return ImageFolder(str(root / "train"), transform=transform)
+
+
+def timm_loader(root: Path, cfg, batch: int, workers: int) -> DataLoader:
+    """timm's create_loader as timm's train.py sets it up on this device (prefetcher on, DeiT flags)."""
+    from timm.data import create_dataset, create_loader
+
+    aug = cfg.augment
+    dataset = create_dataset("", root=str(root), split="train", is_training=True)
+    return create_loader(dataset, input_size=(3, cfg.resolution.train_size, cfg.resolution.train_size),
+                         batch_size=batch, is_training=True, use_prefetcher=True, re_prob=aug.reprob,
+                         re_mode=aug.remode, re_count=aug.recount, scale=tuple(aug.scale), hflip=aug.hflip,
+                         color_jitter=aug.color_jitter, auto_augment=aug.auto_augment, interpolation=aug.interpolation,
+                         mean=tuple(cfg.data.mean), std=tuple(cfg.data.std), num_workers=workers,
+                         device=torch.device("cpu"), pin_memory=False, persistent_workers=True)
+
+
+def our_loader(cfg, dataset: Dataset, batch: int) -> DataLoader:
+    """Our DataLoader (data.loader.build_loader) over our training sampler, as run.py builds it."""
+    sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0, cfg.seed)
+    set_sampler_epoch(sampler, 0, cfg.seed)
+    return build_loader(dataset, sampler, batch, cfg, train=True)
+
+
+class OneThread:
+    """A loader iterated with torch held to one intra-op thread, as inside a DataLoader worker."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield from self.loader
+        finally:
+            torch.set_num_threads(threads)
+
+
+def epoch_rate(loader, max_batches: int | None = None) -> dict[str, float]:
+    """Iterate one epoch: seconds to the first batch, then images/s over the remaining batches."""
+    start = time.perf_counter()
+    first = None
+    images = 0
+    for index, (batch, _) in enumerate(loader):
+        if first is None:
+            first = time.perf_counter()
+        else:
+            images += batch.shape[0]
+        if max_batches is not None and index + 1 >= max_batches:
+            break
+    end = time.perf_counter()
+    return {"first_batch_s": first - start, "images_per_s": images / max(end - first, 1e-9),
+            "epoch_s": end - start}
+
+
+def alternate_loaders(loaders: dict[str, Any], repeats: int, max_batches: int | None = None,
+                      log: Callable[[str], None] = print) -> dict[str, list[dict[str, float]]]:
+    """Epoch rates of each loader, in turn (a, b, c, a, b, c, ...); the first epoch of each is a warm-up."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in loaders}
+    for loader in loaders.values():
+        epoch_rate(loader, max_batches)
+    for repeat in range(repeats):
+        for name, loader in loaders.items():
+            results[name].append(epoch_rate(loader, max_batches))
+            log(f"[bench] pipeline {name} repeat {repeat}: {results[name][-1]['images_per_s']:.0f} images/s")
+    return results
+
+
+def worker_startup(cfg, dataset: Dataset, batch: int, epochs: int, persistent: bool) -> list[dict[str, float]]:
+    """Per-epoch first-batch latency and epoch time, reseeding like run.py, with persistent workers on or off."""
+    sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0, cfg.seed)
+    base = build_loader(dataset, sampler, batch, cfg, train=True)
+    loader = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=base.num_workers, drop_last=True,
+                        persistent_workers=persistent and base.num_workers > 0, pin_memory=base.pin_memory,
+                        prefetch_factor=base.prefetch_factor)
+    rows = []
+    for epoch in range(epochs):
+        set_sampler_epoch(sampler, epoch, cfg.seed)
+        loader.generator = torch.Generator().manual_seed(cfg.seed * 10_007 + epoch)  # as run.py does
+        rows.append(epoch_rate(loader))
+    return rows
+
+
+def resume_exact_with_workers(persistent: bool, workers: int = 2) -> bool:
+    """Whether epoch 1's worker-side random draws after a restart equal those of an uninterrupted run."""
+
+    class Noise(Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.rand(1)
+
+    def epoch_values(loader: DataLoader, epoch: int) -> list[float]:
+        loader.generator = torch.Generator().manual_seed(epoch)  # run.py's per-epoch reseeding
+        return torch.cat(list(loader)).flatten().tolist()
+
+    def make() -> DataLoader:
+        return DataLoader(Noise(), batch_size=4, num_workers=workers, persistent_workers=persistent)
+
+    straight = make()
+    epoch_values(straight, 0)
+    return epoch_values(straight, 1) == epoch_values(make(), 1)
+
+
+def transform_for(cfg) -> Callable:
+    """Our training transform for `cfg` (DeiT augmentation)."""
+    return build_train_transform(cfg)

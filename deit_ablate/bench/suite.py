@@ -1,0 +1,288 @@
+"""The benchmark sections scripts/bench.py runs, each adding figures and comparisons to a Report."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deit_ablate.bench.compose import TRAIN_PY, compose_run
+from deit_ablate.bench.env import matmul_rate
+from deit_ablate.bench.report import Figure, Report, median
+
+SECTIONS = ("matmul", "step", "pipeline", "workers", "e2e", "startup")
+
+
+@dataclass
+class Settings:
+    """What a bench invocation measures, and how hard."""
+
+    device: torch.device
+    cache: Path
+    command: str
+    quick: bool = False
+    repeats: int = 3
+    timm_train: Path | None = None
+    model: str = "vit_demo"
+    size: int = 32
+    batch: int = 128
+    compile: bool = False
+    jpeg_count: int = 1024
+    pipeline_batch: int = 64
+    e2e_steps: int = 30
+    e2e_warmup: int = 5
+    e2e_batch: int = 128
+    workers: int | None = None  # None: our default (the cores of the process)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device_name(self) -> str:
+        return "cuda" if self.device.type == "cuda" else "cpu"
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def _workers(s: Settings) -> int:
+    from deit_ablate.data.loader import default_num_workers
+
+    return default_num_workers() if s.workers is None else s.workers
+
+
+def builtin_root(s: Settings) -> str:
+    """Where the built-in dataset lives (data.root for data=builtin)."""
+    return str(s.cache / "builtin")
+
+
+def builtin_overrides(s: Settings) -> list[str]:
+    """The built-in dataset: where it is cached, and a 300-image version under --quick."""
+    small = ["data.builtin.train_per_class=30", "data.builtin.val_per_class=10"] if s.quick else []
+    return [f"data.root={builtin_root(s)}", *small]
+
+
+def section_matmul(s: Settings, report: Report) -> None:
+    """Dense matmul FLOP/s: the peak MFU is quoted against (bf16 on GPU, fp32 on CPU)."""
+    n = 512 if s.quick else None
+    rate = matmul_rate(s.device, n=n, repeats=5 if s.quick else 10)
+    report.add(Figure("matmul_rate", rate["dtype"], rate["flops_per_s"] / 1e9, "GFLOP/s", report.device["summary"],
+                      s.command, {"n": rate["n"], "dtype": rate["dtype"], "statistic": "best of repeats"},
+                      [x / 1e9 for x in rate["samples_flops_per_s"]]))
+
+
+def section_step(s: Settings, report: Report) -> None:
+    """Our Trainer.train_step on synthetic on-device batches; optimizer implementations and compile side by side."""
+    from deit_ablate.bench import step
+
+    overrides = [f"model={s.model}", f"resolution.train_size={s.size}", f"resolution.eval_size={s.size}",
+                 f"train.global_batch={s.batch}", f"train.max_batch_per_device={s.batch}", "data.num_workers=0",
+                 *builtin_overrides(s), f"train.device={s.device_name}"]
+    cfg = compose_run(overrides)
+    variants: dict[str, dict[str, Any]] = {"ours": {}}
+    if not s.quick:  # the default is whatever optim.build_optimizer asks torch for; these force one implementation
+        variants["ours+forloop_adamw"] = {"optimizer_impl": "forloop"}
+        variants["ours+foreach_adamw"] = {"optimizer_impl": "foreach"}
+        variants["ours+fused_adamw"] = {"optimizer_impl": "fused"}
+        if s.device.type == "cpu" and torch.get_num_threads() > 1:
+            variants["ours/threads=1"] = {"threads": 1}
+    if s.compile:
+        variants["ours+compile"] = {"compile_model": True}
+    steps, warmup = (3, 2) if s.quick else (10 if s.device.type == "cpu" else 30, 5)
+    rates, setups = step.measure(cfg, s.device, variants, steps, 1 if s.quick else s.repeats, warmup, _log)
+    flops = step.train_flops_per_image(setups["ours"].trainer.model, s.size, s.device)
+    peak = report.get("matmul_rate", "bfloat16" if s.device.type == "cuda" else "float32")
+    syncs = step.count_syncs_per_step(setups["ours"])
+    for name, samples in rates.items():
+        value = median(samples)
+        extra = {"train_flops_per_image": flops, "achieved_tflops_per_s": flops * value / 1e12,
+                 "steps_per_sample": steps, "warmup_steps": warmup}
+        if peak is not None:
+            extra["mfu"] = flops * value / (peak.value * 1e9)
+            extra["mfu_reference"] = f"measured {peak.variant} matmul {peak.value:.0f} GFLOP/s"
+        if name == "ours":
+            extra["host_syncs_per_step"] = syncs if syncs is not None else "n/a on CPU"
+            extra["optimizer_runs_as"] = step.default_optimizer_impl(setups[name].trainer.optimizer)
+        settings = {**step.step_settings(cfg, setups[name]), "overrides": overrides}
+        report.add(Figure("train_step", name, value, "images/s", report.device["summary"],
+                          f"{s.command}  (in-process: Trainer.train_step on synthetic batches)", settings, samples,
+                          extra))
+    for name in variants:
+        if name != "ours":
+            report.compare("train_step", name, "ours")
+    impls = {name: setup for name, setup in setups.items() if not setup.compiled and setup.threads is None}
+    if len(impls) > 1:
+        optimizer_s = step.optimizer_step_seconds(impls, 20, max(s.repeats, 5))
+        for name, samples in optimizer_s.items():
+            ms = [x * 1e3 for x in samples]
+            report.add(Figure("optimizer_step", name, median(ms), "ms", report.device["summary"],
+                              f"{s.command}  (in-process: optimizer.step() on random gradients)",
+                              step.step_settings(cfg, impls[name]), ms,
+                              {"runs_as": step.default_optimizer_impl(impls[name].trainer.optimizer)}))
+        for name in impls:
+            if name != "ours":
+                report.compare("optimizer_step", name, "ours", lower_is_better=True)
+
+
+def section_pipeline(s: Settings, report: Report) -> None:
+    """Our training transform + DataLoader on 500x375 JPEGs at 224 px: default, fast JPEG path, timm's loader."""
+    from deit_ablate.bench import pipeline
+
+    count, batch = (48, 16) if s.quick else (s.jpeg_count, s.pipeline_batch)
+    _log(f"[bench] JPEG set: {count} images of {pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT} ...")
+    root = pipeline.ensure_jpeg_set(count)
+    workers = _workers(s)
+    overrides = ["resolution=224px", f"data.num_workers={workers}", f"data.root={builtin_root(s)}"]
+    cfg = compose_run(overrides)
+    transform = pipeline.transform_for(cfg)
+    loaders: dict[str, Any] = {
+        "ours": pipeline.our_loader(cfg, pipeline.jpeg_dataset(root, transform, fast=False), batch),
+        "ours+fast_jpeg": pipeline.our_loader(cfg, pipeline.jpeg_dataset(root, transform, fast=True), batch),
+    }
+    if s.timm_train is not None and not s.quick:
+        loaders["timm_loader"] = pipeline.timm_loader(root, cfg, batch, workers)
+    if not s.quick and workers > 0:
+        single = compose_run([*overrides[:1], "data.num_workers=0", overrides[2]])
+        for name, fast in (("ours/1-process", False), ("ours+fast_jpeg/1-process", True)):  # one core, as a worker
+            loaders[name] = pipeline.OneThread(pipeline.our_loader(single, pipeline.jpeg_dataset(root, transform, fast),
+                                                                   batch))
+    results = pipeline.alternate_loaders(loaders, 1 if s.quick else s.repeats, log=_log)
+    for name, rows in results.items():
+        n_workers = 0 if name.endswith("1-process") else workers
+        samples = [row["images_per_s"] for row in rows]
+        value = median(samples)
+        settings = {"images": str(root), "image_size": f"{pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT} JPEG q90",
+                    "train_size": 224, "batch": batch, "workers": n_workers, "transform": "DeiT: RRC, flip, "
+                    "rand-m9-mstd0.5-inc1, normalize, random erasing 0.25 pixel", "overrides": overrides,
+                    "loader": "timm create_loader, prefetcher" if name == "timm_loader" else "our build_loader"}
+        report.add(Figure("input_pipeline", name, value, "images/s", report.device["summary"],
+                          f"{s.command}  (in-process: DataLoader over {count} JPEGs)", settings, samples,
+                          {"per_worker_images_per_s": value / max(n_workers, 1),
+                           "first_batch_s": median([row["first_batch_s"] for row in rows])}))
+    report.compare("input_pipeline", "ours+fast_jpeg", "ours", target=1.5)
+    report.compare("input_pipeline", "ours", "timm_loader")
+    report.compare("input_pipeline", "ours+fast_jpeg/1-process", "ours/1-process", target=1.5)
+
+
+def section_workers(s: Settings, report: Report) -> None:
+    """Worker startup per epoch at the demo scale, persistent workers on vs off, and whether resume stays exact."""
+    from deit_ablate.bench import pipeline
+    from deit_ablate.data.datasets import build_dataset, dataset_root
+
+    workers = _workers(s)
+    overrides = [f"data.num_workers={workers}", *builtin_overrides(s)]
+    cfg = compose_run(overrides)
+    dataset = build_dataset(cfg, "train", pipeline.transform_for(cfg), dataset_root(cfg))
+    epochs = 2 if s.quick else 3
+    rows: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    for _ in range(1 if s.quick else max(s.repeats - 1, 1)):
+        for persistent in (True, False):
+            rows[persistent] += pipeline.worker_startup(cfg, dataset, cfg.train.global_batch, epochs, persistent)[1:]
+    for persistent, samples in rows.items():
+        first = [row["first_batch_s"] for row in samples]
+        exact = pipeline.resume_exact_with_workers(persistent, max(workers, 1))
+        report.add(Figure("epoch_start_latency", f"persistent_workers={persistent}", median(first), "s",
+                          report.device["summary"], f"{s.command}  (in-process: demo-scale epochs, run.py reseeding)",
+                          {"workers": workers, "batch": cfg.train.global_batch, "epochs_per_sample": epochs,
+                           "dataset": f"built-in, {len(dataset)} images at 40 px", "overrides": overrides}, first,
+                          {"epoch_s": median([row["epoch_s"] for row in samples]),
+                           "exact_resume_with_workers": exact}))
+    report.compare("epoch_start_latency", "persistent_workers=True", "persistent_workers=False", lower_is_better=True)
+
+
+def e2e_overrides(s: Settings, workers: int, repeated_aug: bool) -> list[str]:
+    """Our side of the end-to-end comparison: the demo preset on the built-in data."""
+    overrides = [*builtin_overrides(s), f"data.num_workers={workers}", f"train.device={s.device_name}",
+                 f"augment.repeated_aug={3 if repeated_aug else 1}"]
+    if s.e2e_batch != 128:  # a smaller batch scales the lr down: keep the (unused) fine-tune schedule valid
+        overrides += [f"train.global_batch={s.e2e_batch}", f"train.max_batch_per_device={s.e2e_batch}",
+                      "finetune.min_lr=1e-6"]
+    return overrides
+
+
+def section_e2e(s: Settings, report: Report) -> None:
+    """Short real runs of our train.py and timm's train.py, alternately; steady rate, data wait, compute rate."""
+    from deit_ablate.bench import runs, timm_ref
+    from deit_ablate.data.datasets import dataset_root
+
+    steps, warmup = (6, 2) if s.quick else (s.e2e_steps, s.e2e_warmup)
+    workers = _workers(s)
+    cfg = compose_run(e2e_overrides(s, workers, False))
+    data_dir = dataset_root(cfg)  # draws the built-in set once, before any timing
+    plan: list[tuple[str, str, Any, dict[str, str] | None]] = []  # name, side, overrides or command, env
+    variants = [("", workers, None)]
+    if not s.quick:
+        variants += [("/workers=0", 0, None)]
+        if s.device.type == "cpu":
+            variants += [("/threads=1", workers, {"OMP_NUM_THREADS": "1"})]
+    for suffix, w, env in variants:
+        plan.append((f"ours{suffix}", "ours", e2e_overrides(s, w, False), env))
+        if s.timm_train is not None:
+            command = timm_ref.timm_command(s.timm_train, compose_run(e2e_overrides(s, w, False)), data_dir,
+                                            Path("timm-out"), w, s.device_name)
+            plan.append((f"timm{suffix}", "timm", command, env))
+    if not s.quick:
+        plan.append(("ours+repeated_aug", "ours", e2e_overrides(s, workers, True), None))
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in plan}
+    for repeat in range(1 if s.quick else s.repeats):
+        for name, side, spec, env in plan:
+            start = time.perf_counter()
+            if side == "ours":
+                result = runs.run_ours(spec, steps, cfg.train.global_batch, s.cache, warmup, extra_env=env)
+            else:
+                result = runs.run_timm(spec, steps, cfg.train.global_batch, s.cache, warmup, extra_env=env)
+            results[name].append(result)
+            _log(f"[bench] e2e {name} repeat {repeat}: {result['images_per_s']:.0f} images/s steady, "
+                 f"data wait {result['data_wait_fraction']:.0%}, {time.perf_counter() - start:.0f}s")
+    for name, rows in results.items():
+        settings = {"steps": steps, "warmup_steps_excluded": warmup, "batch": cfg.train.global_batch,
+                    "model": f"{cfg.model.name} {dict(cfg.model.kwargs)}", "train_size": cfg.resolution.train_size,
+                    "data": str(data_dir), "workers": 0 if name.endswith("/workers=0") else workers,
+                    "torch_threads": 1 if name.endswith("/threads=1") else "default (cores)",
+                    "repeated_aug": "3 (ours only)" if name == "ours+repeated_aug" else "off on both sides"}
+        _add_run_figures(report, name, rows, settings)
+    for suffix, _, _ in variants:
+        report.compare("e2e_train", f"ours{suffix}", f"timm{suffix}", target=1.0)
+        report.compare("e2e_incl_startup", f"ours{suffix}", f"timm{suffix}")
+        report.compare("train_step_in_run", f"ours{suffix}", f"timm{suffix}", target=1.0)
+    report.compare("e2e_train", "ours/threads=1", "ours")
+    report.compare("e2e_train", "ours/threads=1", "timm")
+
+
+def _add_run_figures(report: Report, name: str, rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+    device, command = report.device["summary"], rows[0]["command"]
+    keys = ("data_wait_fraction", "wall_to_last_step_s", "compute_images_per_s", "images_per_s_incl_startup",
+            "median_step_images_per_s")
+    extra = {key: median([row[key] for row in rows]) for key in keys}
+    extra["step_s_first_run"] = rows[0]["step_s"]
+    report.add(Figure("e2e_train", name, median([r["images_per_s"] for r in rows]), "images/s", device, command,
+                      settings, [r["images_per_s"] for r in rows], extra))
+    report.add(Figure("e2e_incl_startup", name, extra["images_per_s_incl_startup"], "images/s", device, command,
+                      settings, [r["images_per_s_incl_startup"] for r in rows],
+                      {"wall_to_last_step_s": extra["wall_to_last_step_s"]}))
+    report.add(Figure("train_step_in_run", name, extra["compute_images_per_s"], "images/s", device, command,
+                      settings, [r["compute_images_per_s"] for r in rows],
+                      {"what": "batch / median step time without data wait and Mixup/CutMix"}))
+
+
+def section_startup(s: Settings, report: Report) -> None:
+    """`python train.py --cfg job`, and composing the 26-run Table 8 sweep with Hydra's compose API."""
+    import sys
+
+    from deit_ablate.bench import runs
+
+    repeats = 1 if s.quick else s.repeats
+    cfg_job = [sys.executable, str(TRAIN_PY), "--cfg", "job"]
+    sweep = runs.compose_sweep_command()
+    job_s, sweep_s = [], []
+    for _ in range(repeats):
+        job_s.append(runs.time_command(cfg_job, s.cache))
+        sweep_s.append(runs.time_command(sweep, s.cache))
+    report.add(Figure("startup_cfg_job", "ours", median(job_s), "s", report.device["summary"],
+                      "python train.py --cfg job", {}, job_s, {"target": "< 3 s", "meets": median(job_s) < 3}))
+    report.add(Figure("compose_sweep_26", "ours", median(sweep_s), "s", report.device["summary"],
+                      "python -c '<deit_ablate.bench.runs.COMPOSE_SWEEP>'",
+                      {"runs": 26, "what": "fresh interpreter: imports + 26 hydra.compose calls (ablation=* x "
+                       "stage=pretrain,finetune)"}, sweep_s, {"target": "< 10 s", "meets": median(sweep_s) < 10}))

@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Throughput benchmark of deit_ablate on whatever device it runs, side by side with timm's train.py.
+
+    python scripts/bench.py --quick --skip-timm               # smoke run, ours only (20-40 s)
+    python scripts/bench.py --timm-train /tmp/timm_train.py   # full: all sections, ours vs timm (10-30 min, 2 CPUs)
+    python scripts/bench.py --sections step --compile         # one section (here with torch.compile)
+
+Sections: matmul (dense matmul FLOP/s, the MFU reference: bf16 on GPU, fp32 on CPU), step (Trainer.train_step on
+synthetic on-device batches; images/s, FLOPs/image, MFU; AdamW implementations; --compile), pipeline (our DeiT
+train transform + DataLoader on 500x375 JPEGs at 224 px, default vs data.fast_jpeg vs timm's loader), workers
+(per-epoch worker startup, persistent workers on/off), e2e (short real runs of train.py and of timm's train.py,
+alternately: steady images/s, data-wait fraction, compute-only step rate), startup (`train.py --cfg job`, composing
+the 26-run sweep). On a GPU the step section defaults to DeiT-B/16 at 224 in bf16, batch 128.
+
+timm's train.py is not in the timm wheel; see deit_ablate/bench/timm_ref.py for how to get it. Results go to
+--out (JSON, every figure with device, command and settings) and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from deit_ablate.bench import suite
+from deit_ablate.bench.env import describe, pick_device
+from deit_ablate.bench.pipeline import cache_root
+from deit_ablate.bench.report import Report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test, not a figure")
+    parser.add_argument("--out", default="bench.json", help="JSON results file (default: bench.json)")
+    parser.add_argument("--sections", default=",".join(suite.SECTIONS), help=f"subset of {','.join(suite.SECTIONS)}")
+    parser.add_argument("--timm-train", type=Path, help="path to timm's train.py (see deit_ablate/bench/timm_ref.py)")
+    parser.add_argument("--skip-timm", action="store_true", help="measure our side only")
+    parser.add_argument("--device", default="auto", help="auto (GPU if any), cpu or cuda")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats per measurement (median kept)")
+    parser.add_argument("--model", help="model group option for the step section (default: vit_demo on CPU, "
+                                        "deit_base on GPU)")
+    parser.add_argument("--size", type=int, help="train size for the step section (default: 32 CPU, 224 GPU)")
+    parser.add_argument("--batch", type=int, default=128, help="per-device batch of the step section")
+    parser.add_argument("--compile", action="store_true", help="also measure the step with torch.compile")
+    parser.add_argument("--jpegs", type=int, default=1024, help="JPEGs in the pipeline set")
+    parser.add_argument("--e2e-steps", type=int, default=30, help="optimizer steps per end-to-end run")
+    parser.add_argument("--workers", type=int, help="loader workers (default: the cores of this process)")
+    return parser.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace, argv: list[str]) -> suite.Settings:
+    """Settings for this invocation; model and size follow the device unless given."""
+    device = pick_device(args.device)
+    gpu = device.type == "cuda"
+    if args.timm_train is not None and not args.timm_train.is_file():
+        sys.exit(f"--timm-train {args.timm_train}: no such file. See deit_ablate/bench/timm_ref.py to get it.")
+    if args.timm_train is None and not args.skip_timm and not args.quick:
+        sys.exit("the side-by-side sections need timm's train.py: pass --timm-train PATH (see "
+                 "deit_ablate/bench/timm_ref.py), or --skip-timm for our side only.")
+    quick = args.quick
+    return suite.Settings(
+        device=device, cache=cache_root(), command="python scripts/bench.py " + " ".join(shlex.quote(a) for a in argv),
+        quick=quick, repeats=args.repeats, timm_train=None if args.skip_timm else args.timm_train,
+        model=args.model or ("deit_base" if gpu else "vit_demo"), size=args.size or (224 if gpu else 32),
+        batch=32 if quick and args.batch == 128 else args.batch, compile=args.compile, jpeg_count=args.jpegs,
+        e2e_steps=args.e2e_steps, e2e_batch=32 if quick else 128, workers=args.workers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen sections, print the table, write the JSON."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    settings = settings_from(args, argv)
+    report = Report(describe(settings.device), settings.command)
+    sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = sorted(set(sections) - set(suite.SECTIONS))
+    if unknown:
+        sys.exit(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(suite.SECTIONS)}")
+    if "step" in sections and "matmul" not in sections:
+        sections.insert(0, "matmul")  # MFU needs the matmul rate
+    start = time.perf_counter()
+    for name in suite.SECTIONS:
+        if name in sections:
+            print(f"[bench] section {name} ...", flush=True)
+            getattr(suite, f"section_{name}")(settings, report)
+            report.write(args.out)  # keep what is measured so far
+    report.device["bench_seconds"] = round(time.perf_counter() - start, 1)
+    report.write(args.out)
+    print()
+    print(report.table())
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
