@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from deit_ablate.aggregate.reader import read_offline
@@ -56,8 +57,10 @@ def test_divergence_ends_the_run_as_a_result_with_exit_status_0(tmp_path, data_c
     assert "diverged" in proc.stdout
 
 
-def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(tmp_path, data_cache):
-    two = TINY + ["train.epochs=2", "mix=mixup_cutmix"]
+@pytest.mark.parametrize("workers", [0, 2])  # loader workers must take run.py's per-epoch seeds too
+def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(tmp_path, data_cache, workers):
+    tiny = [item for item in TINY if not item.startswith("data.num_workers=")] + [f"data.num_workers={workers}"]
+    two = tiny + ["train.epochs=2", "mix=mixup_cutmix"]
     straight = tmp_path / "straight"
     run_train(two + [f"hydra.run.dir={straight}"], tmp_path, data_cache)
     resumed = tmp_path / "resumed"
