@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9=,._+-]+")
 _MAX_NAME = 120
@@ -75,7 +75,7 @@ def current_run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
 
 
-def identity_from_hydra(cfg: DictConfig) -> RunIdentity:
+def identity_from_hydra() -> RunIdentity:
     """The identity of the current Hydra job."""
     return identity_from_overrides(current_override_dirname())
 

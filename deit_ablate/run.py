@@ -138,7 +138,7 @@ def discard_empty_run_dir() -> None:
 def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Train one run to the end (or to divergence) and return its summary; rank 0 writes everything."""
     validate_config(cfg)
-    identity = identity_from_hydra(cfg)
+    identity = identity_from_hydra()
     run_dir = current_run_dir()
     result_path = run_dir / RESULT_FILE
     if result_path.exists():

@@ -41,25 +41,25 @@ def test_a_full_crop_of_a_500x375_jpeg_is_decoded_at_half_size_for_224(images):
     assert decoded.size == (250, 188) and scale == 2.0 and decoded.mode == "RGB"
 
 
+def _assert_crops_like_timm(path, timm_crop, seed: int) -> None:
+    """The fast path, given the same random draws, yields timm's crop pixel for pixel."""
+    random.seed(seed)
+    expected = timm_crop(Image.open(path).convert("RGB"))
+    random.seed(seed)
+    got = DraftRandomResizedCrop.from_timm(timm_crop)(lazy_loader(str(path)))
+    assert np.array_equal(np.asarray(expected), np.asarray(got))
+
+
 def test_pngs_are_loaded_whole_and_cropped_exactly_as_by_timm(images):
     image = lazy_loader(str(images["png"]))
     assert image.size == (500, 375) and image.mode == "RGB"
     assert decode_reduced(image, 8)[0].size == (500, 375)  # no draft for a PNG
-    timm_crop = RandomResizedCropAndInterpolation(224, interpolation="bicubic")
-    random.seed(7)
-    expected = timm_crop(Image.open(images["png"]).convert("RGB"))
-    random.seed(7)
-    got = DraftRandomResizedCrop.from_timm(timm_crop)(lazy_loader(str(images["png"])))
-    assert np.array_equal(np.asarray(expected), np.asarray(got))
+    _assert_crops_like_timm(images["png"], RandomResizedCropAndInterpolation(224, interpolation="bicubic"), seed=7)
 
 
 def test_small_crops_of_a_jpeg_keep_full_resolution_and_timm_pixels(images):
     timm_crop = RandomResizedCropAndInterpolation(224, scale=(0.08, 0.1), interpolation="bicubic")
-    random.seed(3)
-    expected = timm_crop(Image.open(images["jpeg"]).convert("RGB"))
-    random.seed(3)
-    got = DraftRandomResizedCrop.from_timm(timm_crop)(lazy_loader(str(images["jpeg"])))
-    assert np.array_equal(np.asarray(expected), np.asarray(got))
+    _assert_crops_like_timm(images["jpeg"], timm_crop, seed=3)
 
 
 def test_large_crops_are_decoded_reduced_and_still_come_out_at_train_size(images):
