@@ -146,6 +146,7 @@ class TrainConfig:
     log_interval: int = 10
     compile: bool = False  # torch.compile the model (opt-in; falls back to eager where it cannot)
     device: str = "auto"
+    cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
     checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)
     checkpoint_every_minutes: float = 10.0  # ... and every M minutes (0: off), so preemption loses little
     eval_max_batches: int | None = None

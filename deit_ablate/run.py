@@ -56,6 +56,13 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def set_cpu_threads(threads: int | None, device: torch.device) -> int:
+    """Hold torch to `threads` intra-op threads on a CPU run (None keeps torch's default); returns the count."""
+    if threads is not None and device.type == "cpu":
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 @dataclass
 class Pieces:
     """Everything a run builds before its first step."""
@@ -171,6 +178,7 @@ def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: Pat
 
 def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path) -> dict[str, Any]:
     seed_everything(cfg.seed)
+    set_cpu_threads(cfg.train.cpu_threads, info.device)
     plan = plan_batch(cfg, info.world_size)
     pieces = build_pieces(cfg, info, plan)  # every input error is raised by now, before anything is logged
     tracker = Tracker(cfg, identity.run_id, identity.name, identity.group, enabled=info.is_main)
@@ -188,7 +196,8 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
               f"global batch {cfg.train.global_batch} = "
               f"{info.world_size} x {plan.per_rank_batch} per rank ({plan.accum_steps} accumulation step(s) of "
               f"{plan.micro_batch}), {pieces.steps_per_epoch} steps/epoch, {pieces.recipe.epochs} epochs, "
-              f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}")
+              f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}"
+              + (f", {torch.get_num_threads()} torch thread(s)" if info.device.type == "cpu" else ""))
     tracker.summary({"world_size": info.world_size, "per_device_batch": plan.per_rank_batch,
                      "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
                      "effective_batch": cfg.train.global_batch})

@@ -84,6 +84,9 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     if cfg.mix.mixup_alpha < 0 or cfg.mix.cutmix_alpha < 0:
         raise ConfigError("mix.mixup_alpha and mix.cutmix_alpha are Beta parameters and must be >= 0 "
                           "(0 turns one off).")
+    if cfg.train.cpu_threads is not None and cfg.train.cpu_threads < 1:
+        raise ConfigError(f"train.cpu_threads={cfg.train.cpu_threads} must be >= 1, or null for torch's default "
+                          "(one thread per core).")
     if cfg.augment.repeated_aug < 1:
         raise ConfigError(f"augment.repeated_aug={cfg.augment.repeated_aug}: the number of copies must be >= 1 "
                           "(1 turns repeated augmentation off).")

@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from deit_ablate.bench.pipeline import speedup_bound
 from deit_ablate.bench.report import Figure, Report
 from deit_ablate.bench.timm_ref import parse_step, timm_args
 from tests.conftest import REPO, compose_config
@@ -24,7 +27,8 @@ def test_quick_bench_writes_positive_figures_for_every_section(tmp_path, data_ca
     for expected in [("matmul_rate", "float32"), ("train_step", "ours"), ("input_pipeline", "ours"),
                      ("input_pipeline", "ours+fast_jpeg"), ("epoch_start_latency", "persistent_workers=True"),
                      ("e2e_train", "ours"), ("train_step_in_run", "ours"), ("startup_cfg_job", "ours"),
-                     ("compose_sweep_26", "ours")]:
+                     ("compose_sweep_26", "ours"), ("transform_stage", "decode"),
+                     ("transform_stage", "RandAugment"), ("speedup_bound", "decode_free")]:
         assert expected in names, expected
     for figure in result["figures"]:
         assert figure["value"] > 0 and figure["samples"] and all(v > 0 for v in figure["samples"]), figure
@@ -34,6 +38,18 @@ def test_quick_bench_writes_positive_figures_for_every_section(tmp_path, data_ca
     step = next(f for f in result["figures"] if f["name"] == "train_step")
     assert step["extra"]["train_flops_per_image"] > 0 and step["extra"]["mfu"] > 0
     assert "input_pipeline" in proc.stdout and "ours+fast_jpeg / ours" in proc.stdout  # the printed table
+    stages = {f["variant"]: f["value"] for f in result["figures"] if f["name"] == "transform_stage"}
+    bounds = {f["variant"]: f["value"] for f in result["figures"] if f["name"] == "speedup_bound"}
+    total = sum(stages.values())
+    assert bounds["decode_free"] == pytest.approx(total / (total - stages["decode"]))
+    assert 1 < bounds["decode_free"] < bounds["decode_and_crop_free"]
+
+
+def test_speedup_bound_is_amdahl():
+    costs = {"decode": 1.0, "RandomResizedCropAndInterpolation": 1.0, "RandAugment": 2.0}
+    assert speedup_bound(costs, ("decode",)) == pytest.approx(4 / 3)
+    assert speedup_bound(costs, ("decode", "RandomResizedCropAndInterpolation")) == pytest.approx(2.0)
+    assert speedup_bound(costs, ()) == 1.0
 
 
 def test_timm_command_carries_our_model_batch_and_recipe(tmp_path):

@@ -132,3 +132,11 @@ def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache):
     assert "epoch 0 (batch 3), step 3" in proc.stdout
     final = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
     assert (final["epoch"], final["step"]) == (1, 8)  # the same step count as a run never interrupted
+
+
+def test_cpu_threads_sets_torch_threads_and_zero_is_refused(tmp_path, data_cache):
+    proc = run_train(TINY + ["train.max_steps=1", "train.cpu_threads=2"], tmp_path, data_cache)  # env: 1 thread
+    assert "device cpu, 2 torch thread(s)" in proc.stdout
+    proc = run_train(TINY + ["train.cpu_threads=0", "output_root=zero"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "train.cpu_threads=0 must be >= 1" in proc.stderr
+    assert not list(tmp_path.glob("zero/runs/*"))  # no run folder left behind

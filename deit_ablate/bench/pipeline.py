@@ -169,6 +169,43 @@ def resume_exact_with_workers(persistent: bool, workers: int = 2) -> bool:
     return epoch_values(straight, 1) == epoch_values(make(), 1)
 
 
+def stage_costs(root: Path, transform: Callable, count: int, repeats: int = 2) -> dict[str, float]:
+    """Milliseconds per image of each step of the default training transform, one thread, best of `repeats`.
+
+    `decode` is what ImageFolder's default loader does (open, decode, convert to RGB); the other keys are the
+    transform's steps by class name, in order."""
+    from PIL import Image
+
+    files = sorted((root / "train").glob("*/*.jpg"))[:count]
+    steps = list(getattr(transform, "transforms", [transform]))
+    names = ["decode", *(type(step).__name__ for step in steps)]
+    best = dict.fromkeys(names, float("inf"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            totals = dict.fromkeys(names, 0.0)
+            for path in files:
+                start = time.perf_counter()
+                with Image.open(path) as image:
+                    value = image.convert("RGB")
+                totals["decode"] += time.perf_counter() - start
+                for name, step in zip(names[1:], steps, strict=True):
+                    start = time.perf_counter()
+                    value = step(value)
+                    totals[name] += time.perf_counter() - start
+            best = {name: min(best[name], 1e3 * totals[name] / len(files)) for name in names}
+    finally:
+        torch.set_num_threads(threads)
+    return best
+
+
+def speedup_bound(costs: dict[str, float], free: tuple[str, ...]) -> float:
+    """Amdahl: how much faster the whole transform gets if the `free` stages cost nothing."""
+    total = sum(costs.values())
+    return total / max(total - sum(costs[name] for name in free if name in costs), 1e-12)
+
+
 def transform_for(cfg) -> Callable:
     """Our training transform for `cfg` (DeiT augmentation)."""
     return build_train_transform(cfg)

@@ -164,6 +164,26 @@ def section_pipeline(s: Settings, report: Report) -> None:
     report.compare("input_pipeline", "ours+fast_jpeg", "ours", target=1.5)
     report.compare("input_pipeline", "ours", "timm_loader")
     report.compare("input_pipeline", "ours+fast_jpeg/1-process", "ours/1-process", target=1.5)
+    _add_stage_costs(s, report, root, transform, count)
+
+
+def _add_stage_costs(s: Settings, report: Report, root: Path, transform: Any, count: int) -> None:
+    """Where one image's time goes in the default transform, and what a free decode (and crop) could gain."""
+    from deit_ablate.bench import pipeline
+
+    images = min(count, 48 if s.quick else 300)
+    costs = pipeline.stage_costs(root, transform, images, repeats=1 if s.quick else 2)
+    command = f"{s.command}  (in-process: each step of the default transform timed, one thread)"
+    settings = {"images": images, "statistic": "best of repeats, ms per image", "torch_threads": 1}
+    for stage, ms in costs.items():
+        report.add(Figure("transform_stage", stage, ms, "ms/image", report.device["summary"], command, settings,
+                          [ms], {"share": ms / sum(costs.values())}))
+    crop = next((name for name in costs if "ResizedCrop" in name), None)
+    for variant, free in (("decode_free", ("decode",)), ("decode_and_crop_free", ("decode", crop))):
+        bound = pipeline.speedup_bound(costs, free)
+        report.add(Figure("speedup_bound", variant, bound, "x", report.device["summary"], command,
+                          {**settings, "free_stages": [f for f in free if f]}, [bound],
+                          {"what": "Amdahl bound of the default transform if these stages cost nothing"}))
 
 
 def section_workers(s: Settings, report: Report) -> None:
