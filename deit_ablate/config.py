@@ -36,7 +36,7 @@ class DataConfig:
     root: str | None = None
     num_classes: int = 10
     num_workers: int | None = None  # None: the cores available to this process
-    fast_jpeg: bool = False  # decode training JPEGs at a reduced DCT scale for large crops (changes pixels)
+    fast_jpeg: bool = False  # faster decode/crop/normalize of training JPEGs (changes pixels; data/fast_jpeg.py)
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     builtin: BuiltinDataConfig = field(default_factory=BuiltinDataConfig)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 
 from deit_ablate.data.builtin import CLASSES, draw_image
-from deit_ablate.data.fast_jpeg import lazy_loader, with_draft_crop
+from deit_ablate.data.fast_jpeg import fast_train_transform, lazy_loader
 from deit_ablate.data.loader import build_loader, build_train_sampler, set_sampler_epoch
 from deit_ablate.data.transforms import build_train_transform
 
@@ -62,7 +62,7 @@ def ensure_jpeg_set(count: int, root: Path | None = None, seed: int = 0) -> Path
 def jpeg_dataset(root: Path, transform: Callable, fast: bool) -> Dataset:
     """The JPEG set with our training transform; `fast` pairs the lazy loader with the draft crop."""
     if fast:
-        return ImageFolder(str(root / "train"), transform=with_draft_crop(transform), loader=lazy_loader)
+        return ImageFolder(str(root / "train"), transform=fast_train_transform(transform), loader=lazy_loader)
     return ImageFolder(str(root / "train"), transform=transform)
 
 

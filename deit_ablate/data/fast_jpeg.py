@@ -1,27 +1,37 @@
-"""Opt-in faster JPEG decoding for training: decode at a reduced DCT scale when the random crop is large.
+"""Opt-in fast JPEG path for the training transform (`data.fast_jpeg`): cheaper decode, crop and to-tensor.
 
-A JPEG can be decoded at 1/2, 1/4 or 1/8 of its size for a fraction of the cost (PIL's `Image.draft`, the
-DCT scaling of libjpeg). The default pipeline decodes every image at full size and then lets the random-resized
-crop shrink most crops to the train size. Here the loader only opens the file (`lazy_loader`), the crop's
-position and size are drawn first from the header's size (the same draw as timm's crop, from the same RNG), and
-the image is decoded at the coarsest scale that still leaves the crop `keep` x the train size on each side.
-With the default keep=0.5, a crop is decoded coarser only when it would have been shrunk to the train size
-anyway; smaller crops, PNGs and other formats are decoded and cropped exactly as by timm.
+timm's training transform decodes every JPEG at full size with PIL, crops and resizes it with PIL's bicubic
+filter, then converts and normalizes in two passes. Here (measured in docs/PERFORMANCE.md, section 5):
 
-It changes pixels (a DCT-scaled decode is not a bicubic shrink), so it is off by default.
+1. The loader only opens the file (`lazy_loader`). The crop's position and size are drawn first, from the
+   header's size, by timm's own `get_params` (same RNG use). The JPEG is then decoded by libjpeg-turbo
+   (simplejpeg) with its fast integer DCT and fast chroma upsampling, at the coarsest power-of-two DCT scale
+   that still leaves the crop `keep` x the train size on each side (1/2, 1/4 and 1/8 cost less than a full
+   decode). With the default keep=0.5 a crop is decoded coarser only when it would be shrunk anyway.
+2. The crop is resized by torch's antialiased uint8 resize, the same filter as PIL's (within one grey level).
+3. To-tensor and normalize are one step.
+
+Anything else (PNGs, CMYK JPEGs, decoded images, nearest-neighbour interpolation) is decoded and cropped
+exactly as by timm. It changes pixels (fast DCT, nearest-neighbour chroma upsampling, decoding below the
+train size for large crops), so it is off by default.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
+import numpy as np
+import torch
+import torch.nn.functional as nnf
 from PIL import Image
-from timm.data.transforms import RandomResizedCropAndInterpolation
+from timm.data.transforms import MaybeToTensor, RandomResizedCropAndInterpolation
 from torchvision import transforms
 from torchvision.transforms import functional as F
 
 KEEP = 0.5
 _FACTORS = (8, 4, 2)
+_TORCH_MODES = {F.InterpolationMode.BILINEAR: "bilinear", F.InterpolationMode.BICUBIC: "bicubic"}
 
 
 def lazy_loader(path: str) -> Image.Image:
@@ -34,7 +44,7 @@ def lazy_loader(path: str) -> Image.Image:
 
 
 def is_undecoded_jpeg(image: Image.Image) -> bool:
-    """Whether `image` is a JPEG whose pixels have not been decoded yet (a draft can still apply)."""
+    """Whether `image` is a JPEG whose pixels have not been decoded yet."""
     return image.format == "JPEG" and bool(getattr(image, "tile", None))
 
 
@@ -46,65 +56,113 @@ def dct_factor(crop_w: int, crop_h: int, out_w: int, out_h: int, keep: float = K
     return 1
 
 
-def decode_reduced(image: Image.Image, factor: int) -> tuple[Image.Image, float]:
-    """Decode a lazily opened JPEG at 1/factor of its size (or the nearest scale PIL allows) as RGB.
+def decode_jpeg(image: Image.Image, factor: int = 1, fast: bool = True) -> np.ndarray:
+    """Decode a lazily opened RGB or greyscale JPEG at 1/factor of its size as an HxWx3 uint8 array.
 
-    Returns the RGB image and the scale actually used (original pixels per decoded pixel)."""
-    scale = 1.0
-    if factor > 1 and is_undecoded_jpeg(image):
-        width, height = image.size
-        drafted = image.draft("RGB", (max(width // factor, 1), max(height // factor, 1)))
-        if drafted is not None:
-            scale = width / drafted[1][2]
-    image.load()
-    return (image if image.mode == "RGB" else image.convert("RGB")), scale
+    `fast` selects libjpeg-turbo's fast integer DCT and fast chroma upsampling. Raises ValueError for a JPEG
+    libjpeg-turbo cannot turn into RGB (CMYK)."""
+    import simplejpeg  # only the fast path needs it
+
+    if image.mode not in ("RGB", "L"):
+        raise ValueError(f"a {image.mode} JPEG is not decoded by the fast path")
+    image.fp.seek(0)  # the file PIL opened for the header
+    data = image.fp.read()
+    width, height = image.size
+    return simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=fast, fastupsample=fast,
+                                  min_width=-(-width // factor), min_height=-(-height // factor))
 
 
-class DraftRandomResizedCrop:
+def resize_uint8(pixels: np.ndarray, size: tuple[int, int], mode: str = "bicubic") -> Image.Image:
+    """Resize an HxWx3 uint8 array to size=(height, width) with torch's antialiased filter (PIL's, in uint8)."""
+    channels_last = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).unsqueeze(0)
+    planes = nnf.interpolate(channels_last, size=size, mode=mode, antialias=True)[0].numpy()  # 3 x H x W
+    height, width = size  # merging planes is 6x cheaper than Image.fromarray of the strided H x W x 3 view
+    return Image.merge("RGB", [Image.frombuffer("L", (width, height), plane, "raw", "L", 0, 1) for plane in planes])
+
+
+class FastRandomResizedCrop:
     """timm's random-resized crop (same parameter draw), decoding a lazily opened JPEG only as finely as needed."""
 
-    def __init__(self, size: int | tuple[int, int], scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), interpolation=F.InterpolationMode.BICUBIC,
-                 keep: float = KEEP) -> None:
+    def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), interpolation=F.InterpolationMode.BICUBIC,
+                 keep: float = KEEP, fast_decode: bool = True) -> None:
         self.size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-        self.scale, self.ratio, self.interpolation, self.keep = scale, ratio, interpolation, keep
+        self.scale, self.ratio, self.interpolation = tuple(scale), tuple(ratio), interpolation
+        self.keep, self.fast_decode = keep, fast_decode
 
     @classmethod
-    def from_timm(cls, crop: RandomResizedCropAndInterpolation, keep: float = KEEP) -> DraftRandomResizedCrop:
-        """The draft crop with the settings of timm's crop."""
+    def from_timm(cls, crop: RandomResizedCropAndInterpolation, keep: float = KEEP) -> FastRandomResizedCrop:
+        """The fast crop with the settings of timm's crop."""
         return cls(crop.size, crop.scale, crop.ratio, crop.interpolation, keep)
 
     def __call__(self, image: Image.Image) -> Image.Image:
-        """Crop and resize to `size`; a large crop of an undecoded JPEG is decoded at a reduced scale first."""
+        """Crop and resize to `size`; an RGB or greyscale JPEG not yet decoded takes the fast path."""
         top, left, height, width = RandomResizedCropAndInterpolation.get_params(image, self.scale, self.ratio)
         interpolation = self.interpolation
         if isinstance(interpolation, (tuple, list)):
             interpolation = random.choice(interpolation)
-        out_h, out_w = self.size
-        factor = dct_factor(width, height, out_w, out_h, self.keep) if is_undecoded_jpeg(image) else 1
-        image, scale = decode_reduced(image, factor) if isinstance(image, Image.Image) else (image, 1.0)
-        if scale == 1.0:
-            return F.resized_crop(image, top, left, height, width, [out_h, out_w], interpolation)
-        box = (left / scale, top / scale, (left + width) / scale, (top + height) / scale)
-        return image.resize((out_w, out_h), F.pil_modes_mapping[interpolation], box=box)
+        if is_undecoded_jpeg(image) and interpolation in _TORCH_MODES:
+            out_h, out_w = self.size
+            factor = dct_factor(width, height, out_w, out_h, self.keep)
+            try:
+                pixels = decode_jpeg(image, factor, self.fast_decode)
+            except ValueError:
+                pass  # CMYK and the like: timm's path below
+            else:
+                image.close()
+                return resize_uint8(_crop(pixels, image.size, top, left, height, width), self.size,
+                                    _TORCH_MODES[interpolation])
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        return F.resized_crop(image, top, left, height, width, list(self.size), interpolation)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
-                f"interpolation={self.interpolation}, keep={self.keep})")
+                f"interpolation={self.interpolation}, keep={self.keep}, fast_decode={self.fast_decode})")
 
 
-def with_draft_crop(transform: transforms.Compose, keep: float = KEEP) -> transforms.Compose:
-    """timm's training Compose with its random-resized crop replaced by the draft crop (pair with lazy_loader)."""
+def _crop(pixels: np.ndarray, full_size: tuple[int, int], top: int, left: int, height: int,
+          width: int) -> np.ndarray:
+    """The crop box of the full-size image, taken from its reduced decode (rounded to decoded pixels)."""
+    scale_x, scale_y = full_size[0] / pixels.shape[1], full_size[1] / pixels.shape[0]
+    row, col = min(round(top / scale_y), pixels.shape[0] - 1), min(round(left / scale_x), pixels.shape[1] - 1)
+    rows = max(1, min(round(height / scale_y), pixels.shape[0] - row))
+    cols = max(1, min(round(width / scale_x), pixels.shape[1] - col))
+    return pixels[row:row + rows, col:col + cols]
+
+
+class NormalizedTensor:
+    """To-tensor and normalize in one pass: an RGB PIL image to a float CHW tensor, (x / 255 - mean) / std."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).view(3, 1, 1) * 255
+        self.inv_std = 1 / (torch.as_tensor(std, dtype=torch.float32).view(3, 1, 1) * 255)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        pixels = torch.from_numpy(np.array(image, dtype=np.uint8, copy=True)).permute(2, 0, 1).contiguous()
+        return pixels.float().sub_(self.mean).mul_(self.inv_std)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mean={(self.mean / 255).flatten().tolist()})"
+
+
+def fast_train_transform(transform: transforms.Compose, keep: float = KEEP) -> transforms.Compose:
+    """timm's training Compose with the fast crop and one-pass normalization (pair it with `lazy_loader`)."""
     steps = list(transform.transforms)
     index = next((i for i, step in enumerate(steps) if isinstance(step, RandomResizedCropAndInterpolation)), None)
     if index is None:
         raise ValueError("fast JPEG decoding needs a training transform with a random-resized crop; none found in "
                          f"{transform}. Turn data.fast_jpeg off for this transform.")
-    steps[index] = DraftRandomResizedCrop.from_timm(steps[index], keep)
-    if index > 0:  # steps before the crop would decode the image at full size: decode it first
+    steps[index] = FastRandomResizedCrop.from_timm(steps[index], keep)
+    for i in range(len(steps) - 1):
+        if isinstance(steps[i], MaybeToTensor) and isinstance(steps[i + 1], transforms.Normalize):
+            steps[i:i + 2] = [NormalizedTensor(steps[i + 1].mean, steps[i + 1].std)]
+            break
+    if index > 0:  # steps before the crop would need the pixels: decode the image first
         steps.insert(0, _decode_full)
     return transforms.Compose(steps)
 
 
 def _decode_full(image: Image.Image) -> Image.Image:
-    return decode_reduced(image, 1)[0]
+    image.load()
+    return image if image.mode == "RGB" else image.convert("RGB")
