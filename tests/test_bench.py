@@ -30,7 +30,11 @@ def test_quick_bench_writes_positive_figures_for_every_section(tmp_path, data_ca
                      ("compose_sweep_26", "ours"), ("transform_stage", "decode"),
                      ("transform_stage", "RandAugment"), ("speedup_bound", "decode_free")]:
         assert expected in names, expected
+    differences = {f["variant"]: f["value"] for f in result["figures"] if f["name"] == "fast_crop_pixel_difference"}
+    assert differences["full_scale"] < 1 < differences["reduced_scale"] < 20  # grey levels, against timm's crop
     for figure in result["figures"]:
+        if figure["name"] == "fast_crop_pixel_difference":
+            continue
         assert figure["value"] > 0 and figure["samples"] and all(v > 0 for v in figure["samples"]), figure
         assert figure["device"] and figure["command"] and isinstance(figure["settings"], dict), figure
     e2e = next(f for f in result["figures"] if f["name"] == "e2e_train")

@@ -200,6 +200,34 @@ def stage_costs(root: Path, transform: Callable, count: int, repeats: int = 2) -
     return best
 
 
+def crop_difference(root: Path, count: int, size: int = 224, seed: int = 0) -> dict[str, float]:
+    """How far the fast crop's pixels lie from timm's for the same random draws: mean |difference| in grey levels,
+    over crops decoded at full scale and over crops decoded reduced, and the share decoded reduced."""
+    import random
+
+    from PIL import Image
+    from timm.data.transforms import RandomResizedCropAndInterpolation
+
+    from deit_ablate.data.fast_jpeg import FastRandomResizedCrop, dct_factor
+
+    timm_crop = RandomResizedCropAndInterpolation(size, interpolation="bicubic")
+    fast_crop = FastRandomResizedCrop.from_timm(timm_crop)
+    differences: dict[bool, list[float]] = {False: [], True: []}
+    for index, path in enumerate(sorted((root / "train").glob("*/*.jpg"))[:count]):
+        with Image.open(path) as image:
+            random.seed(seed + index)
+            _, _, height, width = RandomResizedCropAndInterpolation.get_params(image, timm_crop.scale, timm_crop.ratio)
+            random.seed(seed + index)
+            expected = np.asarray(timm_crop(image.convert("RGB")), dtype=np.float32)
+        random.seed(seed + index)
+        got = np.asarray(fast_crop(lazy_loader(str(path))), dtype=np.float32)
+        differences[dct_factor(width, height, size, size) > 1].append(float(np.abs(got - expected).mean()))
+    total = len(differences[False]) + len(differences[True])
+    return {"full_scale": float(np.mean(differences[False])) if differences[False] else 0.0,
+            "reduced_scale": float(np.mean(differences[True])) if differences[True] else 0.0,
+            "reduced_share": len(differences[True]) / max(total, 1)}
+
+
 def speedup_bound(costs: dict[str, float], free: tuple[str, ...]) -> float:
     """Amdahl: how much faster the whole transform gets if the `free` stages cost nothing."""
     total = sum(costs.values())

@@ -165,6 +165,14 @@ def section_pipeline(s: Settings, report: Report) -> None:
     report.compare("input_pipeline", "ours", "timm_loader")
     report.compare("input_pipeline", "ours+fast_jpeg/1-process", "ours/1-process", target=1.5)
     _add_stage_costs(s, report, root, transform, count)
+    images = min(count, 48 if s.quick else 200)
+    difference = pipeline.crop_difference(root, images)
+    for variant in ("full_scale", "reduced_scale"):
+        report.add(Figure("fast_crop_pixel_difference", variant, difference[variant], "grey levels",
+                          report.device["summary"], f"{s.command}  (in-process: fast crop vs timm's, same draws)",
+                          {"images": images, "train_size": 224, "keep": "default"}, [difference[variant]],
+                          {"reduced_share": difference["reduced_share"],
+                           "what": "mean |fast - timm| over the crops decoded at this scale, before RandAugment"}))
 
 
 def _add_stage_costs(s: Settings, report: Report, root: Path, transform: Any, count: int) -> None:

@@ -5,15 +5,15 @@ filter, then converts and normalizes in two passes. Here (measured in docs/PERFO
 
 1. The loader only opens the file (`lazy_loader`). The crop's position and size are drawn first, from the
    header's size, by timm's own `get_params` (same RNG use). The JPEG is then decoded by libjpeg-turbo
-   (simplejpeg) with its fast integer DCT and fast chroma upsampling, at the coarsest power-of-two DCT scale
-   that still leaves the crop `keep` x the train size on each side (1/2, 1/4 and 1/8 cost less than a full
-   decode). With the default keep=0.5 a crop is decoded coarser only when it would be shrunk anyway.
+   (simplejpeg) at the coarsest power-of-two DCT scale that still leaves the crop `keep` x the train size on
+   each side (1/2, 1/4 and 1/8 cost less than a full decode). With the default keep=0.5 a crop is decoded
+   coarser only when it would be shrunk anyway.
 2. The crop is resized by torch's antialiased uint8 resize, the same filter as PIL's (within one grey level).
 3. To-tensor and normalize are one step.
 
-Anything else (PNGs, CMYK JPEGs, decoded images, nearest-neighbour interpolation) is decoded and cropped
-exactly as by timm. It changes pixels (fast DCT, nearest-neighbour chroma upsampling, decoding below the
-train size for large crops), so it is off by default.
+A crop decoded at full scale comes out within a grey level or two of timm's. Anything else (PNGs, CMYK JPEGs,
+decoded images, nearest-neighbour interpolation) is decoded and cropped exactly as by timm. Large crops are
+decoded below the train size and scaled up, which blurs them, so the path is off by default.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ def dct_factor(crop_w: int, crop_h: int, out_w: int, out_h: int, keep: float = K
     return 1
 
 
-def decode_jpeg(image: Image.Image, factor: int = 1, fast: bool = True) -> np.ndarray:
+def decode_jpeg(image: Image.Image, factor: int = 1) -> np.ndarray:
     """Decode a lazily opened RGB or greyscale JPEG at 1/factor of its size as an HxWx3 uint8 array.
 
-    `fast` selects libjpeg-turbo's fast integer DCT and fast chroma upsampling. Raises ValueError for a JPEG
-    libjpeg-turbo cannot turn into RGB (CMYK)."""
+    Raises ValueError for a JPEG libjpeg-turbo cannot turn into RGB (CMYK). libjpeg-turbo's fast DCT and fast
+    chroma upsampling are left off: about 5 % off the decode for 1-2 grey levels of error."""
     import simplejpeg  # only the fast path needs it
 
     if image.mode not in ("RGB", "L"):
@@ -68,8 +68,8 @@ def decode_jpeg(image: Image.Image, factor: int = 1, fast: bool = True) -> np.nd
     image.fp.seek(0)  # the file PIL opened for the header
     data = image.fp.read()
     width, height = image.size
-    return simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=fast, fastupsample=fast,
-                                  min_width=-(-width // factor), min_height=-(-height // factor))
+    return simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-width // factor),
+                                  min_height=-(-height // factor))
 
 
 def resize_uint8(pixels: np.ndarray, size: tuple[int, int], mode: str = "bicubic") -> Image.Image:
@@ -85,10 +85,10 @@ class FastRandomResizedCrop:
 
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), interpolation=F.InterpolationMode.BICUBIC,
-                 keep: float = KEEP, fast_decode: bool = True) -> None:
+                 keep: float = KEEP) -> None:
         self.size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
         self.scale, self.ratio, self.interpolation = tuple(scale), tuple(ratio), interpolation
-        self.keep, self.fast_decode = keep, fast_decode
+        self.keep = keep
 
     @classmethod
     def from_timm(cls, crop: RandomResizedCropAndInterpolation, keep: float = KEEP) -> FastRandomResizedCrop:
@@ -105,7 +105,7 @@ class FastRandomResizedCrop:
             out_h, out_w = self.size
             factor = dct_factor(width, height, out_w, out_h, self.keep)
             try:
-                pixels = decode_jpeg(image, factor, self.fast_decode)
+                pixels = decode_jpeg(image, factor)
             except ValueError:
                 pass  # CMYK and the like: timm's path below
             else:
@@ -118,7 +118,7 @@ class FastRandomResizedCrop:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
-                f"interpolation={self.interpolation}, keep={self.keep}, fast_decode={self.fast_decode})")
+                f"interpolation={self.interpolation}, keep={self.keep})")
 
 
 def _crop(pixels: np.ndarray, full_size: tuple[int, int], top: int, left: int, height: int,
