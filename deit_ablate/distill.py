@@ -333,28 +333,6 @@ def teacher_forward(teacher: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
-class TeacherWrapper(nn.Module):
-    """A frozen teacher whose forward is ``teacher_forward``; it stays in eval mode under ``.train()``."""
-
-    def __init__(self, teacher: nn.Module) -> None:
-        """Wrap and freeze the teacher."""
-        super().__init__()
-        self.teacher = teacher.eval().requires_grad_(False)
-
-    def train(self, mode: bool = True) -> TeacherWrapper:
-        """Ignore train mode: the teacher always runs in eval mode."""
-        super().train(False)
-        return self
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Float32 teacher logits."""
-        return teacher_forward(self.teacher, images)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Position embeddings
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Wiring into a run
 

@@ -139,8 +139,8 @@ class NormalizedTensor:
         self.inv_std = 1 / (torch.as_tensor(std, dtype=torch.float32).view(3, 1, 1) * 255)
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
-        pixels = torch.from_numpy(np.array(image, dtype=np.uint8, copy=True)).permute(2, 0, 1).contiguous()
-        return pixels.float().sub_(self.mean).mul_(self.inv_std)
+        planes = torch.from_numpy(np.stack([np.asarray(band) for band in image.split()]))  # 3 x H x W uint8
+        return planes.float().sub_(self.mean).mul_(self.inv_std)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mean={(self.mean / 255).flatten().tolist()})"
