@@ -10,6 +10,8 @@ import pytest
 import torch
 from PIL import Image
 from timm.data.transforms import RandomResizedCropAndInterpolation
+from torchvision import transforms
+from torchvision.transforms import functional as F
 
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.datasets import build_dataset
@@ -94,6 +96,25 @@ def test_small_crops_of_a_jpeg_keep_full_resolution_and_timms_pixels(images, int
     _assert_crops_like_timm(images["jpeg"], timm_crop, 3, 2)  # torch's resize: within a level or two of PIL's
 
 
+def test_the_flip_folded_into_the_crop_draws_and_flips_like_timms_flip(images):
+    timm_steps = transforms.Compose([RandomResizedCropAndInterpolation(224, scale=(0.08, 0.1)),
+                                     transforms.RandomHorizontalFlip(0.5)])
+    fast = FastRandomResizedCrop(224, scale=(0.08, 0.1), interpolation=F.InterpolationMode.BILINEAR, hflip=0.5)
+    flipped = 0
+    for seed in range(6):
+        random.seed(seed)
+        torch.manual_seed(seed)
+        expected = _pixels(timm_steps(Image.open(images["jpeg"]).convert("RGB")))
+        random.seed(seed)
+        torch.manual_seed(seed)
+        got = _pixels(fast(lazy_loader(str(images["jpeg"]))))
+        assert np.abs(got - expected).max() <= 2
+        random.seed(seed)
+        unflipped = _pixels(timm_steps.transforms[0](Image.open(images["jpeg"]).convert("RGB")))
+        flipped += int(np.abs(got - unflipped).max() > 2)
+    assert 0 < flipped < 6  # both outcomes of the draw were seen
+
+
 def test_large_crops_are_decoded_reduced_and_still_come_out_at_train_size(images):
     out = FastRandomResizedCrop(224, scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3))(lazy_loader(str(images["jpeg"])))
     assert out.size == (224, 224) and out.mode == "RGB"
@@ -122,7 +143,8 @@ def test_the_full_deit_train_transform_with_the_fast_path(images, reprob):
     cfg = compose_config(["resolution=224px", f"augment.reprob={reprob}"])
     transform = fast_train_transform(build_train_transform(cfg))
     kinds = [type(step).__name__ for step in transform.transforms]
-    assert kinds[0] == "FastRandomResizedCrop" and "NormalizedTensor" in kinds and "Normalize" not in kinds
+    assert kinds[0] == "FastRandomResizedCrop" and transform.transforms[0].hflip == 0.5
+    assert "RandomHorizontalFlip" not in kinds and "NormalizedTensor" in kinds and "Normalize" not in kinds
     mean, std = torch.tensor(cfg.data.mean), torch.tensor(cfg.data.std)
     low, high = float((-mean / std).min()), float(((1 - mean) / std).max())
     for seed in range(8):

@@ -8,7 +8,8 @@ filter, then converts and normalizes in two passes. Here (measured in docs/PERFO
    (simplejpeg) at the coarsest power-of-two DCT scale that still leaves the crop `keep` x the train size on
    each side (1/2, 1/4 and 1/8 cost less than a full decode). With the default keep=0.5 a crop is decoded
    coarser only when it would be shrunk anyway.
-2. The crop is resized by torch's antialiased uint8 resize, the same filter as PIL's (within one grey level).
+2. The crop is flipped (when the flip that follows it in timm's transform says so) and resized by torch's
+   antialiased uint8 resize, the same filter as PIL's (within one grey level).
 3. To-tensor and normalize are one step.
 
 A crop decoded at full scale comes out within a grey level or two of timm's. Anything else (PNGs, CMYK JPEGs,
@@ -81,19 +82,23 @@ def resize_uint8(pixels: np.ndarray, size: tuple[int, int], mode: str = "bicubic
 
 
 class FastRandomResizedCrop:
-    """timm's random-resized crop (same parameter draw), decoding a lazily opened JPEG only as finely as needed."""
+    """timm's random-resized crop (same parameter draw), decoding a lazily opened JPEG only as finely as needed.
+
+    With hflip > 0 it is also the horizontal flip that follows the crop in timm's transform (the same torch draw,
+    taken after the crop's): flipping the crop before it is resized costs nothing."""
 
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), interpolation=F.InterpolationMode.BICUBIC,
-                 keep: float = KEEP) -> None:
+                 keep: float = KEEP, hflip: float = 0.0) -> None:
         self.size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
         self.scale, self.ratio, self.interpolation = tuple(scale), tuple(ratio), interpolation
-        self.keep = keep
+        self.keep, self.hflip = keep, hflip
 
     @classmethod
-    def from_timm(cls, crop: RandomResizedCropAndInterpolation, keep: float = KEEP) -> FastRandomResizedCrop:
-        """The fast crop with the settings of timm's crop."""
-        return cls(crop.size, crop.scale, crop.ratio, crop.interpolation, keep)
+    def from_timm(cls, crop: RandomResizedCropAndInterpolation, keep: float = KEEP,
+                  hflip: float = 0.0) -> FastRandomResizedCrop:
+        """The fast crop with the settings of timm's crop (and the probability of the flip after it)."""
+        return cls(crop.size, crop.scale, crop.ratio, crop.interpolation, keep, hflip)
 
     def __call__(self, image: Image.Image) -> Image.Image:
         """Crop and resize to `size`; an RGB or greyscale JPEG not yet decoded takes the fast path."""
@@ -101,6 +106,7 @@ class FastRandomResizedCrop:
         interpolation = self.interpolation
         if isinstance(interpolation, (tuple, list)):
             interpolation = random.choice(interpolation)
+        flip = self.hflip > 0 and bool(torch.rand(1) < self.hflip)  # torchvision's RandomHorizontalFlip draw
         if is_undecoded_jpeg(image) and interpolation in _TORCH_MODES:
             out_h, out_w = self.size
             factor = dct_factor(width, height, out_w, out_h, self.keep)
@@ -110,15 +116,16 @@ class FastRandomResizedCrop:
                 pass  # CMYK and the like: timm's path below
             else:
                 image.close()
-                return resize_uint8(_crop(pixels, image.size, top, left, height, width), self.size,
-                                    _TORCH_MODES[interpolation])
+                crop = _crop(pixels, image.size, top, left, height, width)
+                return resize_uint8(crop[:, ::-1] if flip else crop, self.size, _TORCH_MODES[interpolation])
         if image.mode != "RGB":
             image = image.convert("RGB")
-        return F.resized_crop(image, top, left, height, width, list(self.size), interpolation)
+        resized = F.resized_crop(image, top, left, height, width, list(self.size), interpolation)
+        return F.hflip(resized) if flip else resized
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
-                f"interpolation={self.interpolation}, keep={self.keep})")
+                f"interpolation={self.interpolation}, keep={self.keep}, hflip={self.hflip})")
 
 
 def _crop(pixels: np.ndarray, full_size: tuple[int, int], top: int, left: int, height: int,
@@ -147,13 +154,17 @@ class NormalizedTensor:
 
 
 def fast_train_transform(transform: transforms.Compose, keep: float = KEEP) -> transforms.Compose:
-    """timm's training Compose with the fast crop and one-pass normalization (pair it with `lazy_loader`)."""
+    """timm's training Compose with the fast crop (and flip) and one-pass normalization (pair with `lazy_loader`)."""
     steps = list(transform.transforms)
     index = next((i for i, step in enumerate(steps) if isinstance(step, RandomResizedCropAndInterpolation)), None)
     if index is None:
         raise ValueError("fast JPEG decoding needs a training transform with a random-resized crop; none found in "
                          f"{transform}. Turn data.fast_jpeg off for this transform.")
-    steps[index] = FastRandomResizedCrop.from_timm(steps[index], keep)
+    flip = steps[index + 1] if index + 1 < len(steps) else None
+    if isinstance(flip, transforms.RandomHorizontalFlip):
+        steps[index:index + 2] = [FastRandomResizedCrop.from_timm(steps[index], keep, hflip=flip.p)]
+    else:
+        steps[index] = FastRandomResizedCrop.from_timm(steps[index], keep)
     for i in range(len(steps) - 1):
         if isinstance(steps[i], MaybeToTensor) and isinstance(steps[i + 1], transforms.Normalize):
             steps[i:i + 2] = [NormalizedTensor(steps[i + 1].mean, steps[i + 1].std)]
