@@ -42,6 +42,7 @@ class Trainer:
     ema: ModelEmaV3 | None = None
     amp_dtype: torch.dtype | None = None
     clip_grad: float | None = None
+    batch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None  # on the device, before Mixup (fast_jpeg)
     log_interval: int = 10
     step: int = 0
     on_log: Callable[[dict, int], None] = field(default=lambda metrics, step: None)
@@ -92,6 +93,8 @@ class Trainer:
                 break
             images = images.to(self.info.device, non_blocking=True)
             targets = targets.to(self.info.device, non_blocking=True)
+            if self.batch_transform is not None:
+                images = self.batch_transform(images)
             loss = self.train_step(images, targets)
             loss_sum += loss
             window_loss += loss

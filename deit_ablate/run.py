@@ -18,7 +18,7 @@ from timm.utils import ModelEmaV3
 from deit_ablate import checkpoint as ckpt
 from deit_ablate.data.datasets import build_dataset, dataset_root
 from deit_ablate.data.loader import ShardSampler, SkipFirst, build_loader, build_train_sampler, set_sampler_epoch
-from deit_ablate.data.transforms import build_eval_transform, build_train_transform
+from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
 from deit_ablate.distill import TOKEN_KINDS, DistillationLoss, build_teacher, teacher_forward
 from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, init_distributed
 from deit_ablate.engine import Diverged, Trainer, evaluate
@@ -82,7 +82,8 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     root = dataset_root(cfg) if info.is_main else None
     barrier(info)
     root = dataset_root(cfg) if root is None else root
-    train_set = build_dataset(cfg, "train", build_train_transform(cfg), root)
+    train_transform, batch_transform = build_train_pipeline(cfg)
+    train_set = build_dataset(cfg, "train", train_transform, root)
     val_set = build_dataset(cfg, "val", build_eval_transform(cfg), root)
     train_sampler = build_train_sampler(train_set, cfg.augment.repeated_aug, info.world_size, info.rank, cfg.seed)
     train_loader = build_loader(train_set, train_sampler, plan.per_rank_batch, cfg, train=True)
@@ -116,7 +117,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     loss_fn = build_loss_fn(cfg, module, criterion, info.device)
 
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
-                      accum_steps=plan.accum_steps, mixup=mixup, ema=ema,
+                      accum_steps=plan.accum_steps, mixup=mixup, ema=ema, batch_transform=batch_transform,
                       amp_dtype=amp_dtype(cfg.train.amp, info.device),
                       clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.train.log_interval)
     return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan)

@@ -87,6 +87,9 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     if cfg.train.cpu_threads is not None and cfg.train.cpu_threads < 1:
         raise ConfigError(f"train.cpu_threads={cfg.train.cpu_threads} must be >= 1, or null for torch's default "
                           "(one thread per core).")
+    if cfg.data.fast_jpeg and cfg.augment.no_aug:
+        raise ConfigError("data.fast_jpeg speeds up the random-resized crop, which augment.no_aug=true turns off. "
+                          "Set data.fast_jpeg=false.")
     if cfg.augment.repeated_aug < 1:
         raise ConfigError(f"augment.repeated_aug={cfg.augment.repeated_aug}: the number of copies must be >= 1 "
                           "(1 turns repeated augmentation off).")

@@ -1,4 +1,4 @@
-"""The opt-in fast JPEG path: reduced fast decoding for large crops, torch's resize, one-pass normalization."""
+"""The opt-in fast JPEG path: reduced decoding for large crops, torch's resize, normalization per batch."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms
 from torchvision.transforms import functional as F
@@ -16,15 +17,18 @@ from torchvision.transforms import functional as F
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.fast_jpeg import (
+    BatchNormalize,
     FastRandomResizedCrop,
-    NormalizedTensor,
     dct_factor,
     decode_jpeg,
     fast_train_transform,
     lazy_loader,
     resize_uint8,
+    to_uint8_planes,
 )
-from deit_ablate.data.transforms import build_eval_transform, build_train_transform
+from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline, build_train_transform
+from deit_ablate.errors import ConfigError
+from deit_ablate.validate import validate_config
 from tests.conftest import TINY, compose_config, run_train
 
 
@@ -129,37 +133,55 @@ def test_greyscale_jpegs_come_out_rgb(images):
     assert (channels[..., 0] == channels[..., 1]).all() and (channels[..., 1] == channels[..., 2]).all()
 
 
-def test_one_pass_normalization_equals_to_tensor_then_normalize(images):
+def test_batch_normalization_equals_timms_to_tensor_then_normalize(images):
     cfg = compose_config(["resolution=224px"])
     steps = build_train_transform(cfg).transforms
     to_tensor, normalize = steps[-3], steps[-2]
-    picture = Image.open(images["png"]).convert("RGB")
-    ours = NormalizedTensor(normalize.mean, normalize.std)(picture)
-    assert ours.dtype == torch.float32 and torch.allclose(ours, normalize(to_tensor(picture)), atol=1e-5)
+    pictures = [Image.open(images[kind]).convert("RGB") for kind in ("png", "jpeg")]
+    batch = torch.stack([to_uint8_planes(picture) for picture in pictures])
+    assert batch.dtype == torch.uint8 and batch.shape == (2, 3, 375, 500)
+    expected = torch.stack([normalize(to_tensor(picture)) for picture in pictures])
+    ours = BatchNormalize(normalize.mean, normalize.std)(batch)
+    assert ours.dtype == torch.float32 and torch.allclose(ours, expected, atol=1e-5)
+
+
+def test_batch_random_erasing_erases_a_part_of_every_image():
+    plain = BatchNormalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    erasing = BatchNormalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25), RandomErasing(1.0, mode="pixel", device="cpu"))
+    batch = torch.full((4, 3, 32, 32), 128, dtype=torch.uint8)
+    torch.manual_seed(0)
+    random.seed(0)
+    erased, untouched = erasing(batch), plain(batch)
+    for image, reference in zip(erased, untouched, strict=True):
+        changed = (image != reference).any(dim=0)
+        assert 0 < changed.float().mean() < 1  # a rectangle of N(0, 1) pixels, the rest as it was
 
 
 @pytest.mark.parametrize("reprob", [0.0, 1.0])
 def test_the_full_deit_train_transform_with_the_fast_path(images, reprob):
-    cfg = compose_config(["resolution=224px", f"augment.reprob={reprob}"])
-    transform = fast_train_transform(build_train_transform(cfg))
+    cfg = compose_config(["resolution=224px", f"augment.reprob={reprob}", "data.fast_jpeg=true"])
+    transform, batch_step = build_train_pipeline(cfg)
     kinds = [type(step).__name__ for step in transform.transforms]
     assert kinds[0] == "FastRandomResizedCrop" and transform.transforms[0].hflip == 0.5
-    assert "RandomHorizontalFlip" not in kinds and "NormalizedTensor" in kinds and "Normalize" not in kinds
+    assert not {"RandomHorizontalFlip", "MaybeToTensor", "Normalize", "RandomErasing"} & set(kinds)
+    assert (batch_step.erasing is not None) == (reprob > 0)
     mean, std = torch.tensor(cfg.data.mean), torch.tensor(cfg.data.std)
     low, high = float((-mean / std).min()), float(((1 - mean) / std).max())
-    for seed in range(8):
-        random.seed(seed)
-        torch.manual_seed(seed)
-        out = transform(lazy_loader(str(images["jpeg"])))
-        assert out.shape == (3, 224, 224) and out.dtype == torch.float32 and torch.isfinite(out).all()
-        if reprob == 0:
-            assert low - 1e-5 <= out.min() and out.max() <= high + 1e-5
-        else:  # erased pixels are N(0, 1) draws
-            assert out.abs().max() < 10
+    random.seed(0)
+    torch.manual_seed(0)
+    per_image = [transform(lazy_loader(str(images["jpeg"]))) for _ in range(8)]
+    assert all(image.shape == (3, 224, 224) and image.dtype == torch.uint8 for image in per_image)
+    out = batch_step(torch.stack(per_image))
+    assert out.shape == (8, 3, 224, 224) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    if reprob == 0:
+        assert low - 1e-5 <= out.min() and out.max() <= high + 1e-5
+    else:  # erased pixels are N(0, 1) draws
+        assert out.abs().max() < 10
+    assert build_train_pipeline(compose_config(["resolution=224px"]))[1] is None  # off by default
 
 
 def test_a_transform_without_a_random_resized_crop_is_refused():
-    with pytest.raises(ValueError, match="random-resized crop"):
+    with pytest.raises(ValueError, match="random-resized crop and a normalization"):
         fast_train_transform(build_eval_transform(compose_config(["resolution=224px"])))
 
 
@@ -175,9 +197,14 @@ def test_train_py_trains_on_jpegs_with_the_fast_path_and_workers(tmp_path, data_
         "data=imagefolder", f"data.root={tmp_path / 'jpegs'}", "data.num_classes=2", "data.fast_jpeg=true",
         "data.num_workers=2", "train.global_batch=8", "train.max_steps=3"]
     cfg = compose_config(args)
-    dataset = build_dataset(cfg, "train", build_train_transform(cfg))
+    dataset = build_dataset(cfg, "train", build_train_pipeline(cfg)[0])
     assert dataset.loader is lazy_loader and isinstance(dataset.transform.transforms[0], FastRandomResizedCrop)
     assert build_dataset(cfg, "val", build_eval_transform(cfg)).loader is not lazy_loader
     run_train(args, tmp_path, data_cache)
     result = json.loads(next((tmp_path / "outputs" / "runs").glob("*/result.json")).read_text())
     assert result["status"] == "finished" and result["steps_done"] == 3
+
+
+def test_fast_jpeg_with_augmentation_off_is_a_config_error():
+    with pytest.raises(ConfigError, match="augment.no_aug=true"):
+        validate_config(compose_config(["data.fast_jpeg=true", "augment.no_aug=true"]))

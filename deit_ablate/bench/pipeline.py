@@ -59,11 +59,12 @@ def ensure_jpeg_set(count: int, root: Path | None = None, seed: int = 0) -> Path
     return target
 
 
-def jpeg_dataset(root: Path, transform: Callable, fast: bool) -> Dataset:
-    """The JPEG set with our training transform; `fast` pairs the lazy loader with the draft crop."""
+def jpeg_dataset(root: Path, transform: Callable, fast: bool) -> tuple[Dataset, Callable | None]:
+    """The JPEG set with our training transform, and the per-batch step the trainer adds (fast path only)."""
     if fast:
-        return ImageFolder(str(root / "train"), transform=fast_train_transform(transform), loader=lazy_loader)
-    return ImageFolder(str(root / "train"), transform=transform)
+        per_image, per_batch = fast_train_transform(transform)
+        return ImageFolder(str(root / "train"), transform=per_image, loader=lazy_loader), per_batch
+    return ImageFolder(str(root / "train"), transform=transform), None
 
 
 def timm_loader(root: Path, cfg, batch: int, workers: int) -> DataLoader:
@@ -80,24 +81,36 @@ def timm_loader(root: Path, cfg, batch: int, workers: int) -> DataLoader:
                          device=torch.device("cpu"), pin_memory=False, persistent_workers=True)
 
 
-def our_loader(cfg, dataset: Dataset, batch: int) -> DataLoader:
-    """Our DataLoader (data.loader.build_loader) over our training sampler, as run.py builds it."""
+def our_loader(cfg, dataset: Dataset, batch: int, batch_step: Callable | None = None,
+               device: torch.device | None = None) -> Loader:
+    """Our DataLoader (data.loader.build_loader) over our training sampler, as run.py builds it; each batch is
+    moved to `device` and given the trainer's per-batch step, as train_epoch does (this counts as pipeline time)."""
     sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0, cfg.seed)
     set_sampler_epoch(sampler, 0, cfg.seed)
-    return build_loader(dataset, sampler, batch, cfg, train=True)
+    return Loader(build_loader(dataset, sampler, batch, cfg, train=True), batch_step, device or torch.device("cpu"))
 
 
-class OneThread:
-    """A loader iterated with torch held to one intra-op thread, as inside a DataLoader worker."""
+class Loader:
+    """A DataLoader, the copy to the device and the per-batch step, iterated with `threads` torch threads if set."""
 
-    def __init__(self, loader: DataLoader) -> None:
-        self.loader = loader
+    def __init__(self, loader: DataLoader, batch_step: Callable | None, device: torch.device,
+                 threads: int | None = None) -> None:
+        self.loader, self.batch_step, self.device, self.threads = loader, batch_step, device, threads
+
+    def one_thread(self) -> Loader:
+        """The same loader, iterated with one torch thread, as inside a DataLoader worker."""
+        return Loader(self.loader, self.batch_step, self.device, threads=1)
 
     def __iter__(self):
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         try:
-            yield from self.loader
+            for images, targets in self.loader:
+                images = images.to(self.device, non_blocking=True)
+                yield (self.batch_step(images) if self.batch_step is not None else images), targets
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
         finally:
             torch.set_num_threads(threads)
 

@@ -137,17 +137,20 @@ def section_pipeline(s: Settings, report: Report) -> None:
     overrides = ["resolution=224px", f"data.num_workers={workers}", f"data.root={builtin_root(s)}"]
     cfg = compose_run(overrides)
     transform = pipeline.transform_for(cfg)
-    loaders: dict[str, Any] = {
-        "ours": pipeline.our_loader(cfg, pipeline.jpeg_dataset(root, transform, fast=False), batch),
-        "ours+fast_jpeg": pipeline.our_loader(cfg, pipeline.jpeg_dataset(root, transform, fast=True), batch),
-    }
+    def loader(config, fast: bool) -> pipeline.Loader:
+        dataset, batch_step = pipeline.jpeg_dataset(root, transform, fast)
+        return pipeline.our_loader(config, dataset, batch, batch_step, s.device)
+
+    loaders: dict[str, Any] = {"ours": loader(cfg, False), "ours+fast_jpeg": loader(cfg, True)}
+    if s.device.type == "cpu" and not s.quick:  # what the workers deliver when the per-batch step runs on a GPU
+        fast = loaders["ours+fast_jpeg"]
+        loaders["ours+fast_jpeg/no-batch-step"] = pipeline.Loader(fast.loader, None, fast.device)
     if s.timm_train is not None and not s.quick:
         loaders["timm_loader"] = pipeline.timm_loader(root, cfg, batch, workers)
     if not s.quick and workers > 0:
         single = compose_run([*overrides[:1], "data.num_workers=0", overrides[2]])
         for name, fast in (("ours/1-process", False), ("ours+fast_jpeg/1-process", True)):  # one core, as a worker
-            loaders[name] = pipeline.OneThread(pipeline.our_loader(single, pipeline.jpeg_dataset(root, transform, fast),
-                                                                   batch))
+            loaders[name] = loader(single, fast).one_thread()
     results = pipeline.alternate_loaders(loaders, 1 if s.quick else s.repeats, log=_log)
     for name, rows in results.items():
         n_workers = 0 if name.endswith("1-process") else workers
@@ -156,7 +159,9 @@ def section_pipeline(s: Settings, report: Report) -> None:
         settings = {"images": str(root), "image_size": f"{pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT} JPEG q90",
                     "train_size": 224, "batch": batch, "workers": n_workers, "transform": "DeiT: RRC, flip, "
                     "rand-m9-mstd0.5-inc1, normalize, random erasing 0.25 pixel", "overrides": overrides,
-                    "loader": "timm create_loader, prefetcher" if name == "timm_loader" else "our build_loader"}
+                    "loader": "timm create_loader, prefetcher" if name == "timm_loader" else "our build_loader"
+                    + (" + BatchNormalize on the batch in this process" if name.startswith("ours+fast_jpeg")
+                       and not name.endswith("no-batch-step") else "")}
         report.add(Figure("input_pipeline", name, value, "images/s", report.device["summary"],
                           f"{s.command}  (in-process: DataLoader over {count} JPEGs)", settings, samples,
                           {"per_worker_images_per_s": value / max(n_workers, 1),
@@ -164,6 +169,7 @@ def section_pipeline(s: Settings, report: Report) -> None:
     report.compare("input_pipeline", "ours+fast_jpeg", "ours", target=1.5)
     report.compare("input_pipeline", "ours", "timm_loader")
     report.compare("input_pipeline", "ours+fast_jpeg/1-process", "ours/1-process", target=1.5)
+    report.compare("input_pipeline", "ours+fast_jpeg/no-batch-step", "ours")
     _add_stage_costs(s, report, root, transform, count)
     images = min(count, 48 if s.quick else 200)
     difference = pipeline.crop_difference(root, images)

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR100, ImageFolder
 
 from deit_ablate.data.builtin import ensure_builtin_dataset
-from deit_ablate.data.fast_jpeg import fast_train_transform, lazy_loader
+from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.errors import ConfigError
 
 # A truncated JPEG is decoded as far as it goes instead of killing an epoch; the count is in the logs.
@@ -62,7 +62,7 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
                 "torchvision.datasets.CIFAR100(root, download=True) on a machine with internet."
             ) from error
     elif cfg.data.fast_jpeg and split == "train":
-        dataset = ImageFolder(str(root / split), transform=fast_train_transform(transform), loader=lazy_loader)
+        dataset = ImageFolder(str(root / split), transform=transform, loader=lazy_loader)  # the crop decodes
     else:
         dataset = ImageFolder(str(root / split), transform=transform)
     num_classes = len(dataset.classes)

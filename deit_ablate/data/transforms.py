@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from omegaconf import DictConfig
 from timm.data import create_transform
+
+from deit_ablate.data.fast_jpeg import fast_train_transform
 
 
 def build_train_transform(cfg: DictConfig) -> Callable:
@@ -26,6 +29,14 @@ def build_train_transform(cfg: DictConfig) -> Callable:
         mean=tuple(cfg.data.mean),
         std=tuple(cfg.data.std),
     )
+
+
+def build_train_pipeline(cfg: DictConfig) -> tuple[Callable, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """The per-image training transform and, with data.fast_jpeg, the per-batch step the trainer runs on the device."""
+    transform = build_train_transform(cfg)
+    if not cfg.data.fast_jpeg:
+        return transform, None
+    return fast_train_transform(transform)
 
 
 def build_eval_transform(cfg: DictConfig) -> Callable:
