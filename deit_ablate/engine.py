@@ -42,7 +42,7 @@ class Trainer:
     ema: ModelEmaV3 | None = None
     amp_dtype: torch.dtype | None = None
     clip_grad: float | None = None
-    batch_transform: Callable[[torch.Tensor], torch.Tensor] | None = None  # on the device, before Mixup (fast_jpeg)
+    batch_transform: Callable[..., torch.Tensor] | None = None  # (images, out=) on the device, before Mixup
     log_interval: int = 10
     step: int = 0
     on_log: Callable[[dict, int], None] = field(default=lambda metrics, step: None)
@@ -88,13 +88,15 @@ class Trainer:
         window_loss = torch.zeros((), device=self.info.device)
         steps_in_epoch, window_steps, window_images = 0, 0, 0
         window_start = time.perf_counter()
+        reused = None  # on CPU, the float batch of the per-batch step: a fresh 38 MB tensor per step costs page faults
         for images, targets in bar:
             if max_steps is not None and self.step >= max_steps:
                 break
             images = images.to(self.info.device, non_blocking=True)
             targets = targets.to(self.info.device, non_blocking=True)
             if self.batch_transform is not None:
-                images = self.batch_transform(images)
+                images = self.batch_transform(images, out=reused)
+                reused = images if images.device.type == "cpu" else None
             loss = self.train_step(images, targets)
             loss_sum += loss
             window_loss += loss

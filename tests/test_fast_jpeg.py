@@ -208,3 +208,12 @@ def test_train_py_trains_on_jpegs_with_the_fast_path_and_workers(tmp_path, data_
 def test_fast_jpeg_with_augmentation_off_is_a_config_error():
     with pytest.raises(ConfigError, match="augment.no_aug=true"):
         validate_config(compose_config(["data.fast_jpeg=true", "augment.no_aug=true"]))
+
+
+def test_batch_normalization_into_a_reused_tensor_gives_the_same_batch():
+    step = BatchNormalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    first, second = (torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8) for _ in range(2))
+    reused = step(first)
+    again = step(second, out=reused)
+    assert again.data_ptr() == reused.data_ptr() and torch.equal(again, step(second))
+    assert step(second[:1], out=reused).data_ptr() != reused.data_ptr()  # another shape: a new tensor

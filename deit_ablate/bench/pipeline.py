@@ -106,9 +106,13 @@ class Loader:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         try:
+            reused = None  # as Trainer.train_epoch does on CPU
             for images, targets in self.loader:
                 images = images.to(self.device, non_blocking=True)
-                yield (self.batch_step(images) if self.batch_step is not None else images), targets
+                if self.batch_step is not None:
+                    images = self.batch_step(images, out=reused)
+                    reused = images if images.device.type == "cpu" else None
+                yield images, targets
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
         finally:

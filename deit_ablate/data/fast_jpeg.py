@@ -158,9 +158,14 @@ class BatchNormalize:
         self.inv_std = 1 / (torch.as_tensor(std, dtype=torch.float32).view(1, 3, 1, 1) * 255)
         self.erasing = copy.copy(erasing)
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalize (and erase) a uint8 batch; `out`, a float tensor of its shape, is reused as the result."""
         mean, inv_std = self.mean.to(images.device), self.inv_std.to(images.device)
-        images = images.float().sub_(mean).mul_(inv_std)
+        if out is not None and out.shape == images.shape and out.device == images.device:
+            images = out.copy_(images)
+        else:
+            images = images.float()
+        images = images.sub_(mean).mul_(inv_std)
         if self.erasing is not None:
             self.erasing.device = images.device
             images = self.erasing(images)

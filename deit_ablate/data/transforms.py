@@ -31,7 +31,7 @@ def build_train_transform(cfg: DictConfig) -> Callable:
     )
 
 
-def build_train_pipeline(cfg: DictConfig) -> tuple[Callable, Callable[[torch.Tensor], torch.Tensor] | None]:
+def build_train_pipeline(cfg: DictConfig) -> tuple[Callable, Callable[..., torch.Tensor] | None]:
     """The per-image training transform and, with data.fast_jpeg, the per-batch step the trainer runs on the device."""
     transform = build_train_transform(cfg)
     if not cfg.data.fast_jpeg:
