@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 class DeitSlurmLauncher(SlurmLauncher):
     """Validate every run, then submit pre-training runs as an array and fine-tunes with afterok on them."""
 
+    def __call__(self, *args, **kwargs) -> JobReturn:
+        """One task of a submitted job; a requeued attempt first clears what a killed attempt left half-saved."""
+        _remove_stale_result_file()
+        return super().__call__(*args, **kwargs)
+
     def _executor(self):
         import submitit
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -90,3 +95,16 @@ class DeitSlurmLauncher(SlurmLauncher):
         # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
         # which resumes from its own latest checkpoint (deit_ablate/run.py).
         return [jobs[i].results()[0] for i in range(len(params))]
+
+
+def _remove_stale_result_file() -> None:
+    """Delete this task's `<result>.save_tmp`, left when an earlier attempt was killed while saving its result.
+
+    submitit refuses to save over it, so without this the requeued attempt trains to the end and then fails."""
+    import submitit
+
+    try:
+        result = submitit.JobEnvironment().paths.result_pickle
+    except (RuntimeError, KeyError):  # not inside a submitit job
+        return
+    result.with_suffix(result.suffix + ".save_tmp").unlink(missing_ok=True)
