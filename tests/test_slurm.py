@@ -76,6 +76,8 @@ def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_c
     assert checkpoint is not None, "the job never reached step 3"
     submitit_dir = tmp_path / "outputs" / "runs" / ".submitit"
     job_id = next(p.name for p in submitit_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    # What a task killed while saving its result leaves; the requeued attempt must not trip over it.
+    (submitit_dir / job_id / f"{job_id}_5_result.pkl.save_tmp").write_bytes(b"")
     try:
         subprocess.run(["scontrol", "requeue", job_id], check=True)
         output, _ = driver.communicate(timeout=900)
