@@ -36,8 +36,10 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int) -> torch
     )
 
 
-def compile_in_place(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile the model in place (state_dict keys unchanged); where it cannot, stay eager with a warning."""
+def compile_in_place(model: torch.nn.Module) -> bool:
+    """torch.compile the model in place (state_dict keys unchanged); where it cannot, stay eager with a warning.
+
+    Returns whether compilation was set up."""
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eagerly
@@ -45,7 +47,8 @@ def compile_in_place(model: torch.nn.Module) -> torch.nn.Module:
         model.compile()
     except Exception as error:  # noqa: BLE001 - any backend failure means: train eagerly
         warnings.warn(f"train.compile: torch.compile is unavailable here ({error}); training eagerly.", stacklevel=2)
-    return model
+        return False
+    return True
 
 
 def drop_path_rates(model: torch.nn.Module) -> list[float]:

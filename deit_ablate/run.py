@@ -56,11 +56,10 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def set_cpu_threads(threads: int | None, device: torch.device) -> int:
-    """Hold torch to `threads` intra-op threads on a CPU run (None keeps torch's default); returns the count."""
+def set_cpu_threads(threads: int | None, device: torch.device) -> None:
+    """Hold torch to `threads` intra-op threads on a CPU run (None keeps torch's default)."""
     if threads is not None and device.type == "cpu":
         torch.set_num_threads(threads)
-    return torch.get_num_threads()
 
 
 @dataclass

@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 from deit_ablate.bench import suite
-from deit_ablate.bench.env import describe, pick_device
+from deit_ablate.bench.env import describe
 from deit_ablate.bench.pipeline import cache_root
 from deit_ablate.bench.report import Report
+from deit_ablate.distributed import choose_device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def settings_from(args: argparse.Namespace, argv: list[str]) -> suite.Settings:
     """Settings for this invocation; model and size follow the device unless given."""
-    device = pick_device(args.device)
+    device = choose_device(args.device, local_rank=0)
     gpu = device.type == "cuda"
     if args.timm_train is not None and not args.timm_train.is_file():
         sys.exit(f"--timm-train {args.timm_train}: no such file. See deit_ablate/bench/timm_ref.py to get it.")

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-
-
-def pick_device(requested: str = "auto") -> torch.device:
-    """`auto`: the first GPU when there is one, else the CPU."""
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
 
 
 def cpu_name() -> str:
@@ -48,6 +43,18 @@ def describe(device: torch.device) -> dict[str, Any]:
     else:
         info["summary"] = f"CPU {info['cpu']}, {cores} cores, torch {torch.__version__}"
     return info
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Hold torch to `threads` intra-op threads inside the block (None: leave them as they are)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def synchronize(device: torch.device) -> None:

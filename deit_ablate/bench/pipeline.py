@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 
+from deit_ablate.bench.env import synchronize, torch_threads
 from deit_ablate.data.builtin import CLASSES, draw_image
 from deit_ablate.data.fast_jpeg import fast_train_transform, lazy_loader
 from deit_ablate.data.loader import build_loader, build_train_sampler, set_sampler_epoch
@@ -102,10 +103,7 @@ class Loader:
         return Loader(self.loader, self.batch_step, self.device, threads=1)
 
     def __iter__(self):
-        threads = torch.get_num_threads()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
-        try:
+        with torch_threads(self.threads):
             reused = None  # as Trainer.train_epoch does on CPU
             for images, targets in self.loader:
                 images = images.to(self.device, non_blocking=True)
@@ -113,10 +111,7 @@ class Loader:
                     images = self.batch_step(images, out=reused)
                     reused = images if images.device.type == "cpu" else None
                 yield images, targets
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-        finally:
-            torch.set_num_threads(threads)
+                synchronize(self.device)
 
 
 def epoch_rate(loader, max_batches: int | None = None) -> dict[str, float]:
@@ -197,9 +192,7 @@ def stage_costs(root: Path, transform: Callable, count: int, repeats: int = 2) -
     steps = list(getattr(transform, "transforms", [transform]))
     names = ["decode", *(type(step).__name__ for step in steps)]
     best = dict.fromkeys(names, float("inf"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         for _ in range(repeats):
             totals = dict.fromkeys(names, 0.0)
             for path in files:
@@ -212,8 +205,6 @@ def stage_costs(root: Path, transform: Callable, count: int, repeats: int = 2) -
                     value = step(value)
                     totals[name] += time.perf_counter() - start
             best = {name: min(best[name], 1e3 * totals[name] / len(files)) for name in names}
-    finally:
-        torch.set_num_threads(threads)
     return best
 
 

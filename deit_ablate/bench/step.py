@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from deit_ablate.bench.env import synchronize
+from deit_ablate.bench.env import synchronize, torch_threads
 from deit_ablate.distributed import DistInfo
 from deit_ablate.engine import Trainer
+from deit_ablate.models import compile_in_place
 from deit_ablate.run import build_pieces, seed_everything
 from deit_ablate.validate import plan_batch
 
@@ -53,34 +54,16 @@ def build_trainer(cfg, device: torch.device, optimizer_impl: str = "default", co
     return StepSetup(trainer, images, targets, batch, compiled, threads)
 
 
-def compile_in_place(model: torch.nn.Module) -> bool:
-    """torch.compile the module's forward in place (state_dict keys unchanged); False if it cannot be set up."""
-    import torch._dynamo
-
-    torch._dynamo.config.suppress_errors = True  # a backend that cannot compile falls back to eager, with a warning
-    try:
-        model.compile()
-    except Exception as error:  # noqa: BLE001 - any failure means eager
-        warnings.warn(f"torch.compile unavailable ({error}); running eager", stacklevel=2)
-        return False
-    return True
-
-
 def run_steps(setup: StepSetup, steps: int) -> float:
     """Seconds for `steps` optimizer steps, the device drained before and after."""
     device = setup.images.device
-    threads = torch.get_num_threads()
-    if setup.threads is not None:
-        torch.set_num_threads(setup.threads)
-    try:
+    with torch_threads(setup.threads):
         synchronize(device)
         start = time.perf_counter()
         for _ in range(steps):
             setup.trainer.train_step(setup.images.clone(), setup.targets)
         synchronize(device)
         return time.perf_counter() - start
-    finally:
-        torch.set_num_threads(threads)
 
 
 def alternate(setups: dict[str, StepSetup], steps: int, repeats: int, warmup: int) -> dict[str, list[float]]:
