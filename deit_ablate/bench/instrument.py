@@ -14,6 +14,7 @@ import time
 
 from timm.data.mixup import Mixup
 
+from deit_ablate.bench.env import synchronize
 from deit_ablate.engine import Trainer
 
 
@@ -36,10 +37,7 @@ def install(out_path: str) -> None:
         mixup_seconds[0] = 0.0
         enter = time.time()
         loss = original_step(self, images, targets)
-        if self.info.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(self.info.device)  # attribute GPU time to the step that queued it
+        synchronize(self.info.device)  # attribute GPU time to the step that queued it
         out.write(json.dumps({"enter": enter, "exit": time.time(), "mixup_s": mixup_seconds[0],
                               "batch": int(images.shape[0])}) + "\n")
         return loss
