@@ -84,6 +84,9 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     if cfg.mix.mixup_alpha < 0 or cfg.mix.cutmix_alpha < 0:
         raise ConfigError("mix.mixup_alpha and mix.cutmix_alpha are Beta parameters and must be >= 0 "
                           "(0 turns one off).")
+    if not 0 <= cfg.data.worker_nice <= 19:
+        raise ConfigError(f"data.worker_nice={cfg.data.worker_nice} is outside 0-19: it is added to the loader "
+                          "workers' niceness, and only root may raise a priority. Use 0 to leave it as it is.")
     if cfg.train.cpu_threads is not None and cfg.train.cpu_threads < 1:
         raise ConfigError(f"train.cpu_threads={cfg.train.cpu_threads} must be >= 1, or null for torch's default "
                           "(one thread per core).")

@@ -1,4 +1,4 @@
-"""The opt-in fast JPEG path: reduced decoding for large crops, torch's resize, normalization per batch."""
+"""The opt-in fast JPEG path: reduced decoding for large crops, the flip folded in, torch's resize."""
 
 from __future__ import annotations
 
@@ -9,24 +9,22 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms
 from torchvision.transforms import functional as F
 
+from deit_ablate.data.batch import split_for_batches
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.fast_jpeg import (
-    BatchNormalize,
     FastRandomResizedCrop,
     dct_factor,
     decode_jpeg,
     fast_train_transform,
     lazy_loader,
     resize_uint8,
-    to_uint8_planes,
 )
-from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline, build_train_transform
+from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
 from deit_ablate.errors import ConfigError
 from deit_ablate.validate import validate_config
 from tests.conftest import TINY, compose_config, run_train
@@ -133,30 +131,6 @@ def test_greyscale_jpegs_come_out_rgb(images):
     assert (channels[..., 0] == channels[..., 1]).all() and (channels[..., 1] == channels[..., 2]).all()
 
 
-def test_batch_normalization_equals_timms_to_tensor_then_normalize(images):
-    cfg = compose_config(["resolution=224px"])
-    steps = build_train_transform(cfg).transforms
-    to_tensor, normalize = steps[-3], steps[-2]
-    pictures = [Image.open(images[kind]).convert("RGB") for kind in ("png", "jpeg")]
-    batch = torch.stack([to_uint8_planes(picture) for picture in pictures])
-    assert batch.dtype == torch.uint8 and batch.shape == (2, 3, 375, 500)
-    expected = torch.stack([normalize(to_tensor(picture)) for picture in pictures])
-    ours = BatchNormalize(normalize.mean, normalize.std)(batch)
-    assert ours.dtype == torch.float32 and torch.allclose(ours, expected, atol=1e-5)
-
-
-def test_batch_random_erasing_erases_a_part_of_every_image():
-    plain = BatchNormalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
-    erasing = BatchNormalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25), RandomErasing(1.0, mode="pixel", device="cpu"))
-    batch = torch.full((4, 3, 32, 32), 128, dtype=torch.uint8)
-    torch.manual_seed(0)
-    random.seed(0)
-    erased, untouched = erasing(batch), plain(batch)
-    for image, reference in zip(erased, untouched, strict=True):
-        changed = (image != reference).any(dim=0)
-        assert 0 < changed.float().mean() < 1  # a rectangle of N(0, 1) pixels, the rest as it was
-
-
 @pytest.mark.parametrize("reprob", [0.0, 1.0])
 def test_the_full_deit_train_transform_with_the_fast_path(images, reprob):
     cfg = compose_config(["resolution=224px", f"augment.reprob={reprob}", "data.fast_jpeg=true"])
@@ -170,19 +144,21 @@ def test_the_full_deit_train_transform_with_the_fast_path(images, reprob):
     random.seed(0)
     torch.manual_seed(0)
     per_image = [transform(lazy_loader(str(images["jpeg"]))) for _ in range(8)]
-    assert all(image.shape == (3, 224, 224) and image.dtype == torch.uint8 for image in per_image)
+    assert all(image.shape == (224, 224, 3) and image.dtype == torch.uint8 for image in per_image)
     out = batch_step(torch.stack(per_image))
     assert out.shape == (8, 3, 224, 224) and out.dtype == torch.float32 and torch.isfinite(out).all()
     if reprob == 0:
         assert low - 1e-5 <= out.min() and out.max() <= high + 1e-5
     else:  # erased pixels are N(0, 1) draws
         assert out.abs().max() < 10
-    assert build_train_pipeline(compose_config(["resolution=224px"]))[1] is None  # off by default
+    default = build_train_pipeline(compose_config(["resolution=224px"]))[0].transforms  # off by default
+    assert not any(isinstance(step, FastRandomResizedCrop) for step in default)
 
 
 def test_a_transform_without_a_random_resized_crop_is_refused():
-    with pytest.raises(ValueError, match="random-resized crop and a normalization"):
-        fast_train_transform(build_eval_transform(compose_config(["resolution=224px"])))
+    per_image, _ = split_for_batches(build_eval_transform(compose_config(["resolution=224px"])))
+    with pytest.raises(ValueError, match="speeds up a random-resized crop, and this transform has none"):
+        fast_train_transform(per_image)
 
 
 def test_train_py_trains_on_jpegs_with_the_fast_path_and_workers(tmp_path, data_cache):
@@ -208,12 +184,3 @@ def test_train_py_trains_on_jpegs_with_the_fast_path_and_workers(tmp_path, data_
 def test_fast_jpeg_with_augmentation_off_is_a_config_error():
     with pytest.raises(ConfigError, match="augment.no_aug=true"):
         validate_config(compose_config(["data.fast_jpeg=true", "augment.no_aug=true"]))
-
-
-def test_batch_normalization_into_a_reused_tensor_gives_the_same_batch():
-    step = BatchNormalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
-    first, second = (torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8) for _ in range(2))
-    reused = step(first)
-    again = step(second, out=reused)
-    assert again.data_ptr() == reused.data_ptr() and torch.equal(again, step(second))
-    assert step(second[:1], out=reused).data_ptr() != reused.data_ptr()  # another shape: a new tensor

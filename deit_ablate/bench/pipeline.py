@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 
 from deit_ablate.bench.env import synchronize, torch_threads
+from deit_ablate.data.batch import split_for_batches
 from deit_ablate.data.builtin import CLASSES, draw_image
 from deit_ablate.data.fast_jpeg import fast_train_transform, lazy_loader
 from deit_ablate.data.loader import build_loader, build_train_sampler, set_sampler_epoch
@@ -60,12 +61,19 @@ def ensure_jpeg_set(count: int, root: Path | None = None, seed: int = 0) -> Path
     return target
 
 
-def jpeg_dataset(root: Path, transform: Callable, fast: bool) -> tuple[Dataset, Callable | None]:
-    """The JPEG set with our training transform, and the per-batch step the trainer adds (fast path only)."""
-    if fast:
-        per_image, per_batch = fast_train_transform(transform)
-        return ImageFolder(str(root / "train"), transform=per_image, loader=lazy_loader), per_batch
-    return ImageFolder(str(root / "train"), transform=transform), None
+def jpeg_dataset(root: Path, transform: Callable, path: str) -> tuple[Dataset, Callable | None]:
+    """The JPEG set with timm's training `transform` as it runs on a `path`, and the per-batch step after it.
+
+    "ours": uint8 per image, then BatchNormalize (data.batch); "fast_jpeg": the same with the fast crop;
+    "timm_transform": timm's transform whole in the workers (what DeiT's main.py runs), no per-batch step."""
+    if path == "timm_transform":
+        return ImageFolder(str(root / "train"), transform=transform), None
+    per_image, per_batch = split_for_batches(transform)
+    if path == "fast_jpeg":
+        dataset = ImageFolder(str(root / "train"), transform=fast_train_transform(per_image), loader=lazy_loader)
+    else:
+        dataset = ImageFolder(str(root / "train"), transform=per_image)
+    return dataset, per_batch
 
 
 def timm_loader(root: Path, cfg, batch: int, workers: int) -> DataLoader:
@@ -181,29 +189,38 @@ def resume_exact_with_workers(persistent: bool, workers: int = 2) -> bool:
     return epoch_values(straight, 1) == epoch_values(make(), 1)
 
 
-def stage_costs(root: Path, transform: Callable, count: int, repeats: int = 2) -> dict[str, float]:
-    """Milliseconds per image of each step of the default training transform, one thread, best of `repeats`.
+def stage_costs(root: Path, transform: Callable, count: int, repeats: int = 2,
+                batch_step: Callable | None = None) -> dict[str, float]:
+    """Milliseconds per image of each step of a training transform, one thread, best of `repeats`.
 
     `decode` is what ImageFolder's default loader does (open, decode, convert to RGB); the other keys are the
-    transform's steps by class name, in order."""
+    transform's steps by name, in order, then `batch_step` (if given) run on the stacked outputs, per image."""
     from PIL import Image
 
     files = sorted((root / "train").glob("*/*.jpg"))[:count]
     steps = list(getattr(transform, "transforms", [transform]))
-    names = ["decode", *(type(step).__name__ for step in steps)]
+    names = ["decode", *(getattr(step, "__name__", type(step).__name__) for step in steps)]
+    if batch_step is not None:
+        names.append(type(batch_step).__name__)
     best = dict.fromkeys(names, float("inf"))
     with torch_threads(1):
         for _ in range(repeats):
-            totals = dict.fromkeys(names, 0.0)
+            totals, outputs = dict.fromkeys(names, 0.0), []
             for path in files:
                 start = time.perf_counter()
                 with Image.open(path) as image:
                     value = image.convert("RGB")
                 totals["decode"] += time.perf_counter() - start
-                for name, step in zip(names[1:], steps, strict=True):
+                for name, step in zip(names[1:len(steps) + 1], steps, strict=True):
                     start = time.perf_counter()
                     value = step(value)
                     totals[name] += time.perf_counter() - start
+                outputs.append(value)
+            if batch_step is not None:
+                batch = torch.stack(outputs)
+                start = time.perf_counter()
+                batch_step(batch)
+                totals[names[-1]] = time.perf_counter() - start
             best = {name: min(best[name], 1e3 * totals[name] / len(files)) for name in names}
     return best
 
@@ -243,5 +260,5 @@ def speedup_bound(costs: dict[str, float], free: tuple[str, ...]) -> float:
 
 
 def transform_for(cfg) -> Callable:
-    """Our training transform for `cfg` (DeiT augmentation)."""
+    """timm's whole training transform for `cfg` (DeiT augmentation), before our split into per image and per batch."""
     return build_train_transform(cfg)

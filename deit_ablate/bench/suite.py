@@ -129,6 +129,7 @@ def section_step(s: Settings, report: Report) -> None:
 def section_pipeline(s: Settings, report: Report) -> None:
     """Our training transform + DataLoader on 500x375 JPEGs at 224 px: default, fast JPEG path, timm's loader."""
     from deit_ablate.bench import pipeline
+    from deit_ablate.data.batch import split_for_batches
 
     count, batch = (48, 16) if s.quick else (s.jpeg_count, s.pipeline_batch)
     _log(f"[bench] JPEG set: {count} images of {pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT} ...")
@@ -137,20 +138,23 @@ def section_pipeline(s: Settings, report: Report) -> None:
     overrides = ["resolution=224px", f"data.num_workers={workers}", f"data.root={builtin_root(s)}"]
     cfg = compose_run(overrides)
     transform = pipeline.transform_for(cfg)
-    def loader(config, fast: bool) -> pipeline.Loader:
-        dataset, batch_step = pipeline.jpeg_dataset(root, transform, fast)
+
+    def loader(config, path: str) -> pipeline.Loader:
+        dataset, batch_step = pipeline.jpeg_dataset(root, transform, path)
         return pipeline.our_loader(config, dataset, batch, batch_step, s.device)
 
-    loaders: dict[str, Any] = {"ours": loader(cfg, False), "ours+fast_jpeg": loader(cfg, True)}
+    loaders: dict[str, Any] = {"ours": loader(cfg, "ours"), "ours+fast_jpeg": loader(cfg, "fast_jpeg")}
+    if not s.quick:
+        loaders["timm_transform"] = loader(cfg, "timm_transform")
     if s.device.type == "cpu" and not s.quick:  # what the workers deliver when the per-batch step runs on a GPU
-        fast = loaders["ours+fast_jpeg"]
-        loaders["ours+fast_jpeg/no-batch-step"] = pipeline.Loader(fast.loader, None, fast.device)
+        for name in ("ours", "ours+fast_jpeg"):
+            loaders[f"{name}/no-batch-step"] = pipeline.Loader(loaders[name].loader, None, s.device)
     if s.timm_train is not None and not s.quick:
         loaders["timm_loader"] = pipeline.timm_loader(root, cfg, batch, workers)
     if not s.quick and workers > 0:
         single = compose_run([*overrides[:1], "data.num_workers=0", overrides[2]])
-        for name, fast in (("ours/1-process", False), ("ours+fast_jpeg/1-process", True)):  # one core, as a worker
-            loaders[name] = loader(single, fast).one_thread()
+        for name, path in (("ours", "ours"), ("ours+fast_jpeg", "fast_jpeg"), ("timm_transform", "timm_transform")):
+            loaders[f"{name}/1-process"] = loader(single, path).one_thread()  # one core, as a worker
     results = pipeline.alternate_loaders(loaders, 1 if s.quick else s.repeats, log=_log)
     for name, rows in results.items():
         n_workers = 0 if name.endswith("1-process") else workers
@@ -159,18 +163,21 @@ def section_pipeline(s: Settings, report: Report) -> None:
         settings = {"images": str(root), "image_size": f"{pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT} JPEG q90",
                     "train_size": 224, "batch": batch, "workers": n_workers, "transform": "DeiT: RRC, flip, "
                     "rand-m9-mstd0.5-inc1, normalize, random erasing 0.25 pixel", "overrides": overrides,
-                    "loader": "timm create_loader, prefetcher" if name == "timm_loader" else "our build_loader"
-                    + (" + BatchNormalize on the batch in this process" if name.startswith("ours+fast_jpeg")
-                       and not name.endswith("no-batch-step") else "")}
+                    "loader": _pipeline_loader_note(name)}
         report.add(Figure("input_pipeline", name, value, "images/s", report.device["summary"],
                           f"{s.command}  (in-process: DataLoader over {count} JPEGs)", settings, samples,
                           {"per_worker_images_per_s": value / max(n_workers, 1),
                            "first_batch_s": median([row["first_batch_s"] for row in rows])}))
     report.compare("input_pipeline", "ours+fast_jpeg", "ours", target=1.5)
-    report.compare("input_pipeline", "ours", "timm_loader")
     report.compare("input_pipeline", "ours+fast_jpeg/1-process", "ours/1-process", target=1.5)
-    report.compare("input_pipeline", "ours+fast_jpeg/no-batch-step", "ours")
-    _add_stage_costs(s, report, root, transform, count)
+    report.compare("input_pipeline", "ours+fast_jpeg/no-batch-step", "ours/no-batch-step")
+    report.compare("input_pipeline", "ours", "timm_transform")
+    report.compare("input_pipeline", "ours/1-process", "timm_transform/1-process")
+    report.compare("input_pipeline", "ours+fast_jpeg", "timm_transform")
+    report.compare("input_pipeline", "ours+fast_jpeg/1-process", "timm_transform/1-process")
+    report.compare("input_pipeline", "ours", "timm_loader")
+    per_image, per_batch = split_for_batches(transform)
+    _add_stage_costs(s, report, root, per_image, per_batch, count)
     images = min(count, 48 if s.quick else 200)
     difference = pipeline.crop_difference(root, images)
     for variant in ("full_scale", "reduced_scale"):
@@ -181,13 +188,24 @@ def section_pipeline(s: Settings, report: Report) -> None:
                            "what": "mean |fast - timm| over the crops decoded at this scale, before RandAugment"}))
 
 
-def _add_stage_costs(s: Settings, report: Report, root: Path, transform: Any, count: int) -> None:
-    """Where one image's time goes in the default transform, and what a free decode (and crop) could gain."""
+def _pipeline_loader_note(name: str) -> str:
+    """How the loader of an input_pipeline variant is built."""
+    if name == "timm_loader":
+        return "timm create_loader, prefetcher"
+    if name.startswith("timm_transform"):
+        return "our build_loader, timm's create_transform whole per image (to-tensor, normalize, erasing in workers)"
+    if name.endswith("no-batch-step"):
+        return "our build_loader, uint8 batches as the workers deliver them (BatchNormalize left to a GPU)"
+    return "our build_loader + BatchNormalize on the batch in this process"
+
+
+def _add_stage_costs(s: Settings, report: Report, root: Path, per_image: Any, per_batch: Any, count: int) -> None:
+    """Where one image's time goes on the default path, and what a free decode (and crop) could gain."""
     from deit_ablate.bench import pipeline
 
     images = min(count, 48 if s.quick else 300)
-    costs = pipeline.stage_costs(root, transform, images, repeats=1 if s.quick else 2)
-    command = f"{s.command}  (in-process: each step of the default transform timed, one thread)"
+    costs = pipeline.stage_costs(root, per_image, images, repeats=1 if s.quick else 2, batch_step=per_batch)
+    command = f"{s.command}  (in-process: each step of the default path timed, one thread)"
     settings = {"images": images, "statistic": "best of repeats, ms per image", "torch_threads": 1}
     for stage, ms in costs.items():
         report.add(Figure("transform_stage", stage, ms, "ms/image", report.device["summary"], command, settings,
@@ -204,11 +222,12 @@ def section_workers(s: Settings, report: Report) -> None:
     """Worker startup per epoch at the demo scale, persistent workers on vs off, and whether resume stays exact."""
     from deit_ablate.bench import pipeline
     from deit_ablate.data.datasets import build_dataset, dataset_root
+    from deit_ablate.data.transforms import build_train_pipeline
 
     workers = _workers(s)
     overrides = [f"data.num_workers={workers}", *builtin_overrides(s)]
     cfg = compose_run(overrides)
-    dataset = build_dataset(cfg, "train", pipeline.transform_for(cfg), dataset_root(cfg))
+    dataset = build_dataset(cfg, "train", build_train_pipeline(cfg)[0], dataset_root(cfg))
     epochs = 2 if s.quick else 3
     rows: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for _ in range(1 if s.quick else max(s.repeats - 1, 1)):
@@ -259,6 +278,8 @@ def section_e2e(s: Settings, report: Report) -> None:
             plan.append((f"timm{suffix}", "timm", command, env))
     if not s.quick:
         plan.append(("ours+repeated_aug", "ours", e2e_overrides(s, workers, True), None))
+        if workers > 0:  # loader workers at the training process's own priority (data/loader.py)
+            plan.append(("ours/worker_nice=0", "ours", [*e2e_overrides(s, workers, False), "data.worker_nice=0"], None))
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in plan}
     for repeat in range(1 if s.quick else s.repeats):
         for name, side, spec, env in plan:
@@ -275,12 +296,14 @@ def section_e2e(s: Settings, report: Report) -> None:
                     "model": f"{cfg.model.name} {dict(cfg.model.kwargs)}", "train_size": cfg.resolution.train_size,
                     "data": str(data_dir), "workers": 0 if name.endswith("/workers=0") else workers,
                     "torch_threads": 1 if name.endswith("/threads=1") else "default (cores)",
-                    "repeated_aug": "3 (ours only)" if name == "ours+repeated_aug" else "off on both sides"}
+                    "repeated_aug": "3 (ours only)" if name == "ours+repeated_aug" else "off on both sides",
+                    "worker_nice": "0" if name.endswith("worker_nice=0") else "ours 19 (default), timm 0"}
         _add_run_figures(report, name, rows, settings)
     for suffix, _, _ in variants:
         report.compare("e2e_train", f"ours{suffix}", f"timm{suffix}", target=1.0)
         report.compare("e2e_incl_startup", f"ours{suffix}", f"timm{suffix}")
         report.compare("train_step_in_run", f"ours{suffix}", f"timm{suffix}", target=1.0)
+    report.compare("e2e_train", "ours", "ours/worker_nice=0")
     report.compare("e2e_train", "ours/threads=1", "ours")
     report.compare("e2e_train", "ours/threads=1", "timm")
 

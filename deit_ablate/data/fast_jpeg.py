@@ -1,7 +1,7 @@
-"""Opt-in fast JPEG path for the training transform (`data.fast_jpeg`): cheaper decode, crop and to-tensor.
+"""Opt-in fast JPEG path for the training transform (`data.fast_jpeg`): cheaper decode and crop.
 
-timm's training transform decodes every JPEG at full size with PIL, crops and resizes it with PIL's bicubic
-filter, then converts and normalizes in two passes. Here (measured in docs/PERFORMANCE.md, section 5):
+timm's training transform decodes every JPEG at full size with PIL, then crops and resizes it with PIL's bicubic
+filter. Here (measured in docs/PERFORMANCE.md, section 5):
 
 1. The loader only opens the file (`lazy_loader`). The crop's position and size are drawn first, from the
    header's size, by timm's own `get_params` (same RNG use). The JPEG is then decoded by libjpeg-turbo
@@ -10,9 +10,8 @@ filter, then converts and normalizes in two passes. Here (measured in docs/PERFO
    coarser only when it would be shrunk anyway.
 2. The crop is flipped (when the flip that follows it in timm's transform says so) and resized by torch's
    antialiased uint8 resize, the same filter as PIL's (within one grey level).
-3. The loader hands over uint8 images; the float conversion, normalization and random erasing run once per
-   batch on the device (`BatchNormalize`, applied by the trainer), as timm's prefetcher does: a quarter of the
-   bytes to collate and copy, and no per-image float work in the workers.
+3. As on the default path, the loader hands over uint8 images, and the float conversion, normalization and
+   random erasing run once per batch on the device (data.batch).
 
 A crop decoded at full scale comes out within a grey level or two of timm's. Anything else (PNGs, CMYK JPEGs,
 decoded images, nearest-neighbour interpolation) is decoded and cropped exactly as by timm. Large crops are
@@ -21,7 +20,6 @@ decoded below the train size and scaled up, which blurs them, so the path is off
 
 from __future__ import annotations
 
-import copy
 import random
 from collections.abc import Sequence
 
@@ -29,8 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as nnf
 from PIL import Image
-from timm.data.random_erasing import RandomErasing
-from timm.data.transforms import MaybeToTensor, RandomResizedCropAndInterpolation
+from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms
 from torchvision.transforms import functional as F
 
@@ -142,49 +139,14 @@ def _crop(pixels: np.ndarray, full_size: tuple[int, int], top: int, left: int, h
     return pixels[row:row + rows, col:col + cols]
 
 
-def to_uint8_planes(image: Image.Image) -> torch.Tensor:
-    """An RGB PIL image as a 3 x H x W uint8 tensor (the per-image end of the fast path)."""
-    return torch.from_numpy(np.stack([np.asarray(band) for band in image.split()]))
-
-
-class BatchNormalize:
-    """The end of timm's training transform, done once per batch on the device: float, normalize, random erasing.
-
-    Fed the uint8 batches of the fast path, it gives what timm's per-image to-tensor, normalize and random erasing
-    would (erasing draws from the same generators, in the main process instead of the loader workers)."""
-
-    def __init__(self, mean: Sequence[float], std: Sequence[float], erasing: RandomErasing | None = None) -> None:
-        self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) * 255
-        self.inv_std = 1 / (torch.as_tensor(std, dtype=torch.float32).view(1, 3, 1, 1) * 255)
-        self.erasing = copy.copy(erasing)
-
-    def __call__(self, images: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Normalize (and erase) a uint8 batch; `out`, a float tensor of its shape, is reused as the result."""
-        mean, inv_std = self.mean.to(images.device), self.inv_std.to(images.device)
-        if out is not None and out.shape == images.shape and out.device == images.device:
-            images = out.copy_(images)
-        else:
-            images = images.float()
-        images = images.sub_(mean).mul_(inv_std)
-        if self.erasing is not None:
-            self.erasing.device = images.device
-            images = self.erasing(images)
-        return images
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(mean={(self.mean / 255).flatten().tolist()}, erasing={self.erasing})"
-
-
-def fast_train_transform(transform: transforms.Compose,
-                         keep: float = KEEP) -> tuple[transforms.Compose, BatchNormalize]:
-    """timm's training Compose split for the fast path: per image up to uint8 tensors (pair it with `lazy_loader`),
-    and the per-batch normalization and random erasing for the trainer to apply on the device."""
-    steps = list(transform.transforms)
+def fast_train_transform(per_image: transforms.Compose, keep: float = KEEP) -> transforms.Compose:
+    """The per-image part of the training transform (data.batch.split_for_batches) with timm's crop and flip
+    replaced by the fast crop; pair it with `lazy_loader`."""
+    steps = list(per_image.transforms)
     index = next((i for i, step in enumerate(steps) if isinstance(step, RandomResizedCropAndInterpolation)), None)
-    normalize = next((step for step in steps if isinstance(step, transforms.Normalize)), None)
-    if index is None or normalize is None:
-        raise ValueError("the fast JPEG path needs a training transform with a random-resized crop and a "
-                         f"normalization; {transform} lacks one. Turn data.fast_jpeg off for this transform.")
+    if index is None:
+        raise ValueError("the fast JPEG path speeds up a random-resized crop, and this transform has none: "
+                         f"{per_image}. Turn data.fast_jpeg off for it.")
     flip = steps[index + 1] if index + 1 < len(steps) else None
     if isinstance(flip, transforms.RandomHorizontalFlip):
         steps[index:index + 2] = [FastRandomResizedCrop.from_timm(steps[index], keep, hflip=flip.p)]
@@ -192,9 +154,7 @@ def fast_train_transform(transform: transforms.Compose,
         steps[index] = FastRandomResizedCrop.from_timm(steps[index], keep)
     if index > 0:  # steps before the crop would need the pixels: decode the image first
         steps.insert(0, _decode_full)
-    erasing = next((step for step in steps if isinstance(step, RandomErasing)), None)
-    per_image = [step for step in steps if not isinstance(step, (MaybeToTensor, transforms.Normalize, RandomErasing))]
-    return transforms.Compose([*per_image, to_uint8_planes]), BatchNormalize(normalize.mean, normalize.std, erasing)
+    return transforms.Compose(steps)
 
 
 def _decode_full(image: Image.Image) -> Image.Image:

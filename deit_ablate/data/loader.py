@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -60,8 +61,18 @@ def default_num_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def lower_worker_priority(niceness: int, worker_id: int) -> None:
+    """A DataLoader worker_init_fn: add `niceness` to this worker's CPU niceness (0 leaves it as it is)."""
+    if niceness:
+        os.nice(niceness)
+
+
 def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig, train: bool) -> DataLoader:
-    """A DataLoader with workers, pinned memory on GPU, prefetch, and persistent workers for evaluation."""
+    """A DataLoader with workers, pinned memory on GPU, prefetch, and persistent workers for evaluation.
+
+    The workers run at data.worker_nice below the training process's CPU priority: where cores are short they
+    fill the time the training step leaves idle instead of preempting its threads (docs/PERFORMANCE.md, section 8).
+    """
     workers = cfg.data.num_workers if cfg.data.num_workers is not None else default_num_workers()
     return DataLoader(
         dataset,
@@ -74,4 +85,5 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictC
         # it costs ~0.1 s an epoch at demo scale (docs/PERFORMANCE.md).
         persistent_workers=workers > 0 and not train,
         prefetch_factor=4 if workers > 0 else None,
+        worker_init_fn=functools.partial(lower_worker_priority, cfg.data.worker_nice) if workers > 0 else None,
     )

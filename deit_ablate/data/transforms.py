@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from omegaconf import DictConfig
 from timm.data import create_transform
 
+from deit_ablate.data.batch import BatchNormalize, split_for_batches
 from deit_ablate.data.fast_jpeg import fast_train_transform
 
 
@@ -31,12 +31,13 @@ def build_train_transform(cfg: DictConfig) -> Callable:
     )
 
 
-def build_train_pipeline(cfg: DictConfig) -> tuple[Callable, Callable[..., torch.Tensor] | None]:
-    """The per-image training transform and, with data.fast_jpeg, the per-batch step the trainer runs on the device."""
-    transform = build_train_transform(cfg)
-    if not cfg.data.fast_jpeg:
-        return transform, None
-    return fast_train_transform(transform)
+def build_train_pipeline(cfg: DictConfig) -> tuple[Callable, BatchNormalize]:
+    """The training transform split in two: per image up to uint8 pixels (in the loader workers; with
+    data.fast_jpeg, the fast crop), and per batch the float work the trainer runs on the device (data.batch)."""
+    per_image, per_batch = split_for_batches(build_train_transform(cfg))
+    if cfg.data.fast_jpeg:
+        per_image = fast_train_transform(per_image)
+    return per_image, per_batch
 
 
 def build_eval_transform(cfg: DictConfig) -> Callable:

@@ -1,0 +1,71 @@
+"""The training transform split as timm's prefetcher splits it: uint8 pixels per image, float work per batch.
+
+timm's `create_transform` ends every image with to-tensor, normalize and (in training) random erasing: three passes
+of small torch ops per image in the loader workers, then a float32 batch four times the size of the pixels. Here
+the workers stop at the uint8 pixels (`to_uint8_hwc`) and `BatchNormalize` does the float conversion, the
+normalization and timm's random erasing once per batch on the device (the trainer applies it). The pixels are
+timm's to float rounding; the erasing draws are the same, taken in the main process instead of the workers, as in
+timm's own train.py. Measured in docs/PERFORMANCE.md, section 7.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data.random_erasing import RandomErasing
+from timm.data.transforms import MaybeToTensor
+from torchvision import transforms
+
+_BATCH_STEPS = (MaybeToTensor, transforms.ToTensor, transforms.Normalize, RandomErasing)
+
+
+def to_uint8_hwc(image: Image.Image) -> torch.Tensor:
+    """A PIL image as an H x W x 3 uint8 tensor (the cheapest layout to make and to collate)."""
+    return torch.from_numpy(np.array(image if image.mode == "RGB" else image.convert("RGB"), dtype=np.uint8))
+
+
+class BatchNormalize:
+    """The end of timm's training transform, once per batch on the device: float, normalize, random erasing."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], erasing: RandomErasing | None = None) -> None:
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) * 255
+        self.inv_std = 1 / (torch.as_tensor(std, dtype=torch.float32).view(1, 3, 1, 1) * 255)
+        self.erasing = copy.copy(erasing)
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """mean and 1/std on `device`, copied there once (a copy per batch would wait for the GPU)."""
+        if self.mean.device != device:
+            self.mean, self.inv_std = self.mean.to(device), self.inv_std.to(device)
+        return self.mean, self.inv_std
+
+    def __call__(self, images: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A B x H x W x 3 uint8 batch as a normalized (and erased) B x 3 x H x W float batch.
+
+        `out`, a float tensor of the result's shape on the same device, is overwritten and returned."""
+        pixels = images.permute(0, 3, 1, 2)
+        if out is None or out.shape != pixels.shape or out.device != images.device:
+            out = torch.empty(pixels.shape, dtype=torch.float32, device=images.device)
+        mean, inv_std = self._constants(images.device)
+        out.copy_(pixels).sub_(mean).mul_(inv_std)
+        if self.erasing is not None:
+            self.erasing.device = images.device
+            out = self.erasing(out)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mean={(self.mean / 255).flatten().tolist()}, erasing={self.erasing})"
+
+
+def split_for_batches(transform: transforms.Compose) -> tuple[transforms.Compose, BatchNormalize]:
+    """timm's Compose as the per-image part (up to `to_uint8_hwc`) and the per-batch `BatchNormalize`."""
+    steps = list(transform.transforms)
+    first = next((i for i, step in enumerate(steps) if isinstance(step, _BATCH_STEPS)), len(steps))
+    normalize = next((step for step in steps if isinstance(step, transforms.Normalize)), None)
+    if normalize is None or not all(isinstance(step, _BATCH_STEPS) for step in steps[first:]):
+        raise ValueError(f"expected a transform ending in to-tensor, normalize (and random erasing): {transform}")
+    erasing = next((step for step in steps if isinstance(step, RandomErasing)), None)
+    return transforms.Compose([*steps[:first], to_uint8_hwc]), BatchNormalize(normalize.mean, normalize.std, erasing)
