@@ -37,7 +37,7 @@ class DataConfig:
     num_classes: int = 10
     num_workers: int | None = None  # None: the cores available to this process
     worker_nice: int = 19  # added to the workers' niceness: they yield the CPU to the training step (0-19)
-    fast_jpeg: bool = False  # faster decode/crop/normalize of training JPEGs (changes pixels; data/fast_jpeg.py)
+    fast_jpeg: bool = False  # faster decode and crop of training JPEGs (changes pixels; data/fast_jpeg.py)
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     builtin: BuiltinDataConfig = field(default_factory=BuiltinDataConfig)
