@@ -63,7 +63,7 @@ def default_num_workers() -> int:
 
 def lower_worker_priority(niceness: int, worker_id: int) -> None:
     """A DataLoader worker_init_fn: add `niceness` to this worker's CPU niceness (0 leaves it as it is)."""
-    if niceness:
+    if niceness and hasattr(os, "nice"):  # POSIX only
         os.nice(niceness)
 
 
