@@ -14,14 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
-from torchvision.datasets import ImageFolder
 
 from deit_ablate.bench.env import synchronize, torch_threads
-from deit_ablate.data.batch import split_for_batches
 from deit_ablate.data.builtin import CLASSES, draw_image
-from deit_ablate.data.fast_jpeg import fast_train_transform, lazy_loader
+from deit_ablate.data.datasets import build_dataset
+from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.data.loader import build_loader, build_train_sampler, set_sampler_epoch
-from deit_ablate.data.transforms import build_train_transform
+from deit_ablate.data.transforms import build_train_pipeline, build_train_transform
 
 JPEG_WIDTH, JPEG_HEIGHT, JPEG_QUALITY = 500, 375, 90  # about the mean ImageNet training image
 
@@ -61,19 +60,13 @@ def ensure_jpeg_set(count: int, root: Path | None = None, seed: int = 0) -> Path
     return target
 
 
-def jpeg_dataset(root: Path, transform: Callable, path: str) -> tuple[Dataset, Callable | None]:
-    """The JPEG set with timm's training `transform` as it runs on a `path`, and the per-batch step after it.
-
-    "ours": uint8 per image, then BatchNormalize (data.batch); "fast_jpeg": the same with the fast crop;
-    "timm_transform": timm's transform whole in the workers (what DeiT's main.py runs), no per-batch step."""
-    if path == "timm_transform":
-        return ImageFolder(str(root / "train"), transform=transform), None
-    per_image, per_batch = split_for_batches(transform)
-    if path == "fast_jpeg":
-        dataset = ImageFolder(str(root / "train"), transform=fast_train_transform(per_image), loader=lazy_loader)
-    else:
-        dataset = ImageFolder(str(root / "train"), transform=per_image)
-    return dataset, per_batch
+def jpeg_dataset(root: Path, cfg, whole_timm_transform: bool = False) -> tuple[Dataset, Callable | None]:
+    """The JPEG set as run.py builds a training set for `cfg` (data.fast_jpeg on or off), and the per-batch step
+    the trainer adds; with `whole_timm_transform`, timm's transform whole in the workers (DeiT's main.py), no step."""
+    if whole_timm_transform:
+        return build_dataset(cfg, "train", build_train_transform(cfg), root), None
+    per_image, per_batch = build_train_pipeline(cfg)
+    return build_dataset(cfg, "train", per_image, root), per_batch
 
 
 def timm_loader(root: Path, cfg, batch: int, workers: int) -> DataLoader:
@@ -258,8 +251,3 @@ def speedup_bound(costs: dict[str, float], free: tuple[str, ...]) -> float:
     """Amdahl: how much faster the whole transform gets if the `free` stages cost nothing."""
     total = sum(costs.values())
     return total / max(total - sum(costs[name] for name in free if name in costs), 1e-12)
-
-
-def transform_for(cfg) -> Callable:
-    """timm's whole training transform for `cfg` (DeiT augmentation), before our split into per image and per batch."""
-    return build_train_transform(cfg)

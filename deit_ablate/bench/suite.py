@@ -129,32 +129,32 @@ def section_step(s: Settings, report: Report) -> None:
 def section_pipeline(s: Settings, report: Report) -> None:
     """Our training transform + DataLoader on 500x375 JPEGs at 224 px: default, fast JPEG path, timm's loader."""
     from deit_ablate.bench import pipeline
-    from deit_ablate.data.batch import split_for_batches
+    from deit_ablate.data.transforms import build_train_pipeline
 
     count, batch = (48, 16) if s.quick else (s.jpeg_count, s.pipeline_batch)
     _log(f"[bench] JPEG set: {count} images of {pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT} ...")
     root = pipeline.ensure_jpeg_set(count)
     workers = _workers(s)
     overrides = ["resolution=224px", f"data.num_workers={workers}", f"data.root={builtin_root(s)}"]
-    cfg = compose_run(overrides)
-    transform = pipeline.transform_for(cfg)
+    paths = {"ours": [], "ours+fast_jpeg": ["data.fast_jpeg=true"], "timm_transform": []}
 
-    def loader(config, path: str) -> pipeline.Loader:
-        dataset, batch_step = pipeline.jpeg_dataset(root, transform, path)
+    def loader(name: str, n_workers: int = workers) -> pipeline.Loader:
+        config = compose_run([*overrides, f"data.num_workers={n_workers}", *paths[name]])
+        dataset, batch_step = pipeline.jpeg_dataset(root, config, whole_timm_transform=name == "timm_transform")
         return pipeline.our_loader(config, dataset, batch, batch_step, s.device)
 
-    loaders: dict[str, Any] = {"ours": loader(cfg, "ours"), "ours+fast_jpeg": loader(cfg, "fast_jpeg")}
+    cfg = compose_run(overrides)
+    loaders: dict[str, Any] = {"ours": loader("ours"), "ours+fast_jpeg": loader("ours+fast_jpeg")}
     if not s.quick:
-        loaders["timm_transform"] = loader(cfg, "timm_transform")
+        loaders["timm_transform"] = loader("timm_transform")
     if s.device.type == "cpu" and not s.quick:  # what the workers deliver when the per-batch step runs on a GPU
         for name in ("ours", "ours+fast_jpeg"):
             loaders[f"{name}/no-batch-step"] = pipeline.Loader(loaders[name].loader, None, s.device)
     if s.timm_train is not None and not s.quick:
         loaders["timm_loader"] = pipeline.timm_loader(root, cfg, batch, workers)
     if not s.quick and workers > 0:
-        single = compose_run([*overrides[:1], "data.num_workers=0", overrides[2]])
-        for name, path in (("ours", "ours"), ("ours+fast_jpeg", "fast_jpeg"), ("timm_transform", "timm_transform")):
-            loaders[f"{name}/1-process"] = loader(single, path).one_thread()  # one core, as a worker
+        for name in paths:  # one core, as a worker
+            loaders[f"{name}/1-process"] = loader(name, n_workers=0).one_thread()
     results = pipeline.alternate_loaders(loaders, 1 if s.quick else s.repeats, log=_log)
     for name, rows in results.items():
         n_workers = 0 if name.endswith("1-process") else workers
@@ -177,8 +177,7 @@ def section_pipeline(s: Settings, report: Report) -> None:
     report.compare("input_pipeline", "ours+fast_jpeg", "timm_transform", target=1.5)
     report.compare("input_pipeline", "ours+fast_jpeg/1-process", "timm_transform/1-process", target=1.5)
     report.compare("input_pipeline", "ours", "timm_loader")
-    per_image, per_batch = split_for_batches(transform)
-    _add_stage_costs(s, report, root, per_image, per_batch, count)
+    _add_stage_costs(s, report, root, *build_train_pipeline(cfg), count)
     images = min(count, 48 if s.quick else 200)
     difference = pipeline.crop_difference(root, images)
     for variant in ("full_scale", "reduced_scale"):
