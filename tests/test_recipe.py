@@ -37,6 +37,16 @@ def test_paper_model_has_the_same_drop_path_schedule():
     assert drop_path_rates(model) == pytest.approx(np.linspace(0, 0.1, 12).tolist())
 
 
+@pytest.mark.parametrize("preset", ["demo", "paper"])
+def test_attention_runs_through_pytorch_sdpa(preset):
+    from timm.models.vision_transformer import Attention
+
+    cfg = compose_config([f"preset={preset}"])
+    model = build_model(cfg.model, num_classes=10, img_size=cfg.resolution.train_size)
+    attention = [module for module in model.modules() if isinstance(module, Attention)]
+    assert attention and all(module.fused_attn for module in attention)  # F.scaled_dot_product_attention
+
+
 def test_dropout_row_sets_every_dropout_of_deit():
     cfg = compose_config(["ablation=dropout"])
     model = _tiny_vit(cfg)
