@@ -13,6 +13,17 @@ register_configs()
 register_resolvers()
 
 
+def check_group_options(argv: list[str]) -> None:
+    """Catch `resolution=384` (a bare number, which Hydra reads as an int, not an option name) with the fix."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+~") == "resolution" and value and all(v.strip().isdigit() for v in value.split(",")):
+            fixed = ",".join(f"{v.strip()}px" for v in value.split(","))
+            print(f"\nerror: {arg}: resolution options carry a px suffix (Hydra reads a bare number as a number, "
+                  f"not an option name). Did you mean resolution={fixed}?\n", file=sys.stderr)
+            sys.exit(2)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from deit_ablate.run import discard_empty_run_dir, run
@@ -26,4 +37,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_group_options(sys.argv[1:])
     main()

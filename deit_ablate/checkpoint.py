@@ -78,24 +78,12 @@ def read_weights(path: str | os.PathLike, source: str = "checkpoint") -> dict[st
 
 def training_state(trainer, epoch: int, best_top1: float, batches_done: int = 0) -> dict[str, Any]:
     """What a resume needs: weights, optimizer, schedule, EMA and where the run stands (epoch, batch)."""
-    module = trainer.model.module if trainer.info.enabled else trainer.model
-    state = {"model": module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-             "scheduler": trainer.scheduler.state_dict(), "epoch": epoch, "step": trainer.step,
-             "best_top1": best_top1, "batches_done": batches_done}
-    if trainer.ema is not None:
-        state["ema"] = trainer.ema.module.state_dict()
-    return state
+    return {**trainer.state_dict(), "epoch": epoch, "best_top1": best_top1, "batches_done": batches_done}
 
 
 def restore(trainer, state: dict[str, Any]) -> tuple[int, float, int]:
     """Load a training state; returns (epoch to run, best top-1 so far, batches of it already done)."""
-    module = trainer.model.module if trainer.info.enabled else trainer.model
-    module.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    if trainer.ema is not None and "ema" in state:
-        trainer.ema.module.load_state_dict(state["ema"])
-    trainer.step = int(state["step"])
+    trainer.load_state_dict(state)
     return int(state["epoch"]), float(state["best_top1"]), int(state.get("batches_done", 0))
 
 

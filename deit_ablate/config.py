@@ -3,9 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+
+class Choice(str, Enum):
+    """A key with a fixed set of values: OmegaConf refuses any other at composition, naming the allowed ones."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+Stage = Choice("Stage", {name: name for name in ("pretrain", "finetune")})
+DataName = Choice("DataName", {name: name for name in ("builtin", "imagenet", "imagefolder", "cifar100")})
+EraseMode = Choice("EraseMode", {name: name for name in ("pixel", "rand", "const")})  # timm RandomErasing
+MixMode = Choice("MixMode", {name: name for name in ("batch", "pair", "elem")})  # timm Mixup
+DistillKind = Choice("DistillKind", {name: name for name in ("none", "soft", "hard", "hard_token", "soft_token")})
+KLNormalization = Choice("KLNormalization", {name: name for name in ("elements", "batch")})
+FusionRule = Choice("FusionRule", {name: name for name in ("prob", "logit")})
+Precision = Choice("Precision", {name: name for name in ("auto", "bf16", "fp32")})
+TrackingMode = Choice("TrackingMode", {name: name for name in ("offline", "online", "disabled")})
 
 
 @dataclass
@@ -37,11 +58,9 @@ class BuiltinDataConfig:
 class DataConfig:
     """Where images come from: an ImageFolder-style train/val tree or CIFAR-100."""
 
-    name: str = "builtin"
+    name: DataName = DataName.builtin
     root: str | None = None
     num_classes: int = 10
-    num_workers: int | None = None  # None: the cores available to this process
-    worker_nice: int = 19  # added to the workers' niceness: they yield the CPU to the training step (0-19)
     fast_jpeg: bool = False  # faster decode and crop of training JPEGs (changes pixels; data/fast_jpeg.py)
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -57,7 +76,7 @@ class AugmentConfig:
     # timm ignores it while an auto-augment policy is on, so only the no_randaugment row sees it.
     color_jitter: float = 0.4
     reprob: float = 0.25  # random erasing probability
-    remode: str = "pixel"
+    remode: EraseMode = EraseMode.pixel
     recount: int = 1
     repeated_aug: int = 3  # copies of each image per epoch, each to a different rank; 1 = off
     scale: tuple[float, float] = (0.08, 1.0)
@@ -74,7 +93,7 @@ class MixConfig:
     cutmix_alpha: float = 1.0
     prob: float = 1.0
     switch_prob: float = 0.5
-    mode: str = "batch"
+    mode: MixMode = MixMode.batch
     label_smoothing: float = 0.1
 
 
@@ -91,11 +110,13 @@ class TeacherConfig:
 class DistillConfig:
     """Distillation from a teacher (DeiT section 5)."""
 
-    type: str = "none"
+    type: DistillKind = DistillKind.none
     alpha: float = 0.0  # weight of the teacher term
     tau: float = 1.0  # temperature of the soft kinds
-    kl_normalization: str = "elements"  # elements: the released code's sum / (B K); batch: per image, sum / B
-    fusion: str = "prob"  # headline top-1 of a distilled model: prob = mean of softmaxes (paper); logit (code)
+    # elements: the released code's sum / (B K); batch: per image, sum / B
+    kl_normalization: KLNormalization = KLNormalization.elements
+    # headline top-1 of a distilled model: prob = mean of softmaxes (paper); logit = mean of logits (code)
+    fusion: FusionRule = FusionRule.prob
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
 
@@ -153,18 +174,10 @@ class TrainConfig:
 
     epochs: int = 300
     global_batch: int = 1024
-    max_batch_per_device: int = 128  # larger per-device batches are split into accumulation steps
-    eval_batch: int = 256
-    max_steps: int | None = None  # stop after this many optimizer steps (smoke tests)
+    max_steps: int | None = None  # stop after this many optimizer steps (smoke tests: another experiment)
     ema: bool = False
     ema_decay: float = 0.99996
-    amp: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32
-    log_interval: int = 10
-    compile: bool = False  # torch.compile the model (opt-in; falls back to eager where it cannot)
-    device: str = "auto"
-    cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
-    checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)
-    checkpoint_every_minutes: float = 10.0  # ... and every M minutes (0: off), so preemption loses little
+    amp: Precision = Precision.auto  # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32
     eval_max_batches: int | None = None
 
 
@@ -172,20 +185,39 @@ class TrainConfig:
 class TrackingConfig:
     """wandb: offline by default into <output_root>/wandb, online when the user sets mode=online."""
 
-    mode: str = "offline"
+    mode: TrackingMode = TrackingMode.offline
     project: str = "deit-ablate"
     entity: str | None = None
 
 
 @dataclass
+class RuntimeConfig:
+    """How a run executes, never what it computes: not part of its identity, so changing any of these and
+    relaunching resumes the same run (same folder, same wandb run)."""
+
+    device: str = "auto"
+    cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
+    num_workers: int | None = None  # data-loading workers; None: the cores available to this process
+    worker_nice: int = 19  # added to the workers' niceness: they yield the CPU to the training step (0-19)
+    compile: bool = False  # torch.compile the model (opt-in; falls back to eager where it cannot)
+    max_batch_per_device: int = 128  # larger per-device batches are split into accumulation steps
+    eval_batch: int = 256
+    log_interval: int = 10
+    checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)
+    checkpoint_every_minutes: float = 10.0  # ... and every M minutes (0: off), so preemption loses little
+    output_root: str = "outputs"  # run folders under <output_root>/runs, wandb logs under <output_root>/wandb
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    dry_run: bool = False  # print each run's identity and what a launch would do, then stop
+
+
+@dataclass
 class Config:
-    """A whole run."""
+    """A whole run: the experiment (every node but `runtime`) and how it executes (`runtime`)."""
 
     preset: str = "demo"
     ablation: str = "baseline"
-    stage: str = "pretrain"
+    stage: Stage = Stage.pretrain
     seed: int = 0
-    output_root: str = "outputs"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
@@ -195,7 +227,21 @@ class Config:
     resolution: ResolutionConfig = field(default_factory=ResolutionConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_run_config(overrides: list[str]) -> DictConfig:
+    """The config `python train.py <overrides>` runs (inside a Hydra app, through its own config search path)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name="config", overrides=overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
 
 
 def register_configs() -> None:

@@ -13,8 +13,8 @@ from timm.data import Mixup
 from timm.utils import ModelEmaV3
 from tqdm import tqdm
 
-from deit_ablate.distill import distilled_eval_outputs, distilled_head_logits
 from deit_ablate.distributed import DistInfo, all_reduce_sum
+from deit_ablate.losses import distilled_eval_outputs, distilled_head_logits
 from deit_ablate.models import set_training_mode
 
 LossFn = Callable[[torch.Tensor, object, torch.Tensor], torch.Tensor]  # (images, model outputs, targets) -> loss
@@ -54,6 +54,28 @@ class Trainer:
         if self.amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.info.device.type, dtype=self.amp_dtype)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without its DDP wrapper."""
+        return getattr(self.model, "module", self.model)
+
+    def state_dict(self) -> dict:
+        """Weights, optimizer, schedule, EMA and step count: what a resume needs of the trainer."""
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "step": self.step}
+        if self.ema is not None:
+            state["ema"] = self.ema.module.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` saved."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema is not None and "ema" in state:
+            self.ema.module.load_state_dict(state["ema"])
+        self.step = int(state["step"])
 
     def train_step(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One optimizer step on this rank's share of the global batch, in `accum_steps` chunks.

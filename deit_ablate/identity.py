@@ -1,71 +1,133 @@
-"""A run's identity: its overrides decide its folder, its wandb run id and its group."""
+"""A run's identity: the resolved experiment (every key but `runtime`, and the data by its fingerprint).
+
+The identity decides the run's folder, its wandb run id and its wandb group. It is a hash of the resolved
+config, not of the command line, so an edited YAML value is another run; `runtime.*` never enters it, so a
+relaunch with other execution settings resumes the same run. The folder name puts the overrides in front of
+the hash so that people can read it.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9=,._+-]+")
-_MAX_NAME = 120
-# Overrides that pick a stage of a run rather than the run: the fine-tune stage finds its pre-training by
-# dropping them, and wandb groups seeds of one setting together by dropping the seed.
-STAGE_KEYS = ("stage", "resolution")
+# Top-level nodes that are not the experiment: how it runs, and Hydra's own settings.
+NOT_EXPERIMENT = ("runtime", "hydra")
+# Where the data lies is not which data it is: the data's fingerprint (recorded in the run folder) stands for it.
+DATA_LOCATION = "data.root"
+# What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
+FINETUNE_ONLY = ("finetune",)
+# Overrides that pick the stage of a run rather than the experiment it continues.
+STAGE_OVERRIDES = ("stage", "resolution")
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9=,._+@-]+")
+_MAX_READABLE = 100
 
 
 @dataclass(frozen=True)
 class RunIdentity:
-    """Name (folder), wandb id and wandb group of a run."""
+    """Name (folder), wandb id, wandb group and experiment digest of a run."""
 
     name: str
     run_id: str
     group: str
+    digest: str
 
 
-# Overrides that restate a default and so do not change the run: `stage=pretrain` names the same run as none.
-DEFAULT_ITEMS = ("stage=pretrain",)
+def _short_hash(text: str, length: int = 8) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:length]
 
 
-def run_name_from_overrides(override_dirname: str) -> str:
-    """A folder-safe, readable run name; `default` when the run has no overrides."""
-    override_dirname = ",".join(item for item in _items(override_dirname) if item not in DEFAULT_ITEMS)
-    if not override_dirname:
-        return "default"
-    name = _UNSAFE.sub("_", override_dirname)
-    if len(name) > _MAX_NAME:
-        name = f"{name[:_MAX_NAME - 9]}-{run_id_from_name(name)[:8]}"
-    return name
+def experiment(cfg: DictConfig, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The resolved experiment part of `cfg` as plain data (top-level keys in `drop` left out too)."""
+    out: dict[str, Any] = {}
+    for key in cfg:
+        if key in NOT_EXPERIMENT or key in drop:
+            continue
+        value = cfg[key]
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+        out[str(key)] = str(value) if hasattr(value, "value") else value  # an Enum leaf
+    section, leaf = DATA_LOCATION.split(".")
+    out.get(section, {}).pop(leaf, None)
+    return out
 
 
-def run_id_from_name(run_name: str) -> str:
-    """The wandb run id of a run: a stable hash of its name, so a relaunch resumes the same wandb run."""
-    return hashlib.sha1(run_name.encode()).hexdigest()[:16]
+def experiment_digest(cfg: DictConfig, drop: tuple[str, ...] = ()) -> str:
+    """A short stable hash of the experiment part of `cfg`."""
+    return _short_hash(json.dumps(experiment(cfg, drop), sort_keys=True, default=str), 10)
 
 
-def _items(override_dirname: str) -> list[str]:
-    return [item for item in override_dirname.split(",") if item] if override_dirname else []
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].lstrip("+~")
 
 
-def without_keys(override_dirname: str, keys: tuple[str, ...]) -> str:
-    """The override string with the items of `keys` removed."""
-    return ",".join(item for item in _items(override_dirname) if item.split("=", 1)[0].lstrip("+~") not in keys)
+def _is_identity_override(item: str) -> bool:
+    """Overrides that name the experiment: not runtime/Hydra settings, not the data's location."""
+    key = _override_key(item)
+    return not (key.split(".", 1)[0] in NOT_EXPERIMENT or key.startswith("hydra/") or key == DATA_LOCATION
+                or item == "stage=pretrain")
 
 
-def identity_from_overrides(override_dirname: str) -> RunIdentity:
-    """The identity of the run that Hydra launched with these (sorted, filtered) overrides."""
-    name = run_name_from_overrides(override_dirname)
-    group = run_name_from_overrides(without_keys(override_dirname, ("seed",)))
-    return RunIdentity(name=name, run_id=run_id_from_name(name), group=group)
+def _readable(item: str) -> str:
+    """One override as it reads in a folder name: paths shortened to their last part plus a hash."""
+    key, _, value = item.lstrip("+~").partition("=")
+    value = value.strip("'\"")
+    if "/" not in value:
+        return f"{key}={value}"
+    parts = key.split(".")
+    label = parts[-2] if parts[-1] == "checkpoint" and len(parts) > 1 else parts[-1]  # teacher=..., init_checkpoint=
+    return f"{label}={Path(value.rstrip('/')).name[:24]}@{_short_hash(value, 4)}"
 
 
-def current_override_dirname() -> str:
-    """Hydra's override_dirname of the running job (empty outside Hydra)."""
+def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = ()) -> str:
+    """The experiment's overrides, sorted, comma-joined and folder-safe (empty when there are none)."""
+    items = sorted(_readable(item) for item in overrides if _is_identity_override(item)
+                   and _override_key(item).split(".", 1)[0] not in drop_keys)
+    text = _UNSAFE.sub("_", ",".join(items))
+    return text if len(text) <= _MAX_READABLE else f"{text[:_MAX_READABLE]}~"
+
+
+def _stage_drop(cfg: DictConfig) -> tuple[str, ...]:
+    """A pre-training run's identity leaves out the fine-tune recipe, which it never uses."""
+    return FINETUNE_ONLY if str(cfg.stage) == "pretrain" else ()
+
+
+def run_identity(cfg: DictConfig, overrides: list[str]) -> RunIdentity:
+    """The identity of the run `cfg` describes, launched with `overrides` (Hydra's task overrides)."""
+    drop = _stage_drop(cfg)
+    digest = experiment_digest(cfg, drop)
+    name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
+    group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop) or "default"
+    group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',))}"
+    # The wandb id follows the experiment, not the spelling of its overrides (ablation=baseline = no override).
+    return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)
+
+
+def folder_name(identity: RunIdentity, runs_root: Path) -> str:
+    """The run's folder under `runs_root`: the one already holding its experiment, whatever overrides named it
+    then, else `identity.name`."""
+    existing = sorted(runs_root.glob(f"*-{identity.digest}")) if runs_root.is_dir() else []
+    return existing[0].name if existing else identity.name
+
+
+def pretrain_overrides(overrides: list[str]) -> list[str]:
+    """The overrides of the pre-training run that a fine-tune launched with `overrides` continues."""
+    return [item for item in overrides
+            if _override_key(item) not in STAGE_OVERRIDES and _override_key(item).split(".", 1)[0] != "finetune"]
+
+
+def task_overrides() -> list[str]:
+    """The running Hydra job's overrides (empty outside Hydra)."""
     from hydra.core.hydra_config import HydraConfig
 
-    return HydraConfig.get().job.override_dirname if HydraConfig.initialized() else ""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def current_run_dir() -> Path:
@@ -75,17 +137,18 @@ def current_run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
 
 
-def identity_from_hydra() -> RunIdentity:
-    """The identity of the current Hydra job."""
-    return identity_from_overrides(current_override_dirname())
+def identity_from_hydra(cfg: DictConfig) -> RunIdentity:
+    """The identity of the current Hydra job, named by the folder Hydra gave it."""
+    identity = run_identity(cfg, task_overrides())
+    return RunIdentity(current_run_dir().name, identity.run_id, identity.group, identity.digest)
 
 
-def pretrain_run_name(override_dirname: str) -> str:
-    """The folder name of the pre-training run a fine-tune stage starts from."""
-    return run_name_from_overrides(without_keys(override_dirname, STAGE_KEYS))
+def _run_name_resolver(*, _root_: DictConfig) -> str:
+    overrides = list(_root_.hydra.overrides.task) if "hydra" in _root_ else []
+    return folder_name(run_identity(_root_, overrides), Path(_root_.runtime.output_root) / "runs")
 
 
 def register_resolvers() -> None:
-    """Make `${run_name:...}` available to the Hydra configs."""
+    """Make `${run_name:}` (the run's folder name, from the whole config) available to the Hydra configs."""
     if not OmegaConf.has_resolver("run_name"):
-        OmegaConf.register_new_resolver("run_name", run_name_from_overrides)
+        OmegaConf.register_new_resolver("run_name", _run_name_resolver)

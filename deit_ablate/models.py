@@ -10,6 +10,9 @@ from omegaconf import DictConfig, OmegaConf
 from timm.layers import resample_abs_pos_embed
 from timm.models import model_entrypoint
 
+from deit_ablate.errors import ConfigError
+from deit_ablate.losses import TOKEN_KINDS
+
 _VIT_MODULES = ("vision_transformer", "deit", "cait")
 
 
@@ -45,6 +48,32 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
     )
 
 
+def student_model_name(cfg) -> str:
+    """The timm model a run trains: model.name, or its distilled twin (model.distilled_name) for the token kinds.
+
+    DeiT's Table 3 trains plain DeiT for no distillation and the class-token kinds, and DeiT⚗ (with a
+    distillation token) for the token kinds; a distilled model given a class-token kind would train the average
+    of its two heads (timm's forward), which no row of the paper does, so it is refused."""
+    kind, name, twin = cfg.distill.type, cfg.model.name, cfg.model.distilled_name
+    distilled = "_distilled_" in name
+    if kind in TOKEN_KINDS:
+        if distilled:
+            return name
+        if twin:
+            return twin
+        raise ConfigError(f"distill={kind} trains a distillation token, but model.name={name} has none and "
+                          "model.distilled_name is unset. Use a DeiT model option (model=deit_base, "
+                          "model=vit_demo, ...), whose distilled twin is picked for you, or distill=hard / "
+                          "distill=soft.")
+    if distilled:
+        raise ConfigError(f"model.name={name} has a distillation token, which distill={kind} does not train: timm "
+                          "would train the average of its two heads, and DeiT's Table 3 trains the plain model for "
+                          "this row. Use the model without the token (model=vit_demo, model=deit_base, ... instead "
+                          "of their _distilled options); distill=hard_token and distill=soft_token pick the "
+                          "distilled twin themselves.")
+    return name
+
+
 def set_training_mode(model: torch.nn.Module, train: bool) -> None:
     """Train mode, or eval mode for training (DeiT's fine-tune: no drop path, no dropout) that keeps a
     distilled ViT returning both heads' logits."""
@@ -66,18 +95,9 @@ def compile_in_place(model: torch.nn.Module) -> bool:
     try:
         model.compile()
     except Exception as error:  # noqa: BLE001 - any backend failure means: train eagerly
-        warnings.warn(f"train.compile: torch.compile is unavailable here ({error}); training eagerly.", stacklevel=2)
+        warnings.warn(f"runtime.compile: torch.compile is unavailable here ({error}); training eagerly.", stacklevel=2)
         return False
     return True
-
-
-def drop_path_rates(model: torch.nn.Module) -> list[float]:
-    """The stochastic-depth rate of each residual block, in order (0 where a block has none)."""
-    rates = []
-    for block in getattr(model, "blocks", []):
-        drop = getattr(block, "drop_path1", None)
-        rates.append(float(getattr(drop, "drop_prob", 0.0)))
-    return rates
 
 
 def resize_pos_embed_state(

@@ -50,9 +50,3 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_s
         warmup_prefix=False,
         t_in_epochs=False,
     )
-
-
-def weight_decay_groups(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, float]:
-    """Parameter name -> the weight decay the optimizer applies to it."""
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    return {by_id[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,23 +14,22 @@ from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
 from deit_ablate import checkpoint as ckpt
-from deit_ablate.data.datasets import build_dataset, dataset_root
+from deit_ablate.data.datasets import build_dataset, data_fingerprint, dataset_root, describe_data
 from deit_ablate.data.loader import ShardSampler, SkipFirst, build_loader, build_train_sampler, set_sampler_epoch
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
-from deit_ablate.distill import TOKEN_KINDS, DistillationLoss, build_teacher, student_model_name, teacher_forward
 from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, init_distributed
 from deit_ablate.engine import Diverged, Trainer, evaluate
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra
+from deit_ablate.losses import TOKEN_KINDS, DistillationLoss
 from deit_ablate.mixing import build_criterion, build_mixup
-from deit_ablate.models import build_model, compile_in_place
+from deit_ablate.models import build_model, compile_in_place, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
-from deit_ablate.stages import StageRecipe, load_pretrained, pretrain_status, stage_recipe
+from deit_ablate.rundir import RunDir
+from deit_ablate.stages import StageRecipe, load_pretrained, pretrain_run_dir, pretrain_status, stage_recipe
+from deit_ablate.teacher import build_teacher, teacher_forward
 from deit_ablate.tracking import Tracker
 from deit_ablate.validate import BatchPlan, plan_batch, validate_config
-
-RESULT_FILE = "result.json"
-LAST, BEST = "checkpoint-last.pt", "checkpoint-best.pt"
 
 
 def seed_everything(seed: int) -> None:
@@ -40,13 +37,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write a small JSON file via a temp file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
 
 
 def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
@@ -87,7 +77,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     train_sampler = build_train_sampler(train_set, cfg.augment.repeated_aug, info.world_size, info.rank, cfg.seed)
     train_loader = build_loader(train_set, train_sampler, plan.per_rank_batch, cfg, train=True)
     val_sampler = ShardSampler(len(val_set), info.world_size, info.rank)
-    val_loader = build_loader(val_set, val_sampler, cfg.train.eval_batch, cfg, train=False)
+    val_loader = build_loader(val_set, val_sampler, cfg.runtime.eval_batch, cfg, train=False)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
         raise ConfigError(f"an epoch of {len(train_sampler)} images per rank holds no full batch of "
@@ -111,7 +101,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     mixup = build_mixup(cfg.mix, cfg.data.num_classes)
     criterion = build_criterion(cfg.mix, mixup)
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None  # starts from the loaded weights
-    if cfg.train.compile:
+    if cfg.runtime.compile:
         compile_in_place(module)  # after the EMA copy, which is only evaluated and stays eager
 
     loss_fn = build_loss_fn(cfg, module, criterion, info.device)
@@ -120,7 +110,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
                       accum_steps=plan.accum_steps, mixup=mixup, ema=ema, batch_transform=batch_transform,
                       train_mode=recipe.train_mode,
                       amp_dtype=amp_dtype(cfg.train.amp, info.device),
-                      clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.train.log_interval)
+                      clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.runtime.log_interval)
     return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan)
 
 
@@ -146,55 +136,102 @@ def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.M
 
 def discard_empty_run_dir() -> None:
     """Remove the run folder Hydra made for a run that failed before writing anything of its own."""
-    run_dir = current_run_dir()
-    if run_dir.is_dir() and all(p.name in (".hydra", "train.log") for p in run_dir.iterdir()):
-        shutil.rmtree(run_dir, ignore_errors=True)
+    RunDir(current_run_dir()).discard_if_empty()
 
 
 def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Train one run to the end (or to divergence) and return its summary; rank 0 writes everything."""
     validate_config(cfg)
-    identity = identity_from_hydra()
-    run_dir = current_run_dir()
-    result_path = run_dir / RESULT_FILE
-    if result_path.exists():
-        result = json.loads(result_path.read_text())
+    identity = identity_from_hydra(cfg)
+    run_dir = RunDir(current_run_dir())
+    data = data_identity(cfg, run_dir)
+    if cfg.runtime.dry_run:
+        print(f"[dry run] {identity.name} (wandb id {identity.run_id}): {launch_plan(cfg, run_dir)}", flush=True)
+        run_dir.discard_if_empty()
+        return None
+    result = run_dir.read_result()
+    if result is not None:
         print(f"[run] {identity.name}: already {result['status']} (top-1 {result.get('top1', float('nan')):.2f}); "
-              f"skipping. Delete {result_path} to run it again.")
+              f"skipping. Delete {run_dir.result} to run it again.")
         return result
     if cfg.stage == "finetune":
         upstream = pretrain_status(cfg)
         if upstream != "finished":
-            return record_without_training(cfg, identity, run_dir, upstream)
-    info = init_distributed(cfg.train.device)
+            return record_without_training(cfg, identity, run_dir, upstream, data)
+    info = init_distributed(cfg.runtime.device)
     try:
-        return _train(cfg, info, identity, run_dir)
+        return _train(cfg, info, identity, run_dir, data)
     finally:
         cleanup(info)
 
 
-def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: Path, upstream: str) -> dict[str, Any]:
+def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
+    """The data's fingerprint, checked against the one the run folder recorded: another dataset under the same
+    settings is refused, never resumed or skipped with the other data's result."""
+    current = data_fingerprint(cfg)
+    recorded = (run_dir.read_identity() or {}).get("data")
+    if recorded is not None and recorded.get("digest") != current.get("digest"):
+        raise ConfigError(
+            f"{run_dir.path} holds this experiment trained on other data ({describe_data(recorded)}), but "
+            f"data.root={cfg.data.root} now holds {describe_data(current)}. The data is part of a run's identity: "
+            f"train this data under another output folder (runtime.output_root=...), or delete {run_dir.path} "
+            "to train it here.")
+    return current
+
+
+def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
+    """What launching this run would do now: skip, train, resume, or wait for its pre-training."""
+    result = run_dir.read_result()
+    if result is not None:
+        return f"skip (already {result['status']})"
+    if cfg.stage == "finetune" and not cfg.finetune.init_checkpoint:
+        upstream = pretrain_run_dir(cfg)
+        upstream_result = upstream.read_result()
+        if upstream_result is None:
+            return f"wait for its pre-training {upstream.name}"
+        if upstream_result["status"] != "finished":
+            return f"record as {upstream_result['status']} without training (its pre-training {upstream.name})"
+    if run_dir.last_checkpoint.exists():
+        return f"resume from step {ckpt.load(run_dir.last_checkpoint)['step']}"
+    return "train from step 0" + (f", starting from {pretrain_run_dir(cfg).name}" if cfg.stage == "finetune"
+                                  and not cfg.finetune.init_checkpoint else "")
+
+
+def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: RunDir, upstream: str,
+                            data: dict[str, Any]) -> dict[str, Any]:
     """A fine-tune stage whose pre-training diverged: nothing to fine-tune, logged with the same status."""
     final = {"status": upstream, "steps_done": 0, "epochs_done": 0, "train_seconds": 0.0,
              "note": f"pre-training ended as {upstream}; not fine-tuned"}
-    tracker = Tracker(cfg, identity.run_id, identity.name, identity.group, enabled=True)
+    tracker = Tracker(cfg, identity, data, enabled=True)
     tracker.summary(final)
     tracker.finish()
-    write_json_atomic(run_dir / RESULT_FILE, {"run_id": identity.run_id, "name": identity.name, **final})
+    record_identity(run_dir, identity, data)
+    run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
+                              "experiment_digest": identity.digest, "data_fingerprint": data})
     print(f"[run] {identity.name}: {final['note']}.")
     return final
 
 
-def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path) -> dict[str, Any]:
+def record_identity(run_dir: RunDir, identity: RunIdentity, data: dict[str, Any]) -> None:
+    """Write what this run is (its digest and its data) into its folder, once."""
+    if run_dir.read_identity() is None:
+        run_dir.write_identity({"name": identity.name, "run_id": identity.run_id, "digest": identity.digest,
+                                "data": data})
+
+
+def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir,
+           data: dict[str, Any]) -> dict[str, Any]:
     seed_everything(cfg.seed)
-    set_cpu_threads(cfg.train.cpu_threads, info.device)
+    set_cpu_threads(cfg.runtime.cpu_threads, info.device)
     plan = plan_batch(cfg, info.world_size)
     pieces = build_pieces(cfg, info, plan)  # every input error is raised by now, before anything is logged
-    tracker = Tracker(cfg, identity.run_id, identity.name, identity.group, enabled=info.is_main)
+    tracker = Tracker(cfg, identity, data, enabled=info.is_main)
+    if info.is_main:
+        record_identity(run_dir, identity, data)
     trainer = pieces.trainer
     trainer.on_log = tracker.log
     start_epoch, best_top1, skip_batches = 0, 0.0, 0
-    last_path = run_dir / LAST
+    last_path = run_dir.last_checkpoint
     if last_path.exists():
         start_epoch, best_top1, skip_batches = ckpt.restore(trainer, ckpt.load(last_path))
         if info.is_main:
@@ -214,8 +251,8 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
     status, metrics, ema_metrics, final = "finished", {}, {}, {}
     started = time.perf_counter()
     epoch = start_epoch
-    saver = ckpt.MidEpochSaver(trainer, last_path, cfg.train.checkpoint_every_steps,
-                                cfg.train.checkpoint_every_minutes, info.is_main)
+    saver = ckpt.MidEpochSaver(trainer, last_path, cfg.runtime.checkpoint_every_steps,
+                                cfg.runtime.checkpoint_every_minutes, info.is_main)
     try:
         for epoch in range(start_epoch, pieces.recipe.epochs):
             if cfg.train.max_steps is not None and trainer.step >= cfg.train.max_steps:
@@ -248,7 +285,7 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
                          else ckpt.training_state(trainer, epoch, best_top1, batches_done))
                 ckpt.save_atomic(state, last_path)
                 if headline >= best_top1:
-                    ckpt.save_atomic(state, run_dir / BEST)
+                    ckpt.save_atomic(state, run_dir.best_checkpoint)
             barrier(info)
     except Diverged as diverged:
         status = "diverged"
@@ -259,8 +296,9 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: Path
     tracker.summary(final)
     tracker.finish(exit_code=0)
     if info.is_main:
-        write_json_atomic(run_dir / RESULT_FILE, {"run_id": identity.run_id, "name": identity.name, **final})
-        print_summary(identity, final, run_dir)
+        run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
+                              "experiment_digest": identity.digest, "data_fingerprint": data})
+        print_summary(identity, final, run_dir.path)
     final = broadcast_object(final, info)
     return final
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,9 +9,11 @@ import torch
 from omegaconf import DictConfig
 
 from deit_ablate import checkpoint as ckpt
+from deit_ablate.config import compose_run_config
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import current_override_dirname, pretrain_run_name
+from deit_ablate.identity import folder_name, pretrain_overrides, run_identity, task_overrides
 from deit_ablate.models import resize_pos_embed_state
+from deit_ablate.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,13 @@ def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
     return cfg.train.global_batch, "train.global_batch"
 
 
-def pretrain_run_dir(cfg: DictConfig) -> Path:
-    """The folder of the pre-training run this fine-tune stage starts from: same row, same seed."""
-    return Path(cfg.output_root) / "runs" / pretrain_run_name(current_override_dirname())
+def pretrain_run_dir(cfg: DictConfig) -> RunDir:
+    """The folder of the pre-training run this fine-tune stage starts from: the run of the same overrides without
+    the stage, resolution and finetune.* ones (which never change a pre-training), composed as Hydra would."""
+    overrides = pretrain_overrides(task_overrides())
+    upstream = compose_run_config(overrides)
+    runs_root = Path(cfg.runtime.output_root) / "runs"
+    return RunDir(runs_root / folder_name(run_identity(upstream, overrides), runs_root))
 
 
 def pretrain_status(cfg: DictConfig) -> str:
@@ -51,23 +56,23 @@ def pretrain_status(cfg: DictConfig) -> str:
             raise ConfigError(f"finetune.init_checkpoint={path} does not exist. Point it at a checkpoint written "
                               "by a pre-training run (outputs/runs/<run>/checkpoint-last.pt).")
         return "finished"
-    run_dir = pretrain_run_dir(cfg)
-    result = run_dir / "result.json"
-    if not result.exists():
+    upstream = pretrain_run_dir(cfg)
+    result = upstream.read_result()
+    if result is None:
         raise ConfigError(
-            f"stage=finetune starts from the pre-training run '{run_dir.name}', which has not finished "
-            f"({result} is missing). Run the pre-training first (the same command without stage=finetune), "
+            f"stage=finetune starts from the pre-training run '{upstream.name}', which has not finished "
+            f"({upstream.result} is missing). Run the pre-training first (the same command without stage=finetune), "
             "sweep both stages in one command (stage=pretrain,finetune, pre-training listed first), or set "
             "finetune.init_checkpoint=/path/to/checkpoint.pt."
         )
-    return json.loads(result.read_text())["status"]
+    return result["status"]
 
 
 def pretrain_checkpoint(cfg: DictConfig) -> Path:
     """The weights a fine-tune stage starts from: finetune.init_checkpoint, else its pre-training's last."""
     if cfg.finetune.init_checkpoint:
         return Path(cfg.finetune.init_checkpoint).expanduser()
-    return pretrain_run_dir(cfg) / "checkpoint-last.pt"
+    return pretrain_run_dir(cfg).last_checkpoint
 
 
 def stage_recipe(cfg: DictConfig) -> StageRecipe:

@@ -8,13 +8,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from deit_ablate.identity import RunIdentity
+
 # Keys of the resolved config that never go to wandb (they could carry credentials or host details).
-_PRIVATE_KEYS = ("tracking.entity",)
+_PRIVATE_KEYS = ("runtime.tracking.entity",)
 
 
 def loggable_config(cfg: DictConfig) -> dict[str, Any]:
     """The resolved config as a plain dict, without private keys."""
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     for dotted in _PRIVATE_KEYS:
         *parents, leaf = dotted.split(".")
         node = config
@@ -27,25 +29,26 @@ def loggable_config(cfg: DictConfig) -> dict[str, Any]:
 class Tracker:
     """A wandb run on rank 0 and a silent stand-in elsewhere."""
 
-    def __init__(self, cfg: DictConfig, run_id: str, run_name: str, group: str, enabled: bool) -> None:
+    def __init__(self, cfg: DictConfig, identity: RunIdentity, data: dict[str, Any], enabled: bool) -> None:
         self.run = None
-        if not enabled or cfg.tracking.mode == "disabled":
+        if not enabled or cfg.runtime.tracking.mode == "disabled":
             return
         import wandb
 
-        wandb_dir = Path(cfg.output_root).resolve()
+        wandb_dir = Path(cfg.runtime.output_root).resolve()
         wandb_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(
-            project=cfg.tracking.project,
-            entity=cfg.tracking.entity,
+            project=cfg.runtime.tracking.project,
+            entity=cfg.runtime.tracking.entity,
             dir=str(wandb_dir),
-            mode=cfg.tracking.mode,
-            id=run_id,
-            name=run_name,
-            group=group,
-            tags=[cfg.ablation, cfg.stage, cfg.preset],
-            config={**loggable_config(cfg), "run_id": run_id, "run_name": run_name},
+            mode=cfg.runtime.tracking.mode,
+            id=identity.run_id,
+            name=identity.name,
+            group=identity.group,
+            tags=[cfg.ablation, str(cfg.stage), cfg.preset],
+            config={**loggable_config(cfg), "run_id": identity.run_id, "run_name": identity.name,
+                    "experiment_digest": identity.digest, "data_fingerprint": data},
             resume="allow",
             settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True, save_code=False),
         )

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import timm
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from timm.optim import list_optimizers
 
+from deit_ablate.config import Config
 from deit_ablate.data.datasets import check_data_root
-from deit_ablate.distill import check_distill_config
 from deit_ablate.errors import ConfigError
 from deit_ablate.stages import stage_global_batch
+from deit_ablate.teacher import check_distill_config
 
-CHOICES = {
-    "stage": ("pretrain", "finetune"),
-    "data.name": ("builtin", "imagenet", "imagefolder", "cifar100"),
-    "distill.type": ("none", "soft", "hard", "hard_token", "soft_token"),
-    "distill.kl_normalization": ("elements", "batch"),
-    "distill.fusion": ("prob", "logit"),
-    "mix.mode": ("batch", "pair", "elem"),
-    "augment.remode": ("pixel", "rand", "const"),
-    "train.amp": ("auto", "bf16", "fp32"),
-    "tracking.mode": ("offline", "online", "disabled"),
-}
 PROBABILITIES = ("augment.reprob", "augment.hflip", "mix.prob", "mix.switch_prob", "mix.label_smoothing",
                  "model.drop_path", "model.dropout")
 
@@ -51,9 +42,9 @@ def _get(cfg: DictConfig, dotted: str):
 def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
     """Split this stage's global batch over `world_size` ranks, accumulating when a rank's share exceeds the cap."""
     global_batch, key = stage_global_batch(cfg)
-    cap = cfg.train.max_batch_per_device
+    cap = cfg.runtime.max_batch_per_device
     if global_batch <= 0 or cap <= 0:
-        raise ConfigError(f"{key}={global_batch} and train.max_batch_per_device={cap} must be positive.")
+        raise ConfigError(f"{key}={global_batch} and runtime.max_batch_per_device={cap} must be positive.")
     if global_batch % world_size:
         raise ConfigError(
             f"{key}={global_batch} cannot be split over {world_size} processes. The global batch is "
@@ -73,12 +64,34 @@ def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
     return plan
 
 
+# Free-form nodes: extra timm arguments, passed through as given.
+FREE_FORM = ("model.kwargs", "distill.teacher.kwargs")
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse keys the schema does not have (Hydra's `+key=value` adds them to a typed node without a word)."""
+    schema = OmegaConf.structured(Config)
+
+    def walk(node: DictConfig, reference: DictConfig, prefix: str) -> None:
+        for key in node:
+            if not prefix and key == "hydra":  # Hydra's own node, present where the launcher composes a run
+                continue
+            dotted = f"{prefix}{key}"
+            if key not in reference:
+                close = difflib.get_close_matches(str(key), [str(k) for k in reference], n=3)
+                hint = f" Did you mean {', '.join(prefix + c for c in close)}?" if close else ""
+                raise ConfigError(f"{dotted} is not a setting of this project (it was added with '+').{hint} "
+                                  f"The keys of {prefix.rstrip('.') or 'the config'} are listed by "
+                                  "`python train.py --cfg job`.")
+            if dotted not in FREE_FORM and isinstance(node[key], DictConfig) and isinstance(reference[key], DictConfig):
+                walk(node[key], reference[key], dotted + ".")
+
+    walk(cfg, schema, "")
+
+
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
-    for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}={value} is not one of {', '.join(allowed)}. Set {key} to one of them.")
+    check_known_keys(cfg)
     for key in PROBABILITIES:
         value = _get(cfg, key)
         if not 0.0 <= value <= 1.0:
@@ -86,11 +99,11 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     if cfg.mix.mixup_alpha < 0 or cfg.mix.cutmix_alpha < 0:
         raise ConfigError("mix.mixup_alpha and mix.cutmix_alpha are Beta parameters and must be >= 0 "
                           "(0 turns one off).")
-    if not 0 <= cfg.data.worker_nice <= 19:
-        raise ConfigError(f"data.worker_nice={cfg.data.worker_nice} is outside 0-19: it is added to the loader "
+    if not 0 <= cfg.runtime.worker_nice <= 19:
+        raise ConfigError(f"runtime.worker_nice={cfg.runtime.worker_nice} is outside 0-19: it is added to the loader "
                           "workers' niceness, and only root may raise a priority. Use 0 to leave it as it is.")
-    if cfg.train.cpu_threads is not None and cfg.train.cpu_threads < 1:
-        raise ConfigError(f"train.cpu_threads={cfg.train.cpu_threads} must be >= 1, or null for torch's default "
+    if cfg.runtime.cpu_threads is not None and cfg.runtime.cpu_threads < 1:
+        raise ConfigError(f"runtime.cpu_threads={cfg.runtime.cpu_threads} must be >= 1, or null for torch's default "
                           "(one thread per core).")
     if cfg.data.fast_jpeg and cfg.augment.no_aug:
         raise ConfigError("data.fast_jpeg speeds up the random-resized crop, which augment.no_aug=true turns off. "

@@ -28,10 +28,10 @@ TINY = [
     "model.kwargs.embed_dim=32",
     "model.kwargs.num_heads=2",
     "train.global_batch=32",
-    "train.eval_batch=50",
+    "runtime.eval_batch=50",
     "train.epochs=1",
-    "train.log_interval=2",
-    "data.num_workers=0",
+    "runtime.log_interval=2",
+    "runtime.num_workers=0",
 ]
 
 

@@ -13,7 +13,7 @@ from tests.conftest import compose_config
     (1, 128, 1024, 8), (8, 128, 128, 1), (16, 128, 64, 1), (4, 100, 256, 4), (2, 96, 512, 8),
 ])
 def test_global_batch_is_split_per_rank_then_accumulated(world, cap, per_rank, accum):
-    cfg = compose_config(["preset=paper", f"train.max_batch_per_device={cap}"])
+    cfg = compose_config(["preset=paper", f"runtime.max_batch_per_device={cap}"])
     plan = plan_batch(cfg, world)
     assert (plan.per_rank_batch, plan.accum_steps) == (per_rank, accum)
     assert plan.micro_batch * plan.accum_steps * world == 1024

@@ -171,7 +171,7 @@ def test_train_py_trains_on_jpegs_with_the_fast_path_and_workers(tmp_path, data_
                     folder / f"{index}.jpg", quality=90)
     args = [a for a in TINY if not a.startswith("data.")] + [
         "data=imagefolder", f"data.root={tmp_path / 'jpegs'}", "data.num_classes=2", "data.fast_jpeg=true",
-        "data.num_workers=2", "train.global_batch=8", "train.max_steps=3"]
+        "runtime.num_workers=2", "train.global_batch=8", "train.max_steps=3"]
     cfg = compose_config(args)
     dataset = build_dataset(cfg, "train", build_train_pipeline(cfg)[0])
     assert dataset.loader is lazy_loader and isinstance(dataset.transform.transforms[0], FastRandomResizedCrop)

@@ -1,4 +1,4 @@
-"""The training DataLoader's workers: their CPU priority (data.worker_nice) and its validation."""
+"""The training DataLoader's workers: their CPU priority (runtime.worker_nice) and its validation."""
 
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ def _loaded_niceness(overrides: list[str]) -> set[int]:
 
 def test_workers_run_at_lower_priority_than_the_training_process():
     own = os.nice(0)
-    assert _loaded_niceness(["data.num_workers=2"]) == {min(own + 19, 19)}
-    assert _loaded_niceness(["data.num_workers=2", "data.worker_nice=5"]) == {min(own + 5, 19)}
-    assert _loaded_niceness(["data.num_workers=2", "data.worker_nice=0"]) == {own}
-    assert _loaded_niceness(["data.num_workers=0"]) == {own}  # no workers: the training process is left alone
+    assert _loaded_niceness(["runtime.num_workers=2"]) == {min(own + 19, 19)}
+    assert _loaded_niceness(["runtime.num_workers=2", "runtime.worker_nice=5"]) == {min(own + 5, 19)}
+    assert _loaded_niceness(["runtime.num_workers=2", "runtime.worker_nice=0"]) == {own}
+    assert _loaded_niceness(["runtime.num_workers=0"]) == {own}  # no workers: the training process is left alone
     assert os.nice(0) == own
 
 
 @pytest.mark.parametrize("value", [-1, 20])
 def test_a_niceness_outside_0_to_19_is_a_config_error(value):
-    with pytest.raises(ConfigError, match=f"data.worker_nice={value} is outside 0-19"):
-        validate_config(compose_config([f"data.worker_nice={value}"]))
+    with pytest.raises(ConfigError, match=f"runtime.worker_nice={value} is outside 0-19"):
+        validate_config(compose_config([f"runtime.worker_nice={value}"]))

@@ -56,7 +56,7 @@ def test_sweep_runs_8_rank_jobs_and_chains_the_finetune_after_its_pretraining(tm
 
 def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_cache):
     tiny = [o for o in TINY if o != "train.epochs=1"]
-    args = ["-m", "train.checkpoint_every_steps=1", "train.epochs=6"] + SLURM + tiny
+    args = ["-m", "runtime.checkpoint_every_steps=1", "train.epochs=6"] + SLURM + tiny
     env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     driver = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

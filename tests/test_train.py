@@ -59,7 +59,7 @@ def test_divergence_ends_the_run_as_a_result_with_exit_status_0(tmp_path, data_c
 
 @pytest.mark.parametrize("workers", [0, 2])  # loader workers must take run.py's per-epoch seeds too
 def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(tmp_path, data_cache, workers):
-    tiny = [item for item in TINY if not item.startswith("data.num_workers=")] + [f"data.num_workers={workers}"]
+    tiny = [item for item in TINY if not item.startswith("runtime.num_workers=")] + [f"runtime.num_workers={workers}"]
     two = tiny + ["train.epochs=2", "mix=mixup_cutmix"]
     straight = tmp_path / "straight"
     run_train(two + [f"hydra.run.dir={straight}"], tmp_path, data_cache)
@@ -117,13 +117,13 @@ def test_unknown_model_name_is_a_clear_error(tmp_path, data_cache):
 
 
 def test_accumulation_kicks_in_when_a_batch_does_not_fit(tmp_path, data_cache):
-    proc = run_train(TINY + ["train.max_batch_per_device=8"], tmp_path, data_cache)
+    proc = run_train(TINY + ["runtime.max_batch_per_device=8"], tmp_path, data_cache)
     assert "global batch 32 = 1 x 32 per rank (4 accumulation step(s) of 8)" in proc.stdout
 
 
 def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache):
     run_dir = tmp_path / "run"
-    args = TINY + ["train.checkpoint_every_steps=2", f"hydra.run.dir={run_dir}"]
+    args = TINY + ["runtime.checkpoint_every_steps=2", f"hydra.run.dir={run_dir}"]
     run_train(args + ["train.max_steps=3"], tmp_path, data_cache)
     state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
     assert (state["epoch"], state["batches_done"], state["step"]) == (0, 3, 3)
@@ -135,8 +135,8 @@ def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache):
 
 
 def test_cpu_threads_sets_torch_threads_and_zero_is_refused(tmp_path, data_cache):
-    proc = run_train(TINY + ["train.max_steps=1", "train.cpu_threads=2"], tmp_path, data_cache)  # env: 1 thread
+    proc = run_train(TINY + ["train.max_steps=1", "runtime.cpu_threads=2"], tmp_path, data_cache)  # env: 1 thread
     assert "device cpu, 2 torch thread(s)" in proc.stdout
-    proc = run_train(TINY + ["train.cpu_threads=0", "output_root=zero"], tmp_path, data_cache, check=False)
-    assert proc.returncode == 2 and "train.cpu_threads=0 must be >= 1" in proc.stderr
+    proc = run_train(TINY + ["runtime.cpu_threads=0", "runtime.output_root=zero"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "runtime.cpu_threads=0 must be >= 1" in proc.stderr
     assert not list(tmp_path.glob("zero/runs/*"))  # no run folder left behind

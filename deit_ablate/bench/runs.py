@@ -63,7 +63,8 @@ def run_ours(overrides: list[str], steps: int, batch: int, cache: Path, warmup: 
     """`python train.py <overrides> train.max_steps=<steps>` with every step timed (bench.instrument)."""
     with tempfile.TemporaryDirectory(prefix="bench-ours-") as work:
         log = Path(work) / "steps.jsonl"
-        args = [*overrides, f"train.max_steps={steps}", f"output_root={work}/outputs", f"hydra.run.dir={work}/run"]
+        args = [*overrides, f"train.max_steps={steps}", f"runtime.output_root={work}/outputs",
+                f"hydra.run.dir={work}/run"]
         command = [sys.executable, "-m", "deit_ablate.bench.instrument", str(log), str(TRAIN_PY), *args]
         launched = time.time()
         proc = subprocess.Popen(command, cwd=work, env=child_env(cache, extra_env), stdout=subprocess.PIPE,

@@ -78,8 +78,8 @@ def section_step(s: Settings, report: Report) -> None:
     from deit_ablate.bench import step
 
     overrides = [f"model={s.model}", f"resolution.train_size={s.size}", f"resolution.eval_size={s.size}",
-                 f"train.global_batch={s.batch}", f"train.max_batch_per_device={s.batch}", "data.num_workers=0",
-                 *builtin_overrides(s), f"train.device={s.device_name}"]
+                 f"train.global_batch={s.batch}", f"runtime.max_batch_per_device={s.batch}", "runtime.num_workers=0",
+                 *builtin_overrides(s), f"runtime.device={s.device_name}"]
     cfg = compose_run(overrides)
     variants: dict[str, dict[str, Any]] = {"ours": {}}
     if not s.quick:  # the default is whatever optim.build_optimizer asks torch for; these force one implementation
@@ -135,11 +135,11 @@ def section_pipeline(s: Settings, report: Report) -> None:
     _log(f"[bench] JPEG set: {count} images of {pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT} ...")
     root = pipeline.ensure_jpeg_set(count)
     workers = _workers(s)
-    overrides = ["resolution=224px", f"data.num_workers={workers}", f"data.root={builtin_root(s)}"]
+    overrides = ["resolution=224px", f"runtime.num_workers={workers}", f"data.root={builtin_root(s)}"]
     paths = {"ours": [], "ours+fast_jpeg": ["data.fast_jpeg=true"], "timm_transform": []}
 
     def loader(name: str, n_workers: int = workers) -> pipeline.Loader:
-        config = compose_run([*overrides, f"data.num_workers={n_workers}", *paths[name]])
+        config = compose_run([*overrides, f"runtime.num_workers={n_workers}", *paths[name]])
         dataset, batch_step = pipeline.jpeg_dataset(root, config, whole_timm_transform=name == "timm_transform")
         return pipeline.our_loader(config, dataset, batch, batch_step, s.device)
 
@@ -225,7 +225,7 @@ def section_workers(s: Settings, report: Report) -> None:
     from deit_ablate.data.transforms import build_train_pipeline
 
     workers = _workers(s)
-    overrides = [f"data.num_workers={workers}", *builtin_overrides(s)]
+    overrides = [f"runtime.num_workers={workers}", *builtin_overrides(s)]
     cfg = compose_run(overrides)
     dataset = build_dataset(cfg, "train", build_train_pipeline(cfg)[0], dataset_root(cfg))
     epochs = 2 if s.quick else 3
@@ -247,10 +247,10 @@ def section_workers(s: Settings, report: Report) -> None:
 
 def e2e_overrides(s: Settings, workers: int, repeated_aug: bool) -> list[str]:
     """Our side of the end-to-end comparison: the demo preset on the built-in data."""
-    overrides = [*builtin_overrides(s), f"data.num_workers={workers}", f"train.device={s.device_name}",
+    overrides = [*builtin_overrides(s), f"runtime.num_workers={workers}", f"runtime.device={s.device_name}",
                  f"augment.repeated_aug={3 if repeated_aug else 1}"]
     if s.e2e_batch != 128:  # a smaller batch scales the lr down: keep the (unused) fine-tune schedule valid
-        overrides += [f"train.global_batch={s.e2e_batch}", f"train.max_batch_per_device={s.e2e_batch}",
+        overrides += [f"train.global_batch={s.e2e_batch}", f"runtime.max_batch_per_device={s.e2e_batch}",
                       "finetune.min_lr=1e-6"]
     return overrides
 
@@ -279,7 +279,8 @@ def section_e2e(s: Settings, report: Report) -> None:
     if not s.quick:
         plan.append(("ours+repeated_aug", "ours", e2e_overrides(s, workers, True), None))
         if workers > 0:  # loader workers at the training process's own priority (data/loader.py)
-            plan.append(("ours/worker_nice=0", "ours", [*e2e_overrides(s, workers, False), "data.worker_nice=0"], None))
+            nice_off = [*e2e_overrides(s, workers, False), "runtime.worker_nice=0"]
+            plan.append(("ours/worker_nice=0", "ours", nice_off, None))
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in plan}
     for repeat in range(1 if s.quick else s.repeats):
         for name, side, spec, env in plan:

@@ -29,7 +29,7 @@ def timm_args(cfg: DictConfig, data_dir: Path, out_dir: Path, workers: int, devi
 
     timm takes whole warm-up epochs only; a fractional optimizer.warmup_epochs is rounded (the schedule does not
     change the speed)."""
-    model, aug, mix, opt, train = cfg.model, cfg.augment, cfg.mix, cfg.optimizer, cfg.train
+    model, aug, mix, opt, train, runtime = cfg.model, cfg.augment, cfg.mix, cfg.optimizer, cfg.train, cfg.runtime
     kwargs = dict(OmegaConf.to_container(model.kwargs, resolve=True))
     if is_vision_transformer(model.name):
         kwargs["img_size"] = cfg.resolution.train_size
@@ -37,7 +37,7 @@ def timm_args(cfg: DictConfig, data_dir: Path, out_dir: Path, workers: int, devi
         "--data-dir", str(data_dir), "--train-split", "train", "--val-split", "val",
         "--num-classes", str(cfg.data.num_classes), "--model", model.name,
         "--img-size", str(cfg.resolution.train_size), "--drop-path", str(model.drop_path), "--drop", str(model.dropout),
-        "-b", str(train.global_batch), "-vb", str(train.eval_batch), "-j", str(workers), "--device", device,
+        "-b", str(train.global_batch), "-vb", str(runtime.eval_batch), "-j", str(workers), "--device", device,
         "--aa", str(aug.auto_augment), "--reprob", str(aug.reprob), "--remode", aug.remode,
         "--recount", str(aug.recount), "--scale", *map(str, aug.scale), "--hflip", str(aug.hflip),
         "--color-jitter", str(aug.color_jitter), "--train-interpolation", aug.interpolation,

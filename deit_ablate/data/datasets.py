@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +15,7 @@ from torchvision.datasets import CIFAR100, ImageFolder
 
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
+from deit_ablate.data.fingerprint import dataset_fingerprint, describe_fingerprint
 from deit_ablate.errors import ConfigError
 
 # A truncated JPEG is decoded as far as it goes instead of killing an epoch; the count is in the logs.
@@ -70,3 +73,21 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
         raise ConfigError(f"data.num_classes={cfg.data.num_classes} but {root / split} holds {num_classes} "
                           f"classes. Set data.num_classes={num_classes}.")
     return dataset
+
+
+def data_fingerprint(cfg: DictConfig) -> dict:
+    """Which data a run trains on, by content: the built-in set by its drawing parameters, a folder by its
+    fingerprint (class names, image counts, relative paths and sizes; cached next to the data)."""
+    if cfg.data.name == "builtin" and not cfg.data.root:
+        params = dict(cfg.data.builtin)
+        digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+        return {"digest": digest, "builtin": params}
+    root = dataset_root(cfg) if cfg.data.name != "builtin" else Path(cfg.data.root).expanduser()
+    return dataset_fingerprint(root)
+
+
+def describe_data(fingerprint: dict) -> str:
+    """One line that tells two datasets apart."""
+    if "builtin" in fingerprint:
+        return f"the built-in set {fingerprint['builtin']}"
+    return describe_fingerprint(fingerprint)

@@ -70,10 +70,10 @@ def lower_worker_priority(niceness: int, worker_id: int) -> None:
 def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig, train: bool) -> DataLoader:
     """A DataLoader with workers, pinned memory on GPU, prefetch, and persistent workers for evaluation.
 
-    The workers run at data.worker_nice below the training process's CPU priority: where cores are short they
+    The workers run at runtime.worker_nice below the training process's CPU priority: where cores are short they
     fill the time the training step leaves idle instead of preempting its threads (docs/PERFORMANCE.md, section 8).
     """
-    workers = cfg.data.num_workers if cfg.data.num_workers is not None else default_num_workers()
+    workers = cfg.runtime.num_workers if cfg.runtime.num_workers is not None else default_num_workers()
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -85,5 +85,5 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictC
         # it costs ~0.1 s an epoch at demo scale (docs/PERFORMANCE.md).
         persistent_workers=workers > 0 and not train,
         prefetch_factor=4 if workers > 0 else None,
-        worker_init_fn=functools.partial(lower_worker_priority, cfg.data.worker_nice) if workers > 0 else None,
+        worker_init_fn=functools.partial(lower_worker_priority, cfg.runtime.worker_nice) if workers > 0 else None,
     )

@@ -31,6 +31,14 @@ class DeitSlurmLauncher(SlurmLauncher):
         _remove_stale_result_file()
         return super().__call__(*args, **kwargs)
 
+    def _run_locally(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        """Run the sweep's jobs in this process, as Hydra's basic launcher does (the dry run's plan)."""
+        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+        local = BasicLauncher()
+        local.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=self.config)
+        return local.launch(job_overrides, initial_job_idx)
+
     def _executor(self):
         import submitit
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -64,19 +72,22 @@ class DeitSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Validate all runs, submit them, wait, and return their results in sweep order."""
-        from deit_ablate.identity import pretrain_run_name
+        from deit_ablate.identity import pretrain_overrides
 
         assert self.config is not None and self.hydra_context is not None
         configs = self._validated_configs(job_overrides)
+        if configs and configs[0].runtime.dry_run:  # plan only: each run prints what it would do, here
+            return self._run_locally(job_overrides, initial_job_idx)
         names = [cfg.hydra.sweep.subdir for cfg in configs]
         pretrain_index = {name: i for i, (name, cfg) in enumerate(zip(names, configs, strict=True))
                           if cfg.stage == "pretrain"}
         upstream = {}
-        for i, cfg in enumerate(configs):
+        for i, (cfg, overrides) in enumerate(zip(configs, job_overrides, strict=True)):
             if cfg.stage == "finetune":
-                parent = pretrain_run_name(cfg.hydra.job.override_dirname)
-                if parent in pretrain_index:
-                    upstream[i] = pretrain_index[parent]
+                parent_overrides = pretrain_overrides(list(overrides))
+                parent = self.hydra_context.config_loader.load_sweep_config(self.config, parent_overrides)
+                if parent.hydra.sweep.subdir in pretrain_index:
+                    upstream[i] = pretrain_index[parent.hydra.sweep.subdir]
         params = [(list(overrides), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
                    Singleton.get_state()) for i, overrides in enumerate(job_overrides)]
         for i, overrides in enumerate(job_overrides):

@@ -1,0 +1,90 @@
+"""The layout of a run folder: every module asks `RunDir` for its paths."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write a small JSON file via a temp file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One run's folder under <runtime.output_root>/runs: checkpoints, result, identity, logs, Hydra's config."""
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.path / "checkpoint-last.pt"
+
+    @property
+    def best_checkpoint(self) -> Path:
+        return self.path / "checkpoint-best.pt"
+
+    @property
+    def result(self) -> Path:
+        return self.path / "result.json"
+
+    @property
+    def identity(self) -> Path:
+        return self.path / "identity.json"
+
+    @property
+    def hydra(self) -> Path:
+        return self.path / ".hydra"
+
+    @property
+    def log(self) -> Path:
+        return self.path / "train.log"
+
+    def read_result(self) -> dict[str, Any] | None:
+        """The run's result.json, or None while it has none."""
+        return json.loads(self.result.read_text()) if self.result.exists() else None
+
+    def write_result(self, payload: dict[str, Any]) -> None:
+        write_json_atomic(self.result, payload)
+
+    def read_identity(self) -> dict[str, Any] | None:
+        """What the run recorded about itself when it first started (digest, data fingerprint), or None."""
+        return json.loads(self.identity.read_text()) if self.identity.exists() else None
+
+    def write_identity(self, payload: dict[str, Any]) -> None:
+        write_json_atomic(self.identity, payload)
+
+    def weights(self) -> Path:
+        """The checkpoint to take weights from (e.g. a teacher): the best one, else the last."""
+        return self.best_checkpoint if self.best_checkpoint.exists() else self.last_checkpoint
+
+    def discard_if_empty(self) -> None:
+        """Remove the folder when it holds nothing of the run's own (only what Hydra wrote before it failed)."""
+        if self.path.is_dir() and all(p.name in (".hydra", "train.log") for p in self.path.iterdir()):
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def find_run(reference: Path, runs_root: Path) -> RunDir | None:
+    """The run folder `reference` names: a folder, a run name under `runs_root`, or the start of exactly one run's
+    name (its readable overrides without the hash, e.g. `outputs/runs/model=cnn_demo`); None if it names a file."""
+    if reference.is_file():
+        return None
+    for candidate in (reference, runs_root / reference):
+        if candidate.is_dir():
+            return RunDir(candidate)
+    for parent, stem in ((reference.parent, reference.name), (runs_root, str(reference))):
+        matches = sorted(parent.glob(f"{stem}-*")) if parent.is_dir() else []
+        matches = [m for m in matches if m.is_dir() and len(m.name) == len(stem) + 11]  # stem + "-" + 10 hex
+        if len(matches) == 1:
+            return RunDir(matches[0])
+    return None
