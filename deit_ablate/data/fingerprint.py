@@ -1,0 +1,154 @@
+"""Which data a run trained on, by content: a digest of an ImageFolder tree's class names, file paths and sizes.
+
+The digest is sha256 over each split's sorted class names and the sorted (path relative to root, size) of every
+regular file under its class folders (nested folders included, as ImageFolder does). Absolute paths and mtimes never
+enter it: a moved or copied tree keeps its digest. Hidden entries (names starting with '.') are skipped, so neither
+.DS_Store nor the cache file changes it. Limit: sizes, not contents, are hashed (for speed), so a file rewritten
+with other bytes of the same size keeps the digest. "classes" counts the distinct class names over all the splits.
+
+The result is cached against a stamp of the split, class and nested folders' mtime_ns (adding, removing or renaming
+a file changes its folder's mtime). Rewriting a file in place does not: pass refresh=True after doing that. A tree
+changed within the last RACY_NS is not cached yet, as a second change within the same mtime tick would be unseen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+CACHE_NAME = ".deit_fingerprint.json"
+VERSION = 1
+RACY_NS = 2_000_000_000
+
+
+def default_cache_dir() -> Path:
+    """Where caches go when the data root is not writable: $DEIT_ABLATE_CACHE or ~/.cache/deit-ablate."""
+    env = os.environ.get("DEIT_ABLATE_CACHE")
+    return (Path(env) if env else Path.home() / ".cache" / "deit-ablate").expanduser() / "fingerprints"
+
+
+def _mtime(path: Path | str) -> int | None:
+    """A folder's mtime_ns, None when it is missing."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _listing(root: Path, splits: Sequence[str]) -> tuple[dict[str, list[str]], list]:
+    """Each split's sorted class folders, and the stamp: [split or split/class, mtime_ns or None] in order."""
+    classes, stamp = {}, []
+    for split in splits:
+        stamp.append([split, _mtime(root / split)])
+        try:
+            with os.scandir(root / split) as it:
+                found = sorted((e.name, e.stat().st_mtime_ns) for e in it if e.name[0] != "." and e.is_dir())
+        except (FileNotFoundError, NotADirectoryError):
+            found = []
+        classes[split] = [name for name, _ in found]
+        stamp += [[f"{split}/{name}", m] for name, m in found]
+    return classes, stamp
+
+
+def _scan_class(folder: str, rel: str) -> tuple[bytes, int, list]:
+    """One class folder, recursively: its hash records in path order, its file count and its nested folders' stamp."""
+    files, nested, todo, seen = [], [], [(folder, rel)], {(s.st_dev, s.st_ino) for s in [os.stat(folder)]}
+    while todo:
+        path, prefix = todo.pop()
+        with os.scandir(path) as it:
+            for e in it:
+                if e.name[0] == ".":
+                    continue
+                r = f"{prefix}/{e.name}"
+                if e.is_dir():
+                    st = e.stat()
+                    if (st.st_dev, st.st_ino) not in seen:  # a symlink loop is followed once
+                        seen.add((st.st_dev, st.st_ino))
+                        nested.append([r, st.st_mtime_ns])
+                        todo.append((e.path, r))
+                elif e.is_file():
+                    files.append((r, e.stat().st_size))
+    files.sort()
+    return b"".join(b"F\0%s\0%d\0" % (r.encode("utf-8", "surrogateescape"), s) for r, s in files), len(files), nested
+
+
+def _compute(root: Path, classes: dict[str, list[str]], workers: int) -> tuple[dict, list]:
+    """The fingerprint and the nested folders' stamp; class folders are scanned by a pool, hashed in sorted order."""
+    h = hashlib.sha256(b"deit-fingerprint-v1\0")
+    for split, names in classes.items():
+        h.update(b"S\0" + split.encode() + b"\0" + b"".join(b"C\0%s\0" % n.encode("utf-8", "surrogateescape")
+                                                           for n in names))
+    jobs = [(split, name) for split, names in classes.items() for name in names]
+    args = [str(root / s / c) for s, c in jobs], [f"{s}/{c}" for s, c in jobs]
+    images, nested = dict.fromkeys(classes, 0), []
+    with ThreadPoolExecutor(min(workers, len(jobs))) if workers > 1 < len(jobs) else contextlib.nullcontext() as pool:
+        scan = pool.map if pool else map  # both yield in submission order, whatever order the scans finish in
+        for (split, _), (chunk, count, sub) in zip(jobs, scan(_scan_class, *args), strict=True):
+            h.update(chunk)
+            images[split] += count
+            nested += sub
+    union = sorted({n for names in classes.values() for n in names})
+    names_digest = hashlib.sha256("\0".join(union).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    fp = {"digest": h.hexdigest()[:16], "classes": len(union), "class_names_digest": names_digest, "images": images}
+    return fp, nested
+
+
+def _cached(path: Path, root: Path, stamp: list) -> dict | None:
+    """The fingerprint in a cache file if its root and stamp still hold; None if stale, missing or corrupt."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        nested_now = [[r, _mtime(root / r)] for r, _ in data["nested"]]
+        ok = (data["version"], data["root"], data["stamp"], data["nested"]) == (VERSION, str(root), stamp, nested_now)
+        return data["fingerprint"] if ok and isinstance(data["fingerprint"], dict) else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _write(path: Path, data: dict) -> bool:
+    """Write JSON atomically (a hidden temp file beside it, then os.replace); False when the folder is not writable."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
+
+
+def dataset_fingerprint(root: str | Path, splits: Sequence[str] = ("train", "val"), cache_dir: Path | None = None,
+                        *, workers: int = 8, refresh: bool = False) -> dict:
+    """{digest, classes, class_names_digest, images: {split: count}} of an ImageFolder tree, cached (see module doc)."""
+    root, splits = Path(root).resolve(), [splits] if isinstance(splits, str) else list(splits)
+    t0 = time.time_ns()
+    classes, stamp = _listing(root, splits)
+    fallback = Path(cache_dir or default_cache_dir()) / f"{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
+    for path in [] if refresh else [root / CACHE_NAME, fallback]:
+        if (fp := _cached(path, root, stamp)) is not None:
+            return fp
+    fp, nested = _compute(root, classes, workers)
+    if all(m is None or m < t0 - RACY_NS for _, m in stamp + nested):
+        entry = {"version": VERSION, "root": str(root), "stamp": stamp, "nested": nested, "fingerprint": fp}
+        if not _write(root / CACHE_NAME, entry):
+            with contextlib.suppress(OSError):
+                fallback.parent.mkdir(parents=True, exist_ok=True)
+            _write(fallback, entry)
+    return fp
+
+
+def describe_fingerprint(fp: dict) -> str:
+    """One line, e.g. '1000 classes, 1281167 train / 50000 val images, digest 1a2b3c4d5e6f7a8b'."""
+    counts = " / ".join(f"{n} {split}" for split, n in fp["images"].items())
+    return f"{fp['classes']} classes, {counts} images, digest {fp['digest']}"

@@ -1,0 +1,278 @@
+"""The data fingerprint: by content (paths and sizes), not by location; cached against folder mtimes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from deit_ablate.data import fingerprint as F
+from deit_ablate.data.fingerprint import CACHE_NAME, dataset_fingerprint, describe_fingerprint
+
+TREE = {
+    "train": {"cat": [3, 5, 7], "dog": [2, 4], "eel": [1]},
+    "val": {"cat": [3], "dog": [9, 9], "eel": [6]},
+}
+
+
+def make_tree(root, tree=TREE):
+    """An ImageFolder tree whose files hold n bytes each, with every folder's mtime an hour old."""
+    for split, classes in tree.items():
+        for cls, sizes in classes.items():
+            (root / split / cls).mkdir(parents=True)
+            for i, n in enumerate(sizes):
+                (root / split / cls / f"img{i}.jpg").write_bytes(b"x" * n)
+    age(root)
+    return root
+
+
+def age(root):
+    """Set every folder's mtime an hour back, as for data that is not being written (else it is too fresh to cache)."""
+    past = time.time() - 3600
+    for d, _, _ in os.walk(root):
+        os.utime(d, (past, past))
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    """The fallback cache folder, away from ~/.cache."""
+    monkeypatch.setenv("DEIT_ABLATE_CACHE", str(tmp_path / "cachehome"))
+    return tmp_path / "cachehome" / "fingerprints"
+
+
+@pytest.fixture
+def scans(monkeypatch):
+    """Counts the class-folder scans, to tell a cache hit (none) from a computation."""
+    calls = []
+    real = F._scan_class
+
+    def counted(folder, rel):
+        calls.append(rel)
+        return real(folder, rel)
+
+    monkeypatch.setattr(F, "_scan_class", counted)
+    return calls
+
+
+def digest(root, **kw):
+    return dataset_fingerprint(root, **kw)["digest"]
+
+
+def test_counts_classes_and_description(tmp_path):
+    fp = dataset_fingerprint(make_tree(tmp_path / "d"))
+    assert fp["images"] == {"train": 6, "val": 4} and fp["classes"] == 3
+    assert len(fp["digest"]) == 16 and int(fp["digest"], 16) >= 0
+    assert json.loads(json.dumps(fp)) == fp
+    assert describe_fingerprint(fp) == f"3 classes, 6 train / 4 val images, digest {fp['digest']}"
+
+
+def test_nested_files_count_loose_and_hidden_ones_do_not(tmp_path):
+    root = make_tree(tmp_path / "d")
+    (root / "train" / "cat" / "sub").mkdir()
+    (root / "train" / "cat" / "sub" / "deep.jpg").write_bytes(b"y")
+    (root / "train" / "loose.jpg").write_bytes(b"z")  # not under a class folder
+    (root / "train" / ".hiddenclass").mkdir()
+    (root / "train" / ".hiddenclass" / "a.jpg").write_bytes(b"z")
+    fp = dataset_fingerprint(root)
+    assert fp["images"] == {"train": 7, "val": 4} and fp["classes"] == 3
+
+
+def test_missing_val_split_counts_zero(tmp_path):
+    fp = dataset_fingerprint(make_tree(tmp_path / "d", {"train": TREE["train"]}))
+    assert fp["images"] == {"train": 6, "val": 0} and fp["classes"] == 3
+    assert dataset_fingerprint(tmp_path / "nowhere")["images"] == {"train": 0, "val": 0}
+
+
+def test_class_names_digest_follows_names_only(tmp_path):
+    a = dataset_fingerprint(make_tree(tmp_path / "a"))
+    b = dataset_fingerprint(make_tree(tmp_path / "b", {"train": {"cat": [1], "dog": [1], "eel": [1]}}))
+    c = dataset_fingerprint(make_tree(tmp_path / "c", {"train": {"cat": [1], "dog": [1], "fox": [1]}}))
+    assert a["class_names_digest"] == b["class_names_digest"] != c["class_names_digest"]
+
+
+def test_copied_tree_keeps_the_digest_and_is_computed_afresh(tmp_path, scans):
+    src = make_tree(tmp_path / "src")
+    before = digest(src)
+    assert (src / CACHE_NAME).exists()  # copied along: its root no longer matches, so it must not be trusted
+    shutil.copytree(src, tmp_path / "mnt" / "elsewhere")
+    scans.clear()
+    assert digest(tmp_path / "mnt" / "elsewhere") == before and scans
+
+
+def mutate_add(root):
+    (root / "train" / "dog" / "new.jpg").write_bytes(b"n")
+
+
+def mutate_remove(root):
+    (root / "val" / "eel" / "img0.jpg").unlink()
+
+
+def mutate_rename(root):
+    (root / "train" / "cat" / "img1.jpg").rename(root / "train" / "cat" / "renamed.jpg")
+
+
+def mutate_move_across_classes(root):
+    (root / "train" / "cat" / "img2.jpg").rename(root / "train" / "dog" / "img2.jpg")
+
+
+def mutate_rename_class(root):
+    (root / "val" / "dog").rename(root / "val" / "wolf")
+
+
+def mutate_add_empty_class(root):
+    (root / "val" / "fox").mkdir()
+
+
+@pytest.mark.parametrize("mutate", [mutate_add, mutate_remove, mutate_rename, mutate_move_across_classes,
+                                    mutate_rename_class, mutate_add_empty_class])
+def test_a_change_gives_another_digest_and_invalidates_the_cache(tmp_path, scans, mutate):
+    root = make_tree(tmp_path / "d")
+    before = digest(root)
+    assert digest(root) == before  # cached now
+    n = len(scans)
+    mutate(root)
+    after = digest(root)
+    assert after != before and len(scans) > n
+
+
+def test_a_file_added_in_a_nested_folder_invalidates_the_cache(tmp_path, scans):
+    root = make_tree(tmp_path / "d")
+    (root / "train" / "eel" / "sub").mkdir()
+    age(root)
+    before = digest(root)
+    n = len(scans)
+    (root / "train" / "eel" / "sub" / "img0.jpg").write_bytes(b"x")  # changes sub's mtime only, not eel's
+    assert digest(root) != before and len(scans) > n
+
+
+def test_a_resized_file_gives_another_digest(tmp_path):
+    a = make_tree(tmp_path / "a")
+    b = make_tree(tmp_path / "b", {**TREE, "val": {**TREE["val"], "eel": [7]}})
+    assert digest(a) != digest(b)
+
+
+def test_rewriting_a_file_in_place_needs_refresh(tmp_path):
+    """The documented limit: an in-place rewrite leaves the folder mtime, so the stamp holds; refresh=True rescans."""
+    root = make_tree(tmp_path / "d")
+    before = digest(root)
+    (root / "train" / "cat" / "img0.jpg").write_bytes(b"x" * 100)
+    assert digest(root) == before
+    assert digest(root, refresh=True) != before
+
+
+def test_hidden_files_do_not_change_the_digest(tmp_path, scans):
+    root = make_tree(tmp_path / "d")
+    before = digest(root)
+    (root / "train" / "cat" / ".DS_Store").write_bytes(b"junk")
+    (root / "val" / ".DS_Store").write_bytes(b"junk")
+    (root / "train" / "cat" / "._img0.jpg").write_bytes(b"junk")
+    n = len(scans)
+    assert digest(root) == before and len(scans) > n  # recomputed (folder mtimes moved), same digest
+
+
+def test_second_call_reads_the_cache(tmp_path, monkeypatch):
+    root = make_tree(tmp_path / "d")
+    first = dataset_fingerprint(root)
+    assert json.loads((root / CACHE_NAME).read_text())["fingerprint"] == first
+
+    def boom(*a):
+        raise AssertionError("scanned a class folder although the cache holds")
+
+    monkeypatch.setattr(F, "_scan_class", boom)
+    assert dataset_fingerprint(root) == first
+    assert dataset_fingerprint(str(root) + "/.") == first  # the cache is keyed by the resolved root
+
+
+def test_a_tree_changed_just_now_is_not_cached_yet(tmp_path, scans):
+    """A second change within the same mtime tick would keep the stamp, so a fresh tree is only cached once settled."""
+    root = make_tree(tmp_path / "d")
+    (root / "val" / "cat" / "new.jpg").write_bytes(b"n")
+    dataset_fingerprint(root)
+    assert not (root / CACHE_NAME).exists()
+    n = len(scans)
+    dataset_fingerprint(root)
+    assert len(scans) > n
+    age(root)
+    dataset_fingerprint(root)
+    assert (root / CACHE_NAME).exists()
+
+
+def test_unwritable_root_caches_in_cache_dir(tmp_path, monkeypatch, scans):
+    """Simulated by failing the temp-file creation in the root, which is the write test the code uses (tests run as
+    root here, where chmod does not stop writes; the next test does it with chmod where it can)."""
+    root = make_tree(tmp_path / "d")
+    real = F.tempfile.mkstemp
+
+    def mkstemp(*a, dir=None, **kw):
+        if os.path.samefile(dir, root):
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real(*a, dir=dir, **kw)
+
+    monkeypatch.setattr(F.tempfile, "mkstemp", mkstemp)
+    fp = dataset_fingerprint(root, cache_dir=tmp_path / "cache")
+    assert not (root / CACHE_NAME).exists()
+    [cached] = (tmp_path / "cache").iterdir()
+    assert json.loads(cached.read_text())["fingerprint"] == fp
+    n = len(scans)
+    assert dataset_fingerprint(root, cache_dir=tmp_path / "cache") == fp and len(scans) == n
+
+
+def test_unwritable_root_without_cache_dir_uses_the_default(tmp_path, monkeypatch, cache_home):
+    root = make_tree(tmp_path / "d")
+    monkeypatch.setattr(F, "_write", lambda path, data, real=F._write: path.parent != root and real(path, data))
+    fp = dataset_fingerprint(root)
+    assert [json.loads(p.read_text())["fingerprint"] for p in cache_home.iterdir()] == [fp]
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes through chmod")
+def test_read_only_root_by_chmod(tmp_path):
+    root = make_tree(tmp_path / "d")
+    os.chmod(root, 0o555)
+    try:
+        fp = dataset_fingerprint(root, cache_dir=tmp_path / "cache")
+    finally:
+        os.chmod(root, 0o755)
+    assert not (root / CACHE_NAME).exists() and len(list((tmp_path / "cache").iterdir())) == 1
+    assert fp["images"] == {"train": 6, "val": 4}
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\xff\xfe not utf-8", b"{\"version\": 1, \"root", b"[1, 2]", b"null",
+                                     b'{"version": 1}', "nested", "fingerprint"])
+def test_corrupt_cache_is_recomputed_and_rewritten(tmp_path, scans, garbage):
+    root = make_tree(tmp_path / "d")
+    good = dataset_fingerprint(root)
+    cache = root / CACHE_NAME
+    if isinstance(garbage, str):  # a well-formed file with one field of the wrong type
+        entry = json.loads(cache.read_text())
+        entry[garbage] = 5
+        garbage = json.dumps(entry).encode()
+    cache.write_bytes(garbage)
+    n = len(scans)
+    assert dataset_fingerprint(root) == good and len(scans) > n
+    assert json.loads(cache.read_text())["fingerprint"] == good
+
+
+def test_thread_pool_and_serial_scans_agree(tmp_path, monkeypatch):
+    """Scans finishing out of order (the first class slowest) must not change the digest."""
+    tree = {"train": {f"c{i:02d}": [i % 5 + 1] * (i % 3 + 1) for i in range(12)}, "val": {"c00": [1], "c05": [2]}}
+    root = make_tree(tmp_path / "d", tree)
+    real, pools = F._scan_class, []
+
+    def slow(folder, rel):
+        time.sleep(0.002 * (20 - int(rel[-2:])))
+        return real(folder, rel)
+
+    class Pool(F.ThreadPoolExecutor):
+        def __init__(self, n):
+            pools.append(n)
+            super().__init__(n)
+
+    monkeypatch.setattr(F, "_scan_class", slow)
+    monkeypatch.setattr(F, "ThreadPoolExecutor", Pool)
+    serial = dataset_fingerprint(root, workers=1, refresh=True)
+    assert pools == []
+    pooled = dataset_fingerprint(root, workers=8, refresh=True)
+    assert pools == [8] and pooled == serial
