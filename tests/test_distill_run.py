@@ -12,10 +12,9 @@ from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
 import deit_ablate.run as run_module
-from deit_ablate.distill import student_model_name
 from deit_ablate.distributed import DistInfo
 from deit_ablate.engine import Trainer
-from deit_ablate.models import build_model
+from deit_ablate.models import build_model, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler
 from tests.conftest import TINY, compose_config, run_train
 

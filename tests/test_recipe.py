@@ -12,9 +12,20 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
 from deit_ablate.data.loader import build_train_sampler
 from deit_ablate.mixing import build_criterion, build_mixup
-from deit_ablate.models import build_model, drop_path_rates
-from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr, weight_decay_groups
+from deit_ablate.models import build_model
+from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
 from tests.conftest import compose_config
+
+
+def drop_path_rates(model: torch.nn.Module) -> list[float]:
+    """The stochastic-depth rate of each residual block, in order (0 where a block has none)."""
+    return [float(getattr(getattr(block, "drop_path1", None), "drop_prob", 0.0)) for block in model.blocks]
+
+
+def weight_decay_groups(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, float]:
+    """Parameter name -> the weight decay the optimizer applies to it."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return {by_id[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
 
 
 def _tiny_vit(cfg, depth=4):
