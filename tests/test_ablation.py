@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.identity import pretrain_run_name
+from deit_ablate.identity import pretrain_overrides, run_identity
 from deit_ablate.models import build_model, resize_pos_embed_state
 from deit_ablate.stages import load_pretrained
 from tests.conftest import CONF, TINY, compose_config, run_train
@@ -64,9 +64,12 @@ def test_row_differs_from_baseline_only_in_its_ingredient_and_tag(row, stage, pr
 
 
 def test_pretrained_rows_find_their_own_pretraining_same_seed():
-    assert pretrain_run_name("ablation=no_mixup,seed=2,stage=finetune") == "ablation=no_mixup,seed=2"
-    assert pretrain_run_name("ablation=no_mixup,resolution=384px,seed=2,stage=finetune") == "ablation=no_mixup,seed=2"
-    assert pretrain_run_name("stage=finetune") == "default"
+    finetune = ["ablation=no_mixup", "seed=2", "stage=finetune", "resolution=384px", "finetune.lr=1e-3"]
+    assert pretrain_overrides(finetune) == ["ablation=no_mixup", "seed=2"]
+    upstream = run_identity(compose_config(pretrain_overrides(finetune)), pretrain_overrides(finetune))
+    pretrain = ["ablation=no_mixup", "seed=2", "finetune.lr=1e-3"]  # the fine-tune recipe never counts in pre-training
+    assert upstream == run_identity(compose_config(pretrain), pretrain)
+    assert upstream != run_identity(compose_config(["ablation=no_mixup", "seed=1"]), ["ablation=no_mixup", "seed=1"])
 
 
 def test_finetune_resizes_position_embeddings_bicubically_and_keeps_the_class_token():
