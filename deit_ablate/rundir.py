@@ -82,7 +82,8 @@ def find_run(reference: Path, runs_root: Path) -> RunDir | None:
     for candidate in (reference, runs_root / reference):
         if candidate.is_dir():
             return RunDir(candidate)
-    for parent, stem in ((reference.parent, reference.name), (runs_root, str(reference))):
+    places = [(reference.parent, reference.name)] + ([] if reference.is_absolute() else [(runs_root, str(reference))])
+    for parent, stem in places:
         matches = sorted(parent.glob(f"{stem}-*")) if parent.is_dir() else []
         matches = [m for m in matches if m.is_dir() and len(m.name) == len(stem) + 11]  # stem + "-" + 10 hex
         if len(matches) == 1:

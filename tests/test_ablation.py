@@ -15,7 +15,7 @@ from deit_ablate.models import build_model, resize_pos_embed_state
 from deit_ablate.stages import load_pretrained
 from tests.conftest import CONF, TINY, compose_config, run_train
 
-# Table 8's rows and the one ingredient each changes (DeiT, Table 8; DESIGN.md).
+# Table 8's rows and the one ingredient each changes (DeiT, Table 8).
 ROWS = {
     "baseline": {},
     "sgd": {"optimizer.name": "sgd"},
