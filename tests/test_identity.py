@@ -66,7 +66,8 @@ def test_seeds_of_one_setting_share_a_group_and_nothing_else():
 
 
 def test_long_paths_are_shortened_in_the_folder_name_and_stay_visible():
-    identity = _identity(["distill=hard_token", "distill.teacher.checkpoint='/some/long/path/runs/model=cnn_demo-ab12'"])
+    teacher = "distill.teacher.checkpoint='/some/long/path/runs/model=cnn_demo-ab12'"
+    identity = _identity(["distill=hard_token", teacher])
     assert "distill=hard_token" in identity.name and "teacher=model=cnn_demo-ab12@" in identity.name
     assert "/" not in identity.name
 
