@@ -192,7 +192,8 @@ def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
         if upstream_result["status"] != "finished":
             return f"record as {upstream_result['status']} without training (its pre-training {upstream.name})"
     if run_dir.last_checkpoint.exists():
-        return f"resume from step {ckpt.load(run_dir.last_checkpoint)['step']}"
+        step = torch.load(run_dir.last_checkpoint, map_location="cpu", weights_only=True, mmap=True)["step"]
+        return f"resume from step {step}"
     return "train from step 0" + (f", starting from {pretrain_run_dir(cfg).name}" if cfg.stage == "finetune"
                                   and not cfg.finetune.init_checkpoint else "")
 
@@ -207,7 +208,7 @@ def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: Run
     tracker.finish()
     record_identity(run_dir, identity, data)
     run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
-                              "experiment_digest": identity.digest, "data_fingerprint": data})
+                          "experiment_digest": identity.digest, "data_fingerprint": data})
     print(f"[run] {identity.name}: {final['note']}.")
     return final
 
@@ -297,7 +298,7 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunD
     tracker.finish(exit_code=0)
     if info.is_main:
         run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
-                              "experiment_digest": identity.digest, "data_fingerprint": data})
+                          "experiment_digest": identity.digest, "data_fingerprint": data})
         print_summary(identity, final, run_dir.path)
     final = broadcast_object(final, info)
     return final
