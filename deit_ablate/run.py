@@ -298,7 +298,7 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunD
     tracker.finish(exit_code=0)
     if info.is_main:
         run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
-                          "experiment_digest": identity.digest, "data_fingerprint": data})
+                              "experiment_digest": identity.digest, "data_fingerprint": data})
         print_summary(identity, final, run_dir.path)
     final = broadcast_object(final, info)
     return final
