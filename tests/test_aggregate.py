@@ -247,14 +247,30 @@ def test_latex_and_plot(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_no_filters_count_every_run(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data, _ = _json([str(runs_dir / "main" / "wandb")], capsys)
-    base = data["rows"][0]["cells"]["pretrain"]  # 50, 52, 99 (paper preset) and the distill group's four
-    assert base["n"] == 7 and _close(base["mean"], (50 + 52 + 99 + 50 + 51 + 52 + 53) / 7)
+    data, err = _json([str(runs_dir / "main" / "wandb")], capsys)
+    rows = {r["key"]: r["cells"]["pretrain"] for r in data["rows"]}
+    # baseline's pre-training: the table8 seeds 0 and 1 and the distill group's runs of the same experiment and
+    # seeds (counted once per seed, the latest); a paper-preset run and the distilled runs are other experiments
+    base = rows["baseline"]
+    assert base["n"] == 2 and _close(base["mean"], 50.5) and sorted(base["same_seed"]) == ["base-p0", "base-p1"]
+    assert "repeat a seed already counted (base-p" in err
+    assert list(rows)[:4] == [
+        "baseline",
+        "baseline · distill.type=hard",
+        "baseline · distill.type=hard_token",
+        "baseline · preset=paper",
+    ]
+    assert _close(rows["baseline · preset=paper"]["mean"], 99.0) and rows["baseline · preset=paper"]["paper"] is None
+    assert _close(rows["baseline · preset=paper"]["delta"], 99.0 - 50.5)
+    assert _close(rows["baseline · distill.type=hard_token"]["mean"], 53.0)
+    split = data["splits"][0]
+    assert (split["row"], split["stage"], split["varied"]) == ("baseline", "pretrain", ["distill.type", "preset"])
+    assert "baseline (pre-train): runs differ in distill.type, preset; split into 'baseline' (4)" in err
     data, _ = _json([str(runs_dir / "main" / "wandb"), "--tag", "no_mixup", "--group", "tab*"], capsys)
     assert [r["key"] for r in data["rows"] if r["cells"]["pretrain"]["state"] != "missing"] == ["no_mixup"]
     assert data["rows"][5]["cells"]["pretrain"]["delta"] is None  # no baseline among these runs
-    data, _ = _json([str(runs_dir / "main" / "wandb"), *TABLE8, "--until", "2000-01-01"], capsys)
-    assert data["meta"]["counted"] == 0 and data["meta"]["filtered_out"] == 24
+    assert cli.main([str(runs_dir / "main" / "wandb"), *TABLE8, "--until", "2000-01-01"]) == 2  # none left
+    assert "error: no run left: --since/--until leave none of the 24 run(s) read" in capsys.readouterr().err
     tomorrow = (datetime.now(timezone.utc) + timedelta(days=1)).isoformat()
     data, _ = _json([str(runs_dir / "main" / "wandb"), *TABLE8, "--since", "2000-01-01", "--until", tomorrow], capsys)
     assert data["meta"]["counted"] == 18
@@ -303,13 +319,21 @@ def test_rows_distill(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_rows_resolution(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data, _ = _json([str(runs_dir / "main"), "--rows", "resolution", *TABLE8], capsys)
+    data, err = _json([str(runs_dir / "main"), "--rows", "resolution", *TABLE8], capsys)
     assert data["paper"] is None  # Table 10's sizes (160..384) are not the demo's sizes
-    assert [r["key"] for r in data["rows"]] == ["32", "48"]
-    small, large = data["rows"][0]["cells"], data["rows"][1]["cells"]
-    assert small["pretrain"]["n"] == 10 and _close(small["pretrain"]["mean"], 47.8)
-    assert large["finetune"]["n"] == 3 and _close(large["finetune"]["mean"], 57.0)
+    assert "paper table10 left out: its rows (resolution.train_size: 160, 224, 320, 384) match none" in err
+    keys = [r["key"] for r in data["rows"]]
+    assert keys[0] == "32" and keys.index("48") == 7  # each size's Table 8 rows are other experiments: sub-rows
+    assert "32 · ablation=sgd" in keys and "48 · ablation=no_mixup" in keys and len(keys) == 10
+    small, large = data["rows"][0]["cells"], data["rows"][7]["cells"]
+    assert small["pretrain"]["n"] == 2 and _close(small["pretrain"]["mean"], 51.0)  # the baseline is the main one
+    assert large["finetune"]["n"] == 2 and _close(large["finetune"]["mean"], 60.5)
+    data, err = _json([str(runs_dir / "main"), "--rows", "resolution", *TABLE8, "--match-baseline"], capsys)
+    assert [r["key"] for r in data["rows"]] == ["32", "48"] and len(data["meta"]["not_matching_baseline"]) == 11
+    assert "kept '32' (2 run(s)), left out 9 run(s) of 6 other setting(s) (--match-baseline)" in err
     assert row_keys("mix") == ("mix.mixup_alpha", "mix.cutmix_alpha") and row_keys("a.b,c") == ("a.b", "c")
+    data, _ = _json([str(runs_dir / "main"), "--rows", "mix", *TABLE8], capsys)  # logs without group choices
+    assert data["rows_key"] == "mix" and data["rows"][0]["base"] == "mixup_alpha=0.8,cutmix_alpha=1"
 
 
 def test_single_run_folder_and_file(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -250,10 +250,12 @@ def list_runs(table: Table, digits: int) -> str:
     lines = [f"| {table.rows_key} | stage | seed | status | {table.metric_key} | run id | source |"]
     lines.append("|:--|:--|--:|:--|--:|:--|:--|")
     order = {row.key: i for i, row in enumerate(table.rows)}
-    for label, stage, run, value in sorted(table.counted, key=lambda c: (order.get(c[0], 0), c[1], c[2].run_id)):
+    entries = [(*c, c[2].status) for c in table.counted]
+    entries += [(*c, "finished, same seed: not averaged") for c in table.repeated]
+    for label, stage, run, value, status in sorted(entries, key=lambda c: (order.get(c[0], 0), c[1], c[2].run_id)):
         shown = "" if value is None else f"{value:.{digits}f}"
         seed = run.config.get("seed", "")
-        lines.append(f"| {label} | {stage} | {seed} | {run.status} | {shown} | {run.run_id} | {run.source} |")
+        lines.append(f"| {label} | {stage} | {seed} | {status} | {shown} | {run.run_id} | {run.source} |")
     return "\n".join(lines) + "\n"
 
 

@@ -138,6 +138,7 @@ def curve_series(table: Table, histories: dict[str, tuple[list[dict[str, Any]], 
 def draw_curves(table: Table, series: dict[str, list[Series]]) -> Any:
     """A matplotlib Figure: a panel per stage with data, a mean line and min–max band per row."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     stages = [s for s in table.stages if series.get(s)] or table.stages[:1]
     fig = Figure(figsize=(6.4 * len(stages), 4.6), dpi=110)
@@ -155,6 +156,7 @@ def draw_curves(table: Table, series: dict[str, list[Series]]) -> Any:
         at = f" @{'/'.join(map(str, sizes))}" if sizes else ""
         ax.set_title(f"{STAGE_NAMES.get(stage, stage)}{at}", fontsize=10)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(f"validation top-1 (%), for --metric {table.metric}")
         ax.grid(alpha=0.3)
         if series.get(stage):

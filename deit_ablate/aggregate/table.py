@@ -145,6 +145,7 @@ class Table:
     paper: PaperTable | None
     stage_sizes: dict[str, list[int]]
     counted: list[tuple[str, str, RunInfo, float | None]] = field(default_factory=list)
+    repeated: list[tuple[str, str, RunInfo, float | None]] = field(default_factory=list)  # same seed, not averaged
     other_stage: int = 0
     splits: list[Split] = field(default_factory=list)
     left_out: list[RunInfo] = field(default_factory=list)  # runs not matching the baseline (match_baseline)
@@ -330,6 +331,7 @@ def build_table(
     sub_rows: dict[str, list[str]] = {}
     cells: dict[str, dict[str, Cell]] = {}
     counted: list[tuple[str, str, RunInfo, float | None]] = []
+    repeated: list[tuple[str, str, RunInfo, float | None]] = []  # same seed as a counted run: not averaged
     splits: list[Split] = []
     left_out: list[RunInfo] = []
     for stage in STAGES:
@@ -356,6 +358,8 @@ def build_table(
                     value = metric_value(run, key)
                     if row_cells[stage].add(run, value):
                         counted.append((label, stage, run, value))
+                    else:
+                        repeated.append((label, stage, run, value))
 
     table_rows = []
     for name in order:
@@ -396,6 +400,7 @@ def build_table(
         paper=ptable,
         stage_sizes={s: sorted(v) for s, v in sizes.items()},
         counted=counted,
+        repeated=repeated,
         other_stage=other_stage,
         splits=splits,
         left_out=left_out,
