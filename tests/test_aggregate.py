@@ -329,8 +329,8 @@ def test_rows_resolution(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert small["pretrain"]["n"] == 2 and _close(small["pretrain"]["mean"], 51.0)  # the baseline is the main one
     assert large["finetune"]["n"] == 2 and _close(large["finetune"]["mean"], 60.5)
     data, err = _json([str(runs_dir / "main"), "--rows", "resolution", *TABLE8, "--match-baseline"], capsys)
-    assert [r["key"] for r in data["rows"]] == ["32", "48"] and len(data["meta"]["not_matching_baseline"]) == 11
-    assert "kept '32' (2 run(s)), left out 9 run(s) of 6 other setting(s) (--match-baseline)" in err
+    assert [r["key"] for r in data["rows"]] == ["32", "48"] and len(data["meta"]["not_matching_baseline"]) == 14
+    assert "kept '32' (2 run(s)), left out 12 run(s) of 6 other setting(s) (--match-baseline)" in err
     assert row_keys("mix") == ("mix.mixup_alpha", "mix.cutmix_alpha") and row_keys("a.b,c") == ("a.b", "c")
     data, _ = _json([str(runs_dir / "main"), "--rows", "mix", *TABLE8], capsys)  # logs without group choices
     assert data["rows_key"] == "mix" and data["rows"][0]["base"] == "mixup_alpha=0.8,cutmix_alpha=1"
