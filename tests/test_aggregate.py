@@ -24,6 +24,7 @@ import pytest
 from deit_ablate.aggregate import cli
 from deit_ablate.aggregate.reader import RunInfo, read_run_file
 from deit_ablate.aggregate.select import dedup, row_keys
+from deit_ablate.aggregate.table import row_spec
 from deit_ablate.aggregate.wandb_log import encode_log, read_log
 
 WRITER = r"""
@@ -332,8 +333,13 @@ def test_rows_resolution(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert [r["key"] for r in data["rows"]] == ["32", "48"] and len(data["meta"]["not_matching_baseline"]) == 14
     assert "kept '32' (2 run(s)), left out 12 run(s) of 6 other setting(s) (--match-baseline)" in err
     assert row_keys("mix") == ("mix.mixup_alpha", "mix.cutmix_alpha") and row_keys("a.b,c") == ("a.b", "c")
-    data, _ = _json([str(runs_dir / "main"), "--rows", "mix", *TABLE8], capsys)  # logs without group choices
-    assert data["rows_key"] == "mix" and data["rows"][0]["base"] == "mixup_alpha=0.8,cutmix_alpha=1"
+    old_log = {"mix": {"mixup_alpha": 0.8, "cutmix_alpha": 1.0}}  # a run logged before the group choices were
+    assert row_spec("mix").label(old_log) == "mixup_alpha=0.8,cutmix_alpha=1"
+    assert row_spec("mix").label({**old_log, "choices": {"mix": "mixup_cutmix"}}) == "mixup_cutmix"
+    data, _ = _json([str(runs_dir / "main"), "--rows", "distill", *TABLE8], capsys)  # logs without group choices
+    assert data["rows_key"] == "distill.type" and [r["key"] for r in data["rows"] if r["cells"]["pretrain"]["n"]]
+    assert cli.main([str(runs_dir / "main"), "--rows", "mix"]) == 2  # no mix choice, no mix.* keys in these runs
+    assert "no run logged a 'mix' group choice, and none has mix.mixup_alpha" in capsys.readouterr().err
 
 
 def test_single_run_folder_and_file(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

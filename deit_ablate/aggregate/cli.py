@@ -163,9 +163,12 @@ def check_names(args: argparse.Namespace, runs: list[RunInfo]) -> None:
         missing = [k for k in spec.keys if k not in keys]
         if missing:
             known = keys | set(ROW_ALIASES) | groups
-            raise UsageError(
-                f"unknown --rows key {missing[0]!r}: no run has it" + _suggest(missing[0], known)
-            )
+            if spec.group is not None:
+                raise UsageError(
+                    f"unknown --rows {args.rows!r}: no run logged a {spec.group!r} group choice, "
+                    f"and none has {', '.join(missing)}" + _suggest(args.rows, known)
+                )
+            raise UsageError(f"unknown --rows key {missing[0]!r}: no run has it" + _suggest(missing[0], known))
     for option, key, _ in where_options(args):
         if key not in keys:
             raise UsageError(f"unknown key {key!r} in {option}: no run has it" + _suggest(key, keys))
