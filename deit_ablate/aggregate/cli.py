@@ -98,8 +98,11 @@ def make_filter(args: argparse.Namespace) -> RunFilter:
     )
 
 
-def collect_runs(sources: list[str], run_filter: RunFilter, jobs: int | None, warn: Warn) -> list[RunInfo]:
-    """Every run from every source (the API gets the filter as a server-side query too)."""
+def collect_runs(
+    sources: list[str], run_filter: RunFilter, jobs: int | None, warn: Warn, history: bool = False
+) -> list[RunInfo]:
+    """Every run from every source (the API gets the filter as a server-side query too); `history`: with the
+    per-epoch rows of offline logs (for curves)."""
     runs: list[RunInfo] = []
     for source in sources:
         if is_api_source(source):
@@ -111,7 +114,7 @@ def collect_runs(sources: list[str], run_filter: RunFilter, jobs: int | None, wa
             except Exception as exc:  # no network, no login, unknown project: say so in one line
                 raise RuntimeError(f"{source}: the W&B API failed: {exc}") from exc
         else:
-            found = read_offline(source, jobs=jobs, warn=warn)
+            found = read_offline(source, jobs=jobs, warn=warn, history=history)
             if not found:
                 warn(f"{source}: no wandb runs found")
             runs += found
@@ -214,7 +217,8 @@ def _report(table: Table, warn: Warn) -> None:
 def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
     """Read, filter, de-duplicate and tabulate, as the command line asks."""
     run_filter = make_filter(args)
-    runs = collect_runs(args.sources, run_filter, args.jobs, warn)
+    curves = bool(args.curves) or args.format == "html"
+    runs = collect_runs(args.sources, run_filter, args.jobs, warn, history=curves)
     check_names(args, runs)
     kept = [r for r in runs if run_filter.matches(r)]
     if runs and not kept:

@@ -153,7 +153,7 @@ def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | No
         if kind == "history":
             history_rows += 1
             last_history = payload
-            if epochs is not None:
+            if epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
                 row = _epoch_row(record)
                 if row is not None:
                     epochs.append(row)
@@ -246,13 +246,16 @@ def read_histories(files: list[Path], jobs: int | None = None) -> list[list[dict
     return [info.history if info is not None else None for info, _ in _read_many(files, jobs, history=True)]
 
 
-def read_offline(path: str | Path, jobs: int | None = None, warn: Warn = stderr_warn) -> list[RunInfo]:
-    """Read every run log found under `path`; damaged logs are read in part and reported through `warn`."""
+def read_offline(
+    path: str | Path, jobs: int | None = None, warn: Warn = stderr_warn, history: bool = False
+) -> list[RunInfo]:
+    """Read every run log found under `path` (with `history`: the per-epoch rows too); damaged logs are read
+    in part and reported through `warn`."""
     files = find_run_files(path)
     if jobs is None:
         jobs = min(4, os.cpu_count() or 1)
     runs: list[RunInfo] = []
-    for info, warnings in _read_many(files, jobs):
+    for info, warnings in _read_many(files, jobs, history):
         for message in warnings:
             warn(message)
         if info is not None:
