@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from deit_ablate.aggregate import cli
+from deit_ablate.aggregate.curves import plot_curves
 from deit_ablate.aggregate.reader import RunInfo, read_run_file
 from deit_ablate.aggregate.select import dedup, row_keys
 from deit_ablate.aggregate.table import row_spec
@@ -417,6 +418,11 @@ class _FakeRun:
         self.summary = {"status": status, "top1": top1}
         self.created_at = "2024-05-01T12:00:00Z"
 
+    def scan_history(self, keys: list[str] | None = None, **kwargs: object) -> list[dict]:
+        """Per-epoch rows as `Run.scan_history(keys=...)` yields them: only rows that have every key asked for."""
+        rows = [{"_step": 10 * e, "epoch": e, "val/top1": self.summary["top1"] - 2 + e} for e in range(3)]
+        return [r for r in rows if all(k in r for k in keys or [])]
+
 
 class _FakeApi:
     """A stand-in for `wandb.Api`: no W&B server is reachable here, so the test records the query instead."""
@@ -448,6 +454,10 @@ def test_api_source_with_stand_in(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     assert _close(base["mean"], 81.5) and _close(base["std"], SQRT_HALF) and base["n"] == 2
     assert _close(nomix["mean"], 78.0) and nomix["n"] == 1 and nomix["diverged"] == 1
     assert _close(nomix["delta"], -3.5) and _close(nomix["paper_delta"], -3.1)
+    table = cli.aggregate(cli.build_parser().parse_args(["wandb://me/deit", "--curves", "x.png"]), lambda m: None)
+    fig = plot_curves(table, None)  # the history through Run.scan_history, as offline logs have none here
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].lines}
+    assert lines == {"baseline (n=2)": [79.5, 80.5, 81.5], "no_mixup (n=1)": [76.0, 77.0, 78.0]}
 
 
 def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -232,12 +232,12 @@ def to_markdown(table: Table, digits: int = 2) -> str:
 
 def to_csv(table: Table) -> str:
     """One line per row; numbers at full precision, empty where there is none."""
-    fields = ["row", "label", "note"] + [f"{s}_{f}" for s in table.stages for f in CELL_FIELDS]
+    fields = ["row", "base", "label", "note"] + [f"{s}_{f}" for s in table.stages for f in CELL_FIELDS]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for row in table.rows:
-        line: dict[str, Any] = {"row": row.key, "label": row.label, "note": row.note}
+        line: dict[str, Any] = {"row": row.key, "base": row.base or row.key, "label": row.label, "note": row.note}
         for stage in table.stages:
             rec = cell_record(row.cells[stage])
             for f in CELL_FIELDS:
