@@ -182,10 +182,9 @@ def explain_empty(args: argparse.Namespace, runs: list[RunInfo], run_filter: Run
     for option, key, pattern in where_options(args):
         if not any(matches(get_key(r.config, key), pattern) for r in runs):
             seen = {format_value(v) for r in runs if (v := get_key(r.config, key)) is not MISSING}
-            return (
-                f"{option} matches none of the {len(runs)} run(s) read ({key}: {', '.join(sorted(seen))})"
-                + _suggest(pattern, seen)
-            )
+            shown = sorted(seen)[:10]
+            values = ", ".join(shown) + (f", +{len(seen) - len(shown)} more" if len(seen) > len(shown) else "")
+            return f"{option} matches none of the {len(runs)} run(s) read ({key}: {values})" + _suggest(pattern, seen)
     for option, values, have in (("--group", args.group, {r.group for r in runs}),
                                  ("--tag", args.tag, {t for r in runs for t in r.tags})):
         for value in values:

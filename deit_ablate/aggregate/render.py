@@ -250,7 +250,7 @@ def to_csv(table: Table) -> str:
 def _tex(text: str) -> str:
     for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("%", r"\%"), ("&", r"\&"), ("#", r"\#")):
         text = text.replace(a, b)
-    for a, b in (("Δ", r"$\Delta$"), ("↑", r"$\uparrow$"), ("†", r"$^\dagger$"), ("±", r"$\pm$")):
+    for a, b in (("Δ", r"$\Delta$"), ("↑", r"$\uparrow$"), ("†", r"$^\dagger$"), ("±", r"$\pm$"), ("·", r"$\cdot$")):
         text = text.replace(a, b)
     return text
 

@@ -288,6 +288,91 @@ def _start(run: RunInfo) -> float:
     return run.start_time.timestamp() if run.start_time else float("-inf")
 
 
+@dataclass
+class _Filled:
+    """Cells filled from the buckets, with what happened to each run."""
+
+    cells: dict[str, dict[str, Cell]] = field(default_factory=dict)  # label -> stage -> cell
+    sub_rows: dict[str, list[str]] = field(default_factory=dict)  # row key -> labels
+    counted: list[tuple[str, str, RunInfo, float | None]] = field(default_factory=list)
+    repeated: list[tuple[str, str, RunInfo, float | None]] = field(default_factory=list)
+    splits: list[Split] = field(default_factory=list)
+    left_out: list[RunInfo] = field(default_factory=list)
+
+    def add(self, base: str, label: str, stage: str, runs: list[RunInfo], key: str) -> None:
+        """Put one setting's runs into the cell of `label` at `stage` (the latest run of a repeated seed counts)."""
+        labels = self.sub_rows.setdefault(base, [])
+        if label not in labels:
+            labels.append(label)
+        cell = self.cells.setdefault(label, {s: Cell() for s in STAGES})[stage]
+        for run in sorted(runs, key=_start, reverse=True):
+            value = metric_value(run, key)
+            (self.counted if cell.add(run, value) else self.repeated).append((label, stage, run, value))
+
+
+Buckets = dict[tuple[str, str], list[RunInfo]]  # (stage, row key) -> runs
+
+
+def _bucket(runs: list[RunInfo], spec: RowSpec) -> tuple[Buckets, dict[str, set[int]], int]:
+    """Runs by (stage, row key), the train sizes per stage, and how many runs had another stage."""
+    buckets: Buckets = {}
+    sizes: dict[str, set[int]] = {s: set() for s in STAGES}
+    other_stage = 0
+    for run in runs:
+        stage = run.config.get("stage", "pretrain")
+        if stage not in STAGES:
+            other_stage += 1
+            continue
+        buckets.setdefault((stage, spec.label(run.config)), []).append(run)
+        size = get_key(run.config, "resolution.train_size")
+        if isinstance(size, int):
+            sizes[stage].add(size)
+    return buckets, sizes, other_stage
+
+
+def _fill(buckets: Buckets, baseline: str | None, key: str, match_baseline: bool) -> _Filled:
+    """Split every bucket into settings and fill the cells; the baseline row first, so others can match it."""
+    filled = _Filled()
+    for stage in STAGES:
+        bases = sorted((b for s, b in buckets if s == stage), key=lambda b: (b != baseline, b))
+        population = [experiment_settings(r.config) for b in bases for r in buckets[(stage, b)]]
+        base_settings: dict[str, Any] | None = None
+        for base in bases:
+            bucket = buckets[(stage, base)]
+            parts, main_settings, split = _split(base, stage, bucket, population, base_settings, match_baseline)
+            if base == baseline:
+                base_settings = main_settings
+            if split is not None:
+                filled.splits.append(split)
+                kept = {id(r) for _, part in parts for r in part}
+                filled.left_out += [r for r in bucket if id(r) not in kept]
+            for label, part in parts:
+                filled.add(base, label, stage, part, key)
+    return filled
+
+
+def _table_rows(order: list[str], filled: _Filled, order_by: PaperTable | None, only_present: bool) -> list[Row]:
+    """Rows in order, each row key's main row first, then its sub-rows; rows without runs unless hidden."""
+    out = []
+    for name in order:
+        labels = [name] + sorted((x for x in filled.sub_rows.get(name, []) if x != name), key=_natural)
+        for label in labels:
+            if label not in filled.cells and (only_present or label != name):
+                continue
+            prow = order_by.row(label) if order_by else None  # labels and flags even with --paper none
+            out.append(
+                Row(
+                    key=label,
+                    cells=filled.cells.get(label) or {s: Cell() for s in STAGES},
+                    label=prow.label if prow else "",
+                    note=prow.note if prow else "",
+                    in_paper=prow is not None,
+                    base=name,
+                )
+            )
+    return out
+
+
 def build_table(
     runs: list[RunInfo],
     rows: str = "ablation",
@@ -306,88 +391,21 @@ def build_table(
     spec = row_spec(rows, {g for r in runs for g in choices_of(r.config)})
     rows_key = spec.name
     key = metric_key(metric)
-    ptable = _resolve_paper(paper, rows_key, metric)
-    buckets: dict[tuple[str, str], list[RunInfo]] = {}
-    sizes: dict[str, set[int]] = {s: set() for s in STAGES}
-    other_stage = 0
-    for run in runs:
-        stage = run.config.get("stage", "pretrain")
-        if stage not in STAGES:
-            other_stage += 1
-            continue
-        buckets.setdefault((stage, spec.label(run.config)), []).append(run)
-        size = get_key(run.config, "resolution.train_size")
-        if isinstance(size, int):
-            sizes[stage].add(size)
+    buckets, sizes, other_stage = _bucket(runs, spec)
     bases = {b for _, b in buckets}
-    ptable, paper_note = _paper_fit(ptable, rows_key, bases)
+    ptable, paper_note = _paper_fit(_resolve_paper(paper, rows_key, metric), rows_key, bases)
     order_by = ptable or (paper_table("table8") if rows_key == "ablation" else None)  # Table 8 order always
     order = [r.key for r in order_by.rows] if order_by else []
     order += sorted((k for k in bases if k not in order), key=_natural)
     if baseline is None:
         default = order_by.baseline if order_by else DEFAULT_BASELINES.get(rows_key)
         baseline = default if default in order else None
-
-    sub_rows: dict[str, list[str]] = {}
-    cells: dict[str, dict[str, Cell]] = {}
-    counted: list[tuple[str, str, RunInfo, float | None]] = []
-    repeated: list[tuple[str, str, RunInfo, float | None]] = []  # same seed as a counted run: not averaged
-    splits: list[Split] = []
-    left_out: list[RunInfo] = []
-    for stage in STAGES:
-        stage_keys = sorted((b for s, b in buckets if s == stage), key=lambda b: (b != baseline, b))
-        population: list[dict[str, Any]] | None = None
-        base_settings: dict[str, Any] | None = None
-        for base in stage_keys:
-            bucket = buckets[(stage, base)]
-            if population is None:
-                population = [experiment_settings(r.config) for s, b in buckets if s == stage for r in buckets[(s, b)]]
-            parts, main_settings, split = _split(base, stage, bucket, population, base_settings, match_baseline)
-            if base == baseline:
-                base_settings = main_settings
-            if split is not None:
-                splits.append(split)
-                kept_ids = {id(r) for _, part in parts for r in part}
-                left_out += [r for r in bucket if id(r) not in kept_ids]
-            for label, part in parts:
-                labels = sub_rows.setdefault(base, [])
-                if label not in labels:
-                    labels.append(label)
-                row_cells = cells.setdefault(label, {s: Cell() for s in STAGES})
-                for run in sorted(part, key=_start, reverse=True):  # the latest run of a repeated seed counts
-                    value = metric_value(run, key)
-                    if row_cells[stage].add(run, value):
-                        counted.append((label, stage, run, value))
-                    else:
-                        repeated.append((label, stage, run, value))
-
-    table_rows = []
-    for name in order:
-        labels = sub_rows.get(name, [])
-        if not labels and only_present:
-            continue
-        main = [name] + sorted((x for x in labels if x != name), key=_natural)
-        for label in main:
-            if label != name and label not in cells:
-                continue
-            if only_present and label not in cells:
-                continue
-            prow = order_by.row(label) if order_by else None  # labels and flags even with --paper none
-            table_rows.append(
-                Row(
-                    key=label,
-                    cells=cells.get(label) or {s: Cell() for s in STAGES},
-                    label=prow.label if prow else "",
-                    note=prow.note if prow else "",
-                    in_paper=prow is not None,
-                    base=name,
-                )
-            )
-
+    filled = _fill(buckets, baseline, key, match_baseline)
+    table_rows = _table_rows(order, filled, order_by, only_present)
     stages = [
         s
         for s in STAGES
-        if rows_key == "ablation" or any(c[1] == s for c in counted) or (ptable and s in ptable.columns)
+        if rows_key == "ablation" or any(c[1] == s for c in filled.counted) or (ptable and s in ptable.columns)
     ]
     _fill_deltas(table_rows, stages, baseline, ptable)
     return Table(
@@ -399,11 +417,11 @@ def build_table(
         baseline=baseline,
         paper=ptable,
         stage_sizes={s: sorted(v) for s, v in sizes.items()},
-        counted=counted,
-        repeated=repeated,
+        counted=filled.counted,
+        repeated=filled.repeated,
         other_stage=other_stage,
-        splits=splits,
-        left_out=left_out,
+        splits=filled.splits,
+        left_out=filled.left_out,
         paper_note=paper_note,
     )
 
