@@ -58,7 +58,9 @@ def test_runs_log_choices_and_keep_a_metrics_csv(outputs: Path) -> None:
     assert mixes == sorted(["none", "mixup_only", "cutmix_only"] + ["mixup_cutmix"] * 7)
     assert all(not any(k.startswith("hydra/") for k in c["choices"]) for c in configs.values())
     for config in configs.values():
-        lines = (outputs / "runs" / config["run_name"] / METRICS_CSV).read_text().splitlines()
+        folder = outputs / "runs" / config["run_name"]
+        assert OmegaConf.load(folder / ".hydra" / "hydra.yaml").hydra.runtime.choices.mix == config["choices"]["mix"]
+        lines = (folder / METRICS_CSV).read_text().splitlines()
         assert lines[0].startswith("epoch,step,") and "val/top1" in lines[0]
         assert [line.split(",")[0] for line in lines[1:]] == ["0", "1"]
 

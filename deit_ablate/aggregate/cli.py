@@ -222,6 +222,8 @@ def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
     kept = [r for r in runs if run_filter.matches(r)]
     if runs and not kept:
         raise UsageError("no run left: " + explain_empty(args, runs, run_filter))
+    if not runs and run_filter.api_filters() and any(is_api_source(s) for s in args.sources):
+        raise UsageError(f"no run left: the W&B API returned no run for the query {run_filter.api_filters()}")
     unique, dropped = dedup(kept)
     table = build_table(
         unique,
