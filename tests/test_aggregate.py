@@ -25,7 +25,7 @@ from deit_ablate.aggregate import cli
 from deit_ablate.aggregate.curves import plot_curves
 from deit_ablate.aggregate.reader import RunInfo, read_run_file
 from deit_ablate.aggregate.select import dedup, row_keys
-from deit_ablate.aggregate.table import row_spec
+from deit_ablate.aggregate.table import build_table, row_spec
 from deit_ablate.aggregate.wandb_log import encode_log, read_log
 
 WRITER = r"""
@@ -466,3 +466,22 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert cli.main([str(tmp_path), "--where", "novalue"]) == 2
     assert cli.main([str(tmp_path), "--paper", "table99"]) == 2
     assert "unknown paper table" in capsys.readouterr().err
+
+
+def test_sub_rows_name_plain_keys_when_no_group_option_differs() -> None:
+    """Runs logged without group choices: a weight-decay override and a CNN run are their own rows."""
+
+    def run(rid: str, seed: int, top1: float, wd: float = 0.05, model: str = "vit_demo") -> RunInfo:
+        config = {"ablation": "baseline", "stage": "pretrain", "seed": seed, "run_id": rid, "data": {"root": rid},
+                  "model": {"name": model}, "optimizer": {"weight_decay": wd}, "distill": {"type": "none"}}
+        return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": top1})
+
+    runs = [run("a", 0, 50.0), run("b", 1, 52.0), run("c", 0, 40.0, wd=0.1), run("d", 0, 30.0, model="cnn_demo")]
+    table = build_table(runs, rows="distill", paper="none")
+    cells = {r.key: r.cells["pretrain"] for r in table.rows}
+    assert list(cells) == ["none", "none · model.name=cnn_demo", "none · optimizer.weight_decay=0.1"]
+    assert sorted(cells["none"].values) == [50.0, 52.0]
+    assert cells["none · optimizer.weight_decay=0.1"].values == [40.0]  # data.root differs too: never a split
+    assert table.splits[0].varied == ["model.name", "optimizer.weight_decay"]
+    only = build_table(runs, rows="distill", paper="none", match_baseline=True)
+    assert [r.key for r in only.rows] == ["none"] and {r.run_id for r in only.left_out} == {"c", "d"}
