@@ -485,3 +485,36 @@ def test_sub_rows_name_plain_keys_when_no_group_option_differs() -> None:
     assert table.splits[0].varied == ["model.name", "optimizer.weight_decay"]
     only = build_table(runs, rows="distill", paper="none", match_baseline=True)
     assert [r.key for r in only.rows] == ["none"] and {r.run_id for r in only.left_out} == {"c", "d"}
+
+
+def test_rows_distill_keep_the_cnn_the_paper_preset_and_other_sizes_apart() -> None:
+    """Configs as train.py composes them (with their group choices): the issue's `--rows distill` mix-up."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from tests.conftest import CONF
+
+    def run(rid: str, overrides: list[str], seed: int = 0) -> RunInfo:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
+        config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+        config = {**config, "seed": seed, "run_id": rid, "choices": choices}
+        return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": 50.0 + seed})
+
+    runs = [
+        run("a", []),
+        run("b", ["seed=1"], 1),
+        run("paper", ["preset=paper"]),
+        run("cnn", ["model=cnn_demo"]),
+        run("ft48", ["stage=finetune"]),
+        run("ft24", ["stage=finetune", "resolution=24px"]),  # Table 10's sweep: another size, its own row
+    ]
+    table = build_table(runs, rows="distill", paper="none")
+    cells = {r.key: {s: sorted(c.run_ids) for s, c in r.cells.items() if c.run_ids} for r in table.rows}
+    assert cells == {
+        "none": {"pretrain": ["a", "b"], "finetune": ["ft48"]},
+        "none · model=cnn_demo": {"pretrain": ["cnn"]},
+        "none · preset=paper, data=imagenet, model=deit_base +1 more": {"pretrain": ["paper"]},
+        "none · resolution=24px": {"finetune": ["ft24"]},
+    }

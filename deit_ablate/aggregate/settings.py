@@ -32,8 +32,13 @@ EXECUTION_KEYS = (
 )
 # Keys that name one run rather than its experiment (the stage is the table's column).
 RUN_KEYS = ("seed", "run_id", "run_name", "choices", "stage")
-# The setting that is a row's main one when its runs differ: Table 8's baseline, no distillation.
+# What makes a setting a row's main one when its runs differ: Table 8's baseline, no distillation, and the
+# recipe's default group options (the resolution group's default is `<preset>_<stage>`).
 PREFERRED = {"ablation": "baseline", "distill.type": "none"}
+DEFAULT_CHOICES = {"ablation": "baseline", "distill": "none", "mix": "mixup_cutmix", "augment": "randaugment",
+                   "optimizer": "adamw"}
+# Groups that set many others (`@package _global_`): named first in a sub-row label.
+LEADING_GROUPS = ("preset", "ablation", "stage")
 LABEL_ITEMS = 3  # settings named in a sub-row label before `+k more`
 
 
@@ -101,7 +106,10 @@ def describe_difference(
 ) -> str:
     """What a setting changes from the reference: differing group choices (`mix=none`) first, else keys."""
     keys = _diff(settings, ref)
-    groups = sorted(g for g in set(choices) & set(ref_choices) if choices[g] != ref_choices[g])
+    groups = sorted(
+        (g for g in set(choices) & set(ref_choices) if choices[g] != ref_choices[g]),
+        key=lambda g: (g not in LEADING_GROUPS, g),
+    )
     named = [f"{g}={choices[g]}" for g in groups]
     rest = [k for k in keys if k not in groups and k.split(".")[0] not in groups]
     plain = [f"{k}={format_value(settings.get(k))}" for k in rest]
@@ -110,19 +118,27 @@ def describe_difference(
     return _cap(named + plain) if named or plain else "(same settings)"
 
 
+def default_options(settings: dict[str, Any], choices: dict[str, str]) -> int:
+    """How many of a setting's group options are the recipe's defaults (Table 8's baseline, no distillation...)."""
+    defaults = {**DEFAULT_CHOICES, "resolution": f"{settings.get('preset')}_{choices.get('stage', 'pretrain')}"}
+    by_choice = sum(1 for g, v in defaults.items() if choices.get(g) == v)
+    return by_choice + sum(1 for k, v in PREFERRED.items() if settings.get(k) == v)
+
+
 def pick_main(
-    candidates: list[dict[str, Any]], population: list[dict[str, Any]], baseline: dict[str, Any] | None
+    candidates: list[tuple[dict[str, Any], dict[str, str]]],
+    population: list[dict[str, Any]],
+    baseline: dict[str, Any] | None,
 ) -> int:
-    """Index of a row's main setting: Table 8's baseline, then closest to the baseline row's, then most common."""
-    keys = varied_keys(candidates)
+    """Index of a row's main (settings, choices): most default options, closest to the baseline row's, most common."""
+    keys = varied_keys(s for s, _ in candidates)
     counts = value_counts(population, keys)
 
     def rank(i: int) -> tuple[int, int, int]:
-        s = candidates[i]
-        preferred = sum(1 for k, v in PREFERRED.items() if k in keys and s.get(k) == v)
+        s, choices = candidates[i]
         distance = sum(1 for k in keys if baseline is not None and s.get(k, _MISSING) != baseline.get(k, _MISSING))
         common = sum(counts.get(k, Counter())[_hashable(s.get(k))] for k in keys)
-        return (-preferred, distance, -common)
+        return (-default_options(s, choices), distance, -common)
 
     return min(range(len(candidates)), key=rank)
 

@@ -256,7 +256,7 @@ def _split(
     groups = _by_settings(runs)
     if len(groups) == 1:
         return [(base, runs)], groups[0][0], None
-    main = pick_main([g[0] for g in groups], population, baseline)
+    main = pick_main([(g[0], g[1]) for g in groups], population, baseline)
     labels = _labels(base, groups, main)
     order = [main] + sorted((i for i in range(len(groups)) if i != main), key=lambda i: _natural(labels[i]))
     split = Split(
