@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from PIL import ImageFile
 from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR100, ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
@@ -47,7 +48,28 @@ def check_data_root(cfg: DictConfig) -> Path:
             raise ConfigError(f"data.root={root} has no {' and no '.join(missing)} folder. An ImageFolder "
                               "dataset needs <root>/train/<class>/* and <root>/val/<class>/* (for ImageNet, "
                               "run the usual valprep script to sort val/ into class folders).")
+        for split in ("train", "val"):
+            check_class_folders(root / split)
     return root
+
+
+def _has_image(folder: Path) -> bool:
+    """Whether `folder` holds at least one file with an image extension (stops at the first)."""
+    with os.scandir(folder) as entries:
+        return any(entry.name.lower().endswith(IMG_EXTENSIONS) and entry.is_file() for entry in entries)
+
+
+def check_class_folders(split_dir: Path) -> None:
+    """An ImageFolder split: at least one class folder, and an image in every one (what ImageFolder demands)."""
+    classes = sorted(entry.path for entry in os.scandir(split_dir) if entry.is_dir())
+    empty = [Path(c).name for c in classes if not _has_image(Path(c))]
+    if not classes or empty:
+        found = (f"its class folder(s) {', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''} hold no image"
+                 if classes else "it holds no class folder")
+        raise ConfigError(f"data.root={split_dir.parent}: {split_dir} is not an ImageFolder split: {found}. "
+                          "An ImageFolder dataset needs <root>/train/<class>/* and <root>/val/<class>/* with images "
+                          f"({', '.join(IMG_EXTENSIONS[:4])}, ...) in every class folder; remove empty class folders "
+                          "or point data.root at the right folder.")
 
 
 def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path | None = None) -> Dataset:
