@@ -16,6 +16,7 @@ from deit_ablate.errors import ConfigError
 CHOICES = {
     "stage": ("pretrain", "finetune"),
     "data.name": ("builtin", "imagenet", "imagefolder", "cifar100"),
+    "data.on_bad_image": ("skip", "fail"),
     "distill.type": ("none", "soft", "hard", "hard_token", "soft_token"),
     "distill.kl_normalization": ("elements", "batch"),
     "distill.fusion": ("prob", "logit"),

@@ -9,9 +9,10 @@ from pathlib import Path
 from omegaconf import DictConfig
 from PIL import ImageFile
 from torch.utils.data import Dataset
-from torchvision.datasets import CIFAR100, ImageFolder
+from torchvision.datasets import CIFAR100
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from deit_ablate.data.bad_images import SkippingImageFolder
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.errors import ConfigError
@@ -83,10 +84,10 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
                 f"CIFAR-100 was not found under data.root={root} ({error}). Download it once with "
                 "torchvision.datasets.CIFAR100(root, download=True) on a machine with internet."
             ) from error
-    elif cfg.data.fast_jpeg and split == "train":
-        dataset = ImageFolder(str(root / split), transform=transform, loader=lazy_loader)  # the crop decodes
+    elif cfg.data.fast_jpeg and split == "train":  # the crop decodes
+        dataset = SkippingImageFolder(str(root / split), cfg.data.on_bad_image, transform=transform, loader=lazy_loader)
     else:
-        dataset = ImageFolder(str(root / split), transform=transform)
+        dataset = SkippingImageFolder(str(root / split), cfg.data.on_bad_image, transform=transform)
     num_classes = len(dataset.classes)
     if num_classes != cfg.data.num_classes:
         raise ConfigError(f"data.num_classes={cfg.data.num_classes} but {root / split} holds {num_classes} "
