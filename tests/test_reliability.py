@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.data.builtin import ensure_builtin_dataset
+from deit_ablate.distill import load_teacher
 from deit_ablate.errors import ConfigError
 from deit_ablate.validate import validate_config
 from tests.conftest import TINY, compose_config, run_train
@@ -78,3 +84,123 @@ def test_imagefolder_without_images_is_the_clear_data_root_error(tmp_path, data_
     assert ("holds no class folder" if layout == "no_class_folders" else "class folder(s) cat hold no image") \
         in proc.stderr
     assert _no_run_left(tmp_path)
+
+
+def _run_dir(cwd: Path) -> Path:
+    (run_dir,) = [p for p in (cwd / "outputs" / "runs").iterdir() if p.is_dir()]
+    return run_dir
+
+
+def _result(cwd: Path) -> dict:
+    return json.loads((_run_dir(cwd) / "result.json").read_text())
+
+
+def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(tmp_path, data_cache):
+    proc = run_train(TINY + ["train.epochs=2", "optimizer.min_lr=0.5"], tmp_path, data_cache)  # min lr > peak: warns
+    log = (_run_dir(tmp_path) / "train.log").read_text()
+    assert "pretrain at 32px, world size 1, global batch 32" in log
+    assert "[epoch 0] train loss" in log and "[epoch 1] train loss" in log
+    assert "status    finished after 16 steps" in log and "top-1" in log
+    assert "WARNING py.warnings" in log and "is above the peak lr" in log  # warnings reach the run's own log
+    assert "status    finished after 16 steps" in proc.stdout and "[epoch 1]" in proc.stdout  # and the console
+
+
+def test_epochs_done_counts_only_completed_epochs_after_max_steps(tmp_path, data_cache):
+    run_train(TINY + ["train.epochs=2", "train.max_steps=5"], tmp_path, data_cache)
+    result = _result(tmp_path)
+    assert (result["epochs_done"], result["steps_done"]) == (0, 5) and "top1" in result
+
+
+def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache):
+    run_train(TINY, tmp_path, data_cache)
+    run_dir = _run_dir(tmp_path)
+    first = json.loads((run_dir / "result.json").read_text())
+    # What a kill between the final checkpoint and result.json leaves; earlier launches took 1000 s.
+    (run_dir / "result.json").unlink()
+    state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    assert state["training_complete"] and state["step"] == 8
+    state["train_seconds"] = 1000.0
+    torch.save(state, run_dir / "checkpoint-last.pt")
+    proc = run_train(TINY, tmp_path, data_cache)
+    assert "training was complete at step 8" in proc.stdout
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "finished" and (result["steps_done"], result["epochs_done"]) == (8, 1)
+    assert result["top1"] == first["top1"] and result["top1_final"] == first["top1_final"]
+    assert 1000.0 <= result["train_seconds"] < 1000.0 + 600
+    runs = read_offline(tmp_path / "outputs" / "wandb")
+    assert len({r.run_id for r in runs}) == 1 and runs[-1].summary["top1"] == first["top1"]
+
+
+@pytest.mark.parametrize("garbage", ["{not json", "[1, 2]", '{"top1": 3}'])
+def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache, garbage):
+    run_train(TINY + ["train.max_steps=3"], tmp_path, data_cache)
+    run_dir = _run_dir(tmp_path)
+    (run_dir / "result.json").write_text(garbage)
+    proc = run_train(TINY + ["train.max_steps=3"], tmp_path, data_cache)
+    assert "Traceback" not in proc.stderr
+    assert f"{run_dir / 'result.json'} is not a run result" in proc.stderr and "Treated as unfinished" in proc.stderr
+    result = _result(tmp_path)
+    assert result["status"] == "finished" and result["steps_done"] == 3 and "top1" in result
+
+
+def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, data_cache):
+    args = TINY + ["train.epochs=2"]
+    run_train(args, tmp_path, data_cache)
+    run_dir = _run_dir(tmp_path)
+    assert torch.load(run_dir / "checkpoint-prev.pt", weights_only=True)["step"] == 8  # one older good copy
+    (run_dir / "result.json").unlink()
+    last = run_dir / "checkpoint-last.pt"
+    last.write_bytes(last.read_bytes()[:1000])  # truncated
+    stale = run_dir / ".checkpoint-last.pt.k1ll3d.tmp"  # what a writer killed mid-save leaves
+    stale.write_bytes(b"\0" * 4096)
+    proc = run_train(args, tmp_path, data_cache)
+    assert "Traceback" not in proc.stderr
+    assert "checkpoint-last.pt cannot be read" in proc.stderr and "Falling back to checkpoint-prev.pt" in proc.stderr
+    assert "epoch 1 (batch 0), step 8" in proc.stdout and not stale.exists()
+    assert (run_dir / "checkpoint-last.pt.unreadable").exists()
+    result = _result(tmp_path)
+    assert (result["steps_done"], result["epochs_done"]) == (16, 2) and "top1" in result
+    assert "cannot be read" in (run_dir / "train.log").read_text()
+
+    (run_dir / "result.json").unlink()
+    for name in ("checkpoint-last.pt", "checkpoint-prev.pt"):
+        (run_dir / name).write_bytes(b"garbage")
+    proc = run_train(args, tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot resume: no checkpoint there can be read" in proc.stderr
+    assert f"rm '{run_dir / 'checkpoint-last.pt'}' '{run_dir / 'checkpoint-prev.pt'}'" in proc.stderr
+
+
+def test_garbage_teacher_checkpoint_names_the_file_and_never_suggests_unsafe_loading(tmp_path):
+    garbage = tmp_path / "teacher.pth"
+    garbage.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(ConfigError) as error:
+        load_teacher("resnet10t", garbage, 10)
+    assert f"The teacher checkpoint {garbage} cannot be read" in str(error.value)
+    assert "weights_only" not in str(error.value)
+
+
+def _image_folder(data_cache: Path, target: Path) -> Path:
+    """A copy of the tiny built-in set as a plain ImageFolder tree."""
+    source = ensure_builtin_dataset(data_cache / "builtin", 40, 30, 10, 0)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.json"))
+    return target
+
+
+def test_unreadable_image_is_replaced_named_once_and_counted(tmp_path, data_cache):
+    root = _image_folder(data_cache, tmp_path / "folder")
+    bad = root / "train" / "disc" / "garbage.JPEG"
+    bad.write_bytes(b"this is not a JPEG" * 50)
+    args = ["data=imagefolder", f"data.root={root}", "data.num_classes=10"] + TINY + [
+        "train.epochs=2", "data.num_workers=2"]  # found in a loader worker: the training process names and counts it
+    proc = run_train(args, tmp_path, data_cache)
+    assert "Traceback" not in proc.stderr
+    result = _result(tmp_path)
+    assert result["status"] == "finished" and result["data/bad_images"] == 1 and "top1" in result
+    log = (_run_dir(tmp_path) / "train.log").read_text()
+    assert log.count(f"unreadable image {bad}") == 1  # named once, though read in both epochs
+    assert (read_offline(tmp_path / "outputs" / "wandb")[0].summary["data/bad_images"]) == 1
+
+    proc = run_train(args + ["data.on_bad_image=fail", "output_root=failing"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{bad} cannot be read as an image" in proc.stderr and "data.on_bad_image=skip" in proc.stderr
