@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.distill import load_teacher
 from deit_ablate.errors import ConfigError
+from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
 from deit_ablate.validate import validate_config
 from tests.conftest import TINY, compose_config, run_train
 
@@ -204,3 +209,79 @@ def test_unreadable_image_is_replaced_named_once_and_counted(tmp_path, data_cach
     proc = run_train(args + ["data.on_bad_image=fail", "output_root=failing"], tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{bad} cannot be read as an image" in proc.stderr and "data.on_bad_image=skip" in proc.stderr
+
+
+def _lock_record(pid: int, host: str | None = None, **extra) -> str:
+    record = {**this_process(), "pid": pid, "proc_start": None, "token": "theirs", **extra}
+    if host is not None:
+        record["host"] = host
+    return json.dumps(record)
+
+
+@pytest.fixture
+def sleeper():
+    """A live process on this host that is not this one."""
+    proc = subprocess.Popen(["sleep", "120"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_run_lock_is_held_by_a_live_process_and_taken_over_when_it_is_gone(tmp_path, sleeper):
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text(_lock_record(sleeper.pid))
+    holder = RunLock(tmp_path).try_acquire()
+    assert holder is not None and f"pid {sleeper.pid} on host {socket.gethostname()}" in holder
+    sleeper.kill()
+    sleeper.wait()
+    lock = RunLock(tmp_path)
+    assert lock.try_acquire() is None and f"pid {sleeper.pid} is gone" in lock.taken_over[0]
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not lock_file.exists() and not list(tmp_path.iterdir())  # nothing left beside it either
+
+
+def test_run_lock_from_another_host_counts_as_stale_only_when_not_refreshed(tmp_path):
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text(_lock_record(1, host="elsewhere"))
+    assert "on host elsewhere" in RunLock(tmp_path).try_acquire()
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(lock_file, (old, old))
+    lock = RunLock(tmp_path)
+    assert lock.try_acquire() is None and "not refreshed" in lock.taken_over[0]
+    lock.release()
+
+
+def test_run_lock_of_an_earlier_attempt_of_the_same_slurm_job_is_taken_over(tmp_path, monkeypatch):
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text(_lock_record(1, host="node7", slurm_job="4242", slurm_restart="0"))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert "SLURM job 4242" in RunLock(tmp_path).try_acquire()  # the same attempt: not ours to take
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued attempt, maybe on another node
+    lock = RunLock(tmp_path)
+    assert lock.try_acquire() is None and "earlier attempt of SLURM job 4242" in lock.taken_over[0]
+    lock.release()
+
+
+def test_run_lock_release_leaves_a_lock_that_is_not_ours(tmp_path):
+    lock = RunLock(tmp_path)
+    assert lock.try_acquire() is None
+    (tmp_path / LOCK_NAME).write_text(_lock_record(1, host="elsewhere"))  # taken over by another launch
+    lock.release()
+    assert (tmp_path / LOCK_NAME).exists()
+
+
+def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper):
+    run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache)
+    run_dir = _run_dir(tmp_path)
+    (run_dir / "result.json").unlink()
+    (run_dir / LOCK_NAME).write_text(_lock_record(sleeper.pid, proc_start=None))
+    before = sorted(p.name for p in (tmp_path / "outputs" / "wandb").iterdir())
+    proc = run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"is in use by another launch of the same run: pid {sleeper.pid} on host" in proc.stderr
+    assert "train.wait_for_lock=true" in proc.stderr and f"delete {run_dir / LOCK_NAME}" in proc.stderr
+    assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == sleeper.pid  # untouched
+    assert sorted(p.name for p in (tmp_path / "outputs" / "wandb").iterdir()) == before  # no new wandb run
+    assert not (run_dir / "result.json").exists()
