@@ -7,19 +7,20 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.distill import load_teacher
 from deit_ablate.errors import ConfigError
 from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
 from deit_ablate.validate import validate_config
-from tests.conftest import TINY, compose_config, run_train
+from tests.conftest import REPO, TINY, compose_config, run_train
 
 
 def _no_run_left(cwd: Path, output_root: str = "outputs") -> bool:
@@ -285,3 +286,48 @@ def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, dat
     assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == sleeper.pid  # untouched
     assert sorted(p.name for p in (tmp_path / "outputs" / "wandb").iterdir()) == before  # no new wandb run
     assert not (run_dir / "result.json").exists()
+
+
+WANDB_WRITER = r"""
+import os, sys
+os.environ["WANDB_SILENT"] = "true"
+import wandb
+run = wandb.init(project="p", dir=sys.argv[1], mode="offline", id="real", config={"ablation": "baseline"},
+                 settings=wandb.Settings(x_disable_stats=True, console="off", save_code=False, disable_git=True))
+run.summary.update({"status": "finished", "top1": 50.0})
+run.finish()
+"""
+
+READER = r"""
+import json, sys
+from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
+print(json.dumps([run.run_id for run in read_offline(sys.argv[1], jobs=1)]))
+"""
+
+
+def test_aggregator_reads_regular_files_only_and_reports_each_skipped_path(tmp_path):
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    subprocess.run([sys.executable, "-c", WANDB_WRITER, str(tmp_path)], check=True, env=env, timeout=120)
+    wandb_dir = tmp_path / "wandb"
+    (real,) = wandb_dir.glob("offline-run-*-real/run-real.wandb")
+    outside = tmp_path / "outside" / "run-other.wandb"
+    outside.parent.mkdir()
+    shutil.copy(real, outside)
+    planted = {}
+    for name in ("fifo", "zero", "out", "huge"):
+        folder = wandb_dir / f"offline-run-20260101_000000-{name}"
+        folder.mkdir()
+        planted[name] = folder / f"run-{name}.wandb"
+    os.mkfifo(planted["fifo"])
+    planted["zero"].symlink_to("/dev/zero")
+    planted["out"].symlink_to(outside)
+    with open(planted["huge"], "wb") as handle:  # sparse: no disk space used
+        handle.truncate(MAX_LOG_BYTES + 1)
+    proc = subprocess.run([sys.executable, "-c", READER, str(wandb_dir)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["real"]
+    assert f"{planted['fifo']}: skipped, not a regular file" in proc.stderr
+    assert f"{planted['zero']}: skipped, a symlink to /dev/zero, outside {wandb_dir.resolve()}" in proc.stderr
+    assert f"{planted['out']}: skipped, a symlink to {outside.resolve()}, outside" in proc.stderr
+    assert f"{planted['huge']}: skipped, {MAX_LOG_BYTES + 1} bytes, above the" in proc.stderr
