@@ -4,6 +4,7 @@ the run folder's train.log (train-rank<N>.log for the other ranks), with library
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 log = logging.getLogger("deit_ablate")
@@ -23,6 +24,19 @@ class BelowLevel(logging.Filter):
         return record.levelno < self.level
 
 
+class RunFileHandler(logging.FileHandler):
+    """A FileHandler that says once, in one line, that it cannot write (a full disk), instead of a traceback
+    per record."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            error = sys.exc_info()[1]
+            print(f"warning: cannot write to {self.baseFilename} ({error}); the console keeps the log", file=sys.stderr)
+
+
 def rank_log_name(rank: int) -> str:
     """train.log for the main rank, train-rank<N>.log for the others."""
     return "train.log" if rank == 0 else f"train-rank{rank}.log"
@@ -30,7 +44,7 @@ def rank_log_name(rank: int) -> str:
 
 def attach_run_log(run_dir: Path, rank: int) -> logging.Handler:
     """Append everything logged from now on (ours, libraries', Python warnings) to this rank's file."""
-    handler = logging.FileHandler(Path(run_dir) / rank_log_name(rank), mode="a", encoding="utf-8")
+    handler = RunFileHandler(Path(run_dir) / rank_log_name(rank), mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter(FILE_FORMAT))
     logging.getLogger().addHandler(handler)
     file_only.addHandler(handler)

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -150,7 +151,8 @@ def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.M
 def discard_empty_run_dir() -> None:
     """Remove the run folder Hydra made for a run that failed before writing anything of its own."""
     run_dir = current_run_dir()
-    if run_dir.is_dir() and all(p.name in (".hydra", "train.log") for p in run_dir.iterdir()):
+    if run_dir.is_dir() and all(p.name == ".hydra" or re.fullmatch(r"train(-rank\d+)?\.log", p.name)
+                                for p in run_dir.iterdir()):
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
