@@ -47,11 +47,22 @@ def _human_bytes(count: float) -> str:
 def no_space_error(path: Path, written: int | None = None) -> RunError:
     """The message for a full disk: the file, the free space there, what is intact and what to do."""
     usage = shutil.disk_usage(path.parent)
-    needed = f" (about {_human_bytes(written)} were being written)" if written else ""
+    needed = f" (the write stopped at {_human_bytes(written)})" if written else ""
     intact = (f"The previous {path.name} is intact, so nothing before it is lost. " if path.exists() else "")
     return RunError(f"no space left on the device while writing {path}{needed}: {_human_bytes(usage.free)} free of "
-                    f"{_human_bytes(usage.total)} there. {intact}Free some space (or point output_root elsewhere) "
+                    f"{_human_bytes(usage.total)} there now. {intact}Free some space (or point output_root elsewhere) "
                     "and launch the same command again: the run resumes from its last checkpoint.")
+
+
+def is_no_space(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from, is ENOSPC (torch.save wraps the OSError of its write)."""
+    for _ in range(4):
+        if error is None:
+            return False
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def save_atomic(state: dict[str, Any], path: str | os.PathLike, keep_previous: str | os.PathLike | None = None) -> None:
@@ -71,7 +82,7 @@ def save_atomic(state: dict[str, Any], path: str | os.PathLike, keep_previous: s
     except BaseException as error:
         written = Path(tmp).stat().st_size if Path(tmp).exists() else None
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        if is_no_space(error):
             raise no_space_error(path, written) from None
         raise
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import random
 import re
@@ -57,7 +56,7 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
         tmp.replace(path)
     except OSError as error:
         tmp.unlink(missing_ok=True)
-        if error.errno == errno.ENOSPC:
+        if ckpt.is_no_space(error):
             raise ckpt.no_space_error(path) from None
         raise
 
