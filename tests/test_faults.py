@@ -162,7 +162,7 @@ def test_kill_at_a_random_point_then_relaunch(tmp_path, cache, trial):
     proc = run_train(ARGS + [f"hydra.run.dir={run_dir}"], run_dir.parents[2], cache, check=False)
     result = check_complete(run_dir.parents[2], run_dir, proc)
     if mid_write:
-        assert "removed .checkpoint-last.pt." in proc.stdout
+        assert "removed .checkpoint-" in proc.stdout  # the temp file of the write it cut
     if truncated and (run_dir / "checkpoint-prev.pt").exists():
         assert "Falling back to checkpoint-prev.pt" in proc.stderr
     SUMMARY.append(f"  kill -9 at {where}{' (inside the write)' if mid_write else ''}"
