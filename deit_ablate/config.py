@@ -14,7 +14,12 @@ class ModelConfig:
 
     name: str = "deit_base_patch16_224"
     drop_path: float = 0.1  # stochastic depth, linspace(0, p, depth) over blocks (DeiT Table 9)
+    # DeiT's --drop (timm 0.3.2): after the position embedding, in the attention projection and the MLP, not
+    # before the head (timm 1.0's pos_drop_rate and proj_drop_rate; its drop_rate stays 0 on ViTs)
     dropout: float = 0.0
+    # The same network with a distillation token (timm name), trained instead of `name` by distill=hard_token
+    # and soft_token, as DeiT's Table 3 trains DeiT-B for the class-token rows and DeiT-B⚗ for the token rows
+    distilled_name: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra timm create_model arguments
 
 
@@ -49,7 +54,9 @@ class AugmentConfig:
     """Label-preserving augmentation of the training images (timm create_transform)."""
 
     auto_augment: str | None = "rand-m9-mstd0.5-inc1"
-    color_jitter: float = 0.3  # timm ignores it while an auto-augment policy is on
+    # --color-jitter 0.4 in DeiT's main.py of the paper era (commit 1d38fa4, Dec 2020; 0.3 since DeiT III, 2022).
+    # timm ignores it while an auto-augment policy is on, so only the no_randaugment row sees it.
+    color_jitter: float = 0.4
     reprob: float = 0.25  # random erasing probability
     remode: str = "pixel"
     recount: int = 1
@@ -122,15 +129,23 @@ class ResolutionConfig:
 
 @dataclass
 class FinetuneConfig:
-    """The second stage of Table 8: fine-tune the row's own checkpoint at a higher resolution."""
+    """The second stage of Table 8: fine-tune the row's own checkpoint at a higher resolution.
 
-    init_checkpoint: str | None = None  # None: the same run's pre-training checkpoint
-    optimizer: str | None = None  # None: the pre-training optimizer
+    Defaults are the released DeiT fine-tune command (README of facebookresearch/deit: --batch-size 32 on
+    2 nodes x 8 GPUs, --lr 5e-6 --weight-decay 1e-8 --epochs 30 --min-lr 5e-6, main.py's defaults else)."""
+
+    init_checkpoint: str | None = None  # None: the same run's pre-training checkpoint (its EMA weights if kept)
+    optimizer: str = "adamw"  # AdamW for every row but sgd_finetune (Table 8: the sgd row is SGD pre-training only)
+    global_batch: int | None = None  # None: train.global_batch; the paper preset sets 512 (32 x 16 GPUs)
     lr: float = 5e-6  # per lr_base_batch images, like optimizer.lr
     weight_decay: float = 1e-8
     epochs: int = 30
-    warmup_epochs: float = 0.0
+    warmup_epochs: float = 5.0  # main.py's --warmup-epochs default
+    warmup_lr: float = 1e-6  # main.py's --warmup-lr default
     min_lr: float = 5e-6  # absolute, like optimizer.min_lr (DeiT scales only the peak lr)
+    # The released code fine-tunes with the model in eval mode (engine.train_one_epoch(set_training_mode=False)):
+    # no stochastic depth, no dropout in this stage. True trains it in train mode.
+    train_mode: bool = False
 
 
 @dataclass

@@ -358,15 +358,38 @@ def resolve_teacher(teacher_cfg, output_root: str | Path) -> tuple[str, dict[str
     return name, kwargs, path
 
 
+def student_model_name(cfg) -> str:
+    """The timm model a run trains: model.name, or its distilled twin (model.distilled_name) for the token kinds.
+
+    DeiT's Table 3 trains plain DeiT for no distillation and the class-token kinds, and DeiT⚗ (with a
+    distillation token) for the token kinds; a distilled model given a class-token kind would train the average
+    of its two heads (timm's forward), which no row of the paper does, so it is refused."""
+    kind, name, twin = cfg.distill.type, cfg.model.name, cfg.model.distilled_name
+    distilled = "_distilled_" in name
+    if kind in TOKEN_KINDS:
+        if distilled:
+            return name
+        if twin:
+            return twin
+        raise ConfigError(f"distill={kind} trains a distillation token, but model.name={name} has none and "
+                          "model.distilled_name is unset. Use a DeiT model option (model=deit_base, "
+                          "model=vit_demo, ...), whose distilled twin is picked for you, or distill=hard / "
+                          "distill=soft.")
+    if distilled:
+        raise ConfigError(f"model.name={name} has a distillation token, which distill={kind} does not train: timm "
+                          "would train the average of its two heads, and DeiT's Table 3 trains the plain model for "
+                          "this row. Use the model without the token (model=vit_demo, model=deit_base, ... instead "
+                          "of their _distilled options); distill=hard_token and distill=soft_token pick the "
+                          "distilled twin themselves.")
+    return name
+
+
 def check_distill_config(cfg) -> None:
-    """Before anything runs: the teacher resolves to a loadable file and token kinds have a token."""
+    """Before anything runs: the student model suits the kind and the teacher resolves to a loadable file."""
     kind = cfg.distill.type
+    student_model_name(cfg)
     if kind == "none":
         return
-    if kind in TOKEN_KINDS and "distilled" not in cfg.model.name:
-        raise ConfigError(f"distill={kind} trains a distillation token, but model.name={cfg.model.name} has none. "
-                          "Use a distilled model (model=deit_tiny_distilled, model=vit_demo_distilled, ...) or "
-                          "distill=hard / distill=soft.")
     name, _, path = resolve_teacher(cfg.distill.teacher, cfg.output_root)
     if path is None or not Path(path).is_file():
         load_teacher(name, path, cfg.data.num_classes)  # raises the message for a missing/unset checkpoint

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from deit_ablate.distill import distilled_eval_outputs, distilled_head_logits
 from deit_ablate.distributed import DistInfo, all_reduce_sum
+from deit_ablate.models import set_training_mode
 
 LossFn = Callable[[torch.Tensor, object, torch.Tensor], torch.Tensor]  # (images, model outputs, targets) -> loss
 
@@ -44,6 +45,7 @@ class Trainer:
     clip_grad: float | None = None
     batch_transform: Callable[..., torch.Tensor] | None = None  # (images, out=) on the device, before Mixup
     log_interval: int = 10
+    train_mode: bool = True  # False: eval mode while training (DeiT's fine-tune), see models.set_training_mode
     step: int = 0
     on_log: Callable[[dict, int], None] = field(default=lambda metrics, step: None)
 
@@ -54,13 +56,16 @@ class Trainer:
         return torch.autocast(device_type=self.info.device.type, dtype=self.amp_dtype)
 
     def train_step(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on this rank's share of the global batch, in `accum_steps` chunks."""
-        if self.mixup is not None:
-            images, targets = self.mixup(images, targets)
+        """One optimizer step on this rank's share of the global batch, in `accum_steps` chunks.
+
+        Each chunk stands for one GPU of the reference's run, so it draws its own Mixup/CutMix (lambda, box,
+        which of the two), as each of DeiT's 8 x 128 per-GPU batches did."""
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=images.device)
         chunks = list(zip(images.chunk(self.accum_steps), targets.chunk(self.accum_steps), strict=False))
         for index, (chunk_images, chunk_targets) in enumerate(chunks):
+            if self.mixup is not None:
+                chunk_images, chunk_targets = self.mixup(chunk_images, chunk_targets)
             last = index == len(chunks) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
@@ -81,7 +86,7 @@ class Trainer:
     def train_epoch(self, loader, epoch: int, max_steps: int | None = None,
                     step_hook: Callable[[int], None] | None = None) -> float:
         """Run the epoch's batches; returns the mean training loss. Raises Diverged on a non-finite loss."""
-        self.model.train()
+        set_training_mode(self.model, self.train_mode)
         bar = tqdm(loader, desc=f"epoch {epoch}", disable=not self.info.is_main, dynamic_ncols=True, leave=False,
                    mininterval=1.0)
         loss_sum = torch.zeros((), device=self.info.device)

@@ -18,22 +18,42 @@ def is_vision_transformer(name: str) -> bool:
     return model_entrypoint(name).__module__.rsplit(".", 1)[-1] in _VIT_MODULES
 
 
-def build_model(model_cfg: DictConfig, num_classes: int, img_size: int) -> torch.nn.Module:
-    """A freshly initialised timm model; never loads weights from a hub."""
+def has_distillation_token(name: str) -> bool:
+    """Whether timm's model `name` is a DeiT with a distillation token (the `*_distilled_*` models)."""
+    return "_distilled_" in name
+
+
+def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: str | None = None) -> torch.nn.Module:
+    """A freshly initialised timm model (`name`, else model.name); never loads weights from a hub."""
+    name = name or model_cfg.name
     kwargs = dict(OmegaConf.to_container(model_cfg.kwargs, resolve=True))
-    if is_vision_transformer(model_cfg.name):
+    head_drop = model_cfg.dropout
+    if is_vision_transformer(name):
         kwargs["img_size"] = img_size
-        # DeiT's "dropout" (timm 0.3, Table 8) dropped after the position embedding, attention projection and
-        # MLP; timm 1.0 splits that into three rates.
+        # DeiT's --drop went through timm 0.3.2's ViT: after the position embedding, in the attention projection
+        # and in the MLP, never before the head. timm 1.0 names these pos_drop_rate and proj_drop_rate; its
+        # drop_rate is a dropout before the head, which DeiT did not have.
         kwargs.update(pos_drop_rate=model_cfg.dropout, proj_drop_rate=model_cfg.dropout)
+        head_drop = 0.0
     return timm.create_model(
-        model_cfg.name,
+        name,
         pretrained=False,
         num_classes=num_classes,
-        drop_rate=model_cfg.dropout,
+        drop_rate=head_drop,
         drop_path_rate=model_cfg.drop_path,
         **kwargs,
     )
+
+
+def set_training_mode(model: torch.nn.Module, train: bool) -> None:
+    """Train mode, or eval mode for training (DeiT's fine-tune: no drop path, no dropout) that keeps a
+    distilled ViT returning both heads' logits."""
+    model.train(train)
+    module = getattr(model, "module", model)
+    if not train and getattr(module, "distilled_training", False):
+        # timm's distilled ViT returns (class, distillation) logits only when its own `training` flag is set;
+        # set it on that one module, which no dropout or drop-path layer reads (they are its children).
+        module.training = True
 
 
 def compile_in_place(model: torch.nn.Module) -> bool:

@@ -31,6 +31,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_s
                     warmup_lr: float) -> CosineLRScheduler:
     """Linear warm-up then cosine decay to min_lr, stepped once per optimizer update.
 
+    As timm 0.3.2's create_scheduler built it for DeiT (no warm-up prefix): the cosine spans the whole run and
+    the warm-up replaces its first steps, so the lr right after the warm-up is cos(pi * warmup / total) of the way.
+
     min_lr is absolute while the peak scales with the batch, so at a small batch the floor can exceed the
     peak; it is then lowered to the peak (a flat schedule) rather than letting the cosine rise."""
     peak = optimizer.param_groups[0]["lr"]
@@ -40,11 +43,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_s
         min_lr = peak
     return CosineLRScheduler(
         optimizer,
-        t_initial=max(total_steps - warmup_steps, 1),
+        t_initial=max(total_steps, 1),
         lr_min=min_lr,
         warmup_t=warmup_steps,
         warmup_lr_init=warmup_lr,
-        warmup_prefix=True,
+        warmup_prefix=False,
         t_in_epochs=False,
     )
 

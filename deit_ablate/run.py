@@ -23,7 +23,7 @@ from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, deco
 from deit_ablate.data.datasets import build_dataset, dataset_root
 from deit_ablate.data.loader import ShardSampler, SkipFirst, build_loader, build_train_sampler, set_sampler_epoch
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
-from deit_ablate.distill import TOKEN_KINDS, DistillationLoss, build_teacher, teacher_forward
+from deit_ablate.distill import TOKEN_KINDS, DistillationLoss, build_teacher, student_model_name, teacher_forward
 from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, gather_objects, init_distributed
 from deit_ablate.engine import Diverged, Trainer, evaluate
 from deit_ablate.errors import ConfigError, RunError
@@ -105,23 +105,24 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
         raise ConfigError(f"an epoch of {len(train_sampler)} images per rank holds no full batch of "
                           f"{plan.per_rank_batch}; lower train.global_batch or use more data.")
 
-    model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size).to(info.device)
+    model_name = student_model_name(cfg)
+    model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=model_name).to(info.device)
     if recipe.init_checkpoint is not None:
         load_pretrained(model, recipe.init_checkpoint)
+        if info.is_main:
+            log.info(f"[run] fine-tuning from {recipe.init_checkpoint}")
     if info.enabled:
         ddp_device = [info.device.index] if info.device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ddp_device)
     module = model.module if info.enabled else model
 
-    lr = scaled_lr(recipe.lr, cfg.train.global_batch, cfg.optimizer.lr_base_batch)
+    lr = scaled_lr(recipe.lr, recipe.global_batch, cfg.optimizer.lr_base_batch)
     optimizer = build_optimizer(module, recipe.optimizer, lr, recipe.weight_decay, cfg.optimizer.momentum,
                                 tuple(cfg.optimizer.betas), cfg.optimizer.eps)
-    total_steps = recipe.epochs * steps_per_epoch  # train.max_steps stops a run early; the schedule keeps its length
-    warmup_steps = min(round(recipe.warmup_epochs * steps_per_epoch), max(total_steps - 1, 0))
-    scheduler = build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, cfg.optimizer.warmup_lr)
+    scheduler = stage_scheduler(optimizer, recipe, steps_per_epoch)
     mixup = build_mixup(cfg.mix, cfg.data.num_classes)
     criterion = build_criterion(cfg.mix, mixup)
-    ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None
+    ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None  # starts from the loaded weights
     if cfg.train.compile:
         compile_in_place(module)  # after the EMA copy, which is only evaluated and stays eager
 
@@ -129,9 +130,17 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
 
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
                       accum_steps=plan.accum_steps, mixup=mixup, ema=ema, batch_transform=batch_transform,
+                      train_mode=recipe.train_mode,
                       amp_dtype=amp_dtype(cfg.train.amp, info.device),
                       clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.train.log_interval)
     return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan)
+
+
+def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps_per_epoch: int):
+    """The stage's warm-up + cosine schedule in optimizer updates (train.max_steps never shortens it)."""
+    total_steps = recipe.epochs * steps_per_epoch
+    warmup_steps = min(round(recipe.warmup_epochs * steps_per_epoch), max(total_steps - 1, 0))
+    return build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, recipe.warmup_lr)
 
 
 def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.Module, device: torch.device):
@@ -362,15 +371,16 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     start_epoch, best_top1, skip_batches, state = start
     last_path, prev_path = run_dir / LAST, run_dir / PREV
     if info.is_main:
-        log.info(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px, world size {info.world_size}, "
-                 f"global batch {cfg.train.global_batch} = "
+        log.info(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px of {student_model_name(cfg)}"
+                 f"{'' if pieces.recipe.train_mode else ' (in eval mode)'}, world size {info.world_size}, "
+                 f"global batch {pieces.recipe.global_batch} = "
                  f"{info.world_size} x {plan.per_rank_batch} per rank ({plan.accum_steps} accumulation step(s) of "
                  f"{plan.micro_batch}), {pieces.steps_per_epoch} steps/epoch, {pieces.recipe.epochs} epochs, "
                  f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}"
                  + (f", {torch.get_num_threads()} torch thread(s)" if info.device.type == "cpu" else ""))
     tracker.summary({"world_size": info.world_size, "per_device_batch": plan.per_rank_batch,
                      "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
-                     "effective_batch": cfg.train.global_batch})
+                     "effective_batch": pieces.recipe.global_batch, "model_name": student_model_name(cfg)})
     status, metrics, ema_metrics = "finished", {}, {}
     clock = RunClock(float(state.get("train_seconds", 0.0)))
     epochs_done, bad_images = start_epoch, set(state.get("bad_images", ()))
@@ -431,6 +441,7 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     except BadImageError:
         raise bad_image_error(pieces) from None
     final = summarize(status, metrics, ema_metrics, best_top1, epochs_done, trainer.step, clock())
+    final["model_name"] = student_model_name(cfg)
     if bad_images or image_folders(pieces):
         final["data/bad_images"] = len(bad_images)
     return final

@@ -16,15 +16,25 @@ from deit_ablate.models import resize_pos_embed_state
 
 @dataclass(frozen=True)
 class StageRecipe:
-    """The optimizer settings and length of this stage, and the weights it starts from."""
+    """The batch, optimizer settings and length of this stage, and the weights it starts from."""
 
+    global_batch: int
     optimizer: str
     lr: float  # per lr_base_batch images
     weight_decay: float
     epochs: int
     warmup_epochs: float
+    warmup_lr: float
     min_lr: float
+    train_mode: bool = True  # False: the model stays in eval mode while it trains (DeiT's fine-tune)
     init_checkpoint: Path | None = None
+
+
+def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
+    """This stage's global batch and the key that sets it (finetune.global_batch, else train.global_batch)."""
+    if cfg.stage == "finetune" and cfg.finetune.global_batch is not None:
+        return cfg.finetune.global_batch, "finetune.global_batch"
+    return cfg.train.global_batch, "train.global_batch"
 
 
 def pretrain_run_dir(cfg: DictConfig) -> Path:
@@ -61,15 +71,26 @@ def pretrain_checkpoint(cfg: DictConfig) -> Path:
 
 def stage_recipe(cfg: DictConfig) -> StageRecipe:
     """Pre-training uses `optimizer`/`train`; fine-tuning the `finetune` block (Table 8, second column)."""
+    global_batch, _ = stage_global_batch(cfg)
     if cfg.stage == "pretrain":
         opt = cfg.optimizer
-        return StageRecipe(opt.name, opt.lr, opt.weight_decay, cfg.train.epochs, opt.warmup_epochs, opt.min_lr)
+        return StageRecipe(global_batch, opt.name, opt.lr, opt.weight_decay, cfg.train.epochs, opt.warmup_epochs,
+                           opt.warmup_lr, opt.min_lr)
     ft = cfg.finetune
-    return StageRecipe(ft.optimizer or cfg.optimizer.name, ft.lr, ft.weight_decay, ft.epochs, ft.warmup_epochs,
-                       ft.min_lr, init_checkpoint=pretrain_checkpoint(cfg))
+    return StageRecipe(global_batch, ft.optimizer, ft.lr, ft.weight_decay, ft.epochs, ft.warmup_epochs,
+                       ft.warmup_lr, ft.min_lr, train_mode=ft.train_mode, init_checkpoint=pretrain_checkpoint(cfg))
+
+
+def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights a pre-training run ended with: its EMA's when it kept one (the `ema` row's result)."""
+    source = f"The pre-trained checkpoint {path}"
+    if Path(path).suffix != ".safetensors":
+        state = ckpt.load(path)
+        if isinstance(state, dict) and isinstance(state.get("ema"), dict):
+            return ckpt.extract_state_dict({"model": state["ema"]}, source=source)
+    return ckpt.read_weights(path, source=source)
 
 
 def load_pretrained(model: torch.nn.Module, path: str | Path) -> None:
     """Load pre-trained weights into `model`, resizing the position embeddings to its grid."""
-    state = resize_pos_embed_state(ckpt.read_weights(path, source=f"The pre-trained checkpoint {path}"), model)
-    model.load_state_dict(state)
+    model.load_state_dict(resize_pos_embed_state(pretrained_weights(path), model))

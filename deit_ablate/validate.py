@@ -12,6 +12,7 @@ from timm.optim import list_optimizers
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.distill import check_distill_config
 from deit_ablate.errors import ConfigError
+from deit_ablate.stages import stage_global_batch
 
 CHOICES = {
     "stage": ("pretrain", "finetune"),
@@ -71,13 +72,14 @@ def _get(cfg: DictConfig, dotted: str):
 
 
 def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
-    """Split train.global_batch over `world_size` ranks, accumulating when a rank's share exceeds the cap."""
-    global_batch, cap = cfg.train.global_batch, cfg.train.max_batch_per_device
+    """Split this stage's global batch over `world_size` ranks, accumulating when a rank's share exceeds the cap."""
+    global_batch, key = stage_global_batch(cfg)
+    cap = cfg.train.max_batch_per_device
     if global_batch <= 0 or cap <= 0:
-        raise ConfigError(f"train.global_batch={global_batch} and train.max_batch_per_device={cap} must be positive.")
+        raise ConfigError(f"{key}={global_batch} and train.max_batch_per_device={cap} must be positive.")
     if global_batch % world_size:
         raise ConfigError(
-            f"train.global_batch={global_batch} cannot be split over {world_size} processes. The global batch is "
+            f"{key}={global_batch} cannot be split over {world_size} processes. The global batch is "
             f"the recipe's quantity, so each process must take an equal share: choose a global batch that is a "
             f"multiple of {world_size} (e.g. {global_batch // world_size * world_size or world_size}) or change the "
             "number of processes."
@@ -167,12 +169,13 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     if cfg.augment.repeated_aug < 1:
         raise ConfigError(f"augment.repeated_aug={cfg.augment.repeated_aug}: the number of copies must be >= 1 "
                           "(1 turns repeated augmentation off).")
-    for name in {cfg.model.name, cfg.distill.teacher.model if cfg.distill.type != "none" else cfg.model.name}:
+    for name in {cfg.model.name, cfg.model.distilled_name or cfg.model.name,
+                 cfg.distill.teacher.model if cfg.distill.type != "none" else cfg.model.name}:
         if not timm.is_model(name):
             close = timm.list_models(f"*{name.split('_')[0]}*")[:8]
             raise ConfigError(f"timm has no model named '{name}'. Close names: {', '.join(close) or 'none'}. "
                               "Pick a `model=` option (see conf/model/) or a timm model name in model.name.")
-    optimizers = {cfg.optimizer.name, cfg.finetune.optimizer or cfg.optimizer.name}
+    optimizers = {cfg.optimizer.name, cfg.finetune.optimizer}
     for name in optimizers:
         if name not in list_optimizers():
             raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw or optimizer=sgd.")

@@ -37,9 +37,11 @@ def test_paper_preset_is_table_9():
 
 def test_paper_finetune_stage_is_the_384_recipe():
     cfg = compose_config(["preset=paper", "stage=finetune"])
-    assert (cfg.resolution.train_size, cfg.resolution.crop_pct) == (384, 1.0)
+    assert (cfg.resolution.train_size, cfg.resolution.crop_pct) == (384, 0.875)  # eval: resize 438, crop 384
     ft = cfg.finetune
     assert (ft.lr, ft.weight_decay, ft.epochs, ft.min_lr) == (5e-6, 1e-8, 30, 5e-6)
+    assert (ft.global_batch, ft.warmup_epochs, ft.warmup_lr, ft.train_mode, ft.optimizer) == (512, 5, 1e-6, False,
+                                                                                               "adamw")
 
 
 def test_demo_preset_keeps_every_ingredient_on():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
@@ -28,3 +29,21 @@ def test_two_processes_make_the_same_first_update_as_one(tmp_path, data_cache):
     # Equal only if DDP averaged the two halves' gradients: each half alone gives another update.
     for name, tensor in a["model"].items():
         assert torch.allclose(tensor, b["model"][name], atol=1e-6, rtol=1e-5), name
+
+
+def test_eval_mode_finetune_of_a_distilled_student_runs_two_ddp_steps(tmp_path, data_cache):
+    # The fine-tune trains in eval mode (released DeiT code) while the distilled student must still return both
+    # heads: every parameter gets a gradient, or DDP fails at its second step.
+    import timm
+
+    teacher = tmp_path / "teacher.pt"
+    torch.save({"model": timm.create_model("resnet10t", num_classes=10).state_dict()}, teacher)
+    student = TINY + ["distill=hard_token", f"distill.teacher.checkpoint={teacher}", "train.max_steps=2"]
+    run_train(student, tmp_path, data_cache)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29534",
+                str(REPO / "train.py")]
+    proc = run_train(student + ["stage=finetune"], tmp_path, data_cache, module=torchrun)
+    assert "finetune at 48px of deit_tiny_distilled_patch16_224 (in eval mode)" in proc.stdout
+    results = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")]
+    assert len(results) == 2  # the pre-training and its fine-tune
+    assert all(r["status"] == "finished" and r["steps_done"] == 2 and "top1_dist" in r for r in results)

@@ -12,6 +12,7 @@ from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
 import deit_ablate.run as run_module
+from deit_ablate.distill import student_model_name
 from deit_ablate.distributed import DistInfo
 from deit_ablate.engine import Trainer
 from deit_ablate.models import build_model
@@ -19,7 +20,7 @@ from deit_ablate.optim import build_optimizer, build_scheduler
 from tests.conftest import TINY, compose_config, run_train
 
 DATA = [item for item in TINY if not item.startswith("model.")]
-STUDENT = ["model=vit_demo_distilled", "model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]
+STUDENT = ["model=vit_demo", "model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def teacher_checkpoint(tmp_path_factory) -> Path:
 
 def test_teacher_receives_exactly_the_mixed_batch_the_student_sees(teacher_checkpoint, monkeypatch):
     cfg = compose_config(STUDENT + ["distill=hard_token", f"distill.teacher.checkpoint={teacher_checkpoint}"])
-    student = build_model(cfg.model, 10, 32)
+    student = build_model(cfg.model, 10, 32, name=student_model_name(cfg))
     seen = {}
     student.register_forward_pre_hook(lambda module, args: seen.__setitem__("student", args[0].clone()))
     real_forward = run_module.teacher_forward
@@ -61,13 +62,14 @@ def _run_dir(cwd: Path, fragment: str) -> Path:
     return next(p for p in (cwd / "outputs" / "runs").iterdir() if fragment in p.name)
 
 
-def test_cnn_teacher_then_distilled_student_reports_three_heads(tmp_path, data_cache):
+def test_table_3_ladder_from_one_command_trains_the_paper_models(tmp_path, data_cache):
     run_train(["model=cnn_demo"] + DATA, tmp_path, data_cache)
     teacher_run = _run_dir(tmp_path, "model=cnn_demo")
     assert (teacher_run / "checkpoint-best.pt").exists()
-    sweep = ["-m", "distill=none,soft,hard,hard_token", "stage=pretrain,finetune", "train.max_steps=3",
+    # The README's Table 3 command: no model= named; the token kinds train the distilled twin by themselves.
+    sweep = ["-m", "distill=none,soft,hard,hard_token,soft_token", "stage=pretrain,finetune", "train.max_steps=3",
              f"distill.teacher.checkpoint='{teacher_run}'"]
-    proc = run_train(sweep + STUDENT + DATA, tmp_path, data_cache)
+    proc = run_train(sweep + STUDENT[1:] + DATA, tmp_path, data_cache)
     results = {}
     for path in (tmp_path / "outputs" / "runs").glob("*/result.json"):
         overrides = (path.parent / ".hydra" / "overrides.yaml").read_text()
@@ -75,12 +77,16 @@ def test_cnn_teacher_then_distilled_student_reports_three_heads(tmp_path, data_c
             kind = overrides.split("distill=")[1].split()[0]
             stage = "finetune" if "stage=finetune" in overrides else "pretrain"
             results[(kind, stage)] = json.loads(path.read_text())
-    assert set(results) == {(k, s) for k in ("none", "soft", "hard", "hard_token") for s in ("pretrain", "finetune")}
-    for result in results.values():
+    kinds = ("none", "soft", "hard", "hard_token", "soft_token")
+    assert set(results) == {(k, s) for k in kinds for s in ("pretrain", "finetune")}
+    for (kind, _), result in results.items():
         assert result["status"] == "finished"
-        assert {"top1_cls", "top1_dist", "top1_fused", "top1_fused_alt"} <= set(result)
-        assert result["top1"] == result["top1_fused"]  # headline: the paper's fusion rule by default
-    assert proc.stdout.count("heads     class") == 8
+        token = kind.endswith("_token")
+        assert result["model_name"] == ("deit_tiny_distilled_patch16_224" if token else "deit_tiny_patch16_224")
+        assert ({"top1_cls", "top1_dist", "top1_fused", "top1_fused_alt"} <= set(result)) == token
+        if token:
+            assert result["top1"] == result["top1_fused"]  # headline: the paper's fusion rule by default
+    assert proc.stdout.count("heads     class") == 4
 
 
 def test_distillation_without_a_teacher_checkpoint_fails_before_training(tmp_path, data_cache):
@@ -103,6 +109,14 @@ def test_teacher_with_another_class_count_is_named(tmp_path, data_cache):
 
 
 def test_token_kind_without_a_distillation_token_is_a_clear_error(teacher_checkpoint, tmp_path, data_cache):
-    proc = run_train(TINY + ["distill=hard_token", f"distill.teacher.checkpoint={teacher_checkpoint}"], tmp_path,
-                     data_cache, check=False)
-    assert proc.returncode == 2 and "distillation token" in proc.stderr and "distilled" in proc.stderr
+    proc = run_train(TINY + ["distill=hard_token", "model.distilled_name=null",
+                             f"distill.teacher.checkpoint={teacher_checkpoint}"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "distillation token" in proc.stderr and "distilled_name" in proc.stderr
+
+
+def test_distilled_model_with_a_class_token_kind_is_refused_before_anything_runs(teacher_checkpoint, tmp_path,
+                                                                                data_cache):
+    proc = run_train(TINY + ["model=vit_demo_distilled", "distill=hard",
+                             f"distill.teacher.checkpoint={teacher_checkpoint}"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "average of its two heads" in proc.stderr and "model=vit_demo" in proc.stderr
+    assert not list(tmp_path.glob("outputs/runs/*"))

@@ -51,7 +51,7 @@ def test_dropout_row_sets_every_dropout_of_deit():
     cfg = compose_config(["ablation=dropout"])
     model = _tiny_vit(cfg)
     assert model.pos_drop.p == 0.1 and model.blocks[0].mlp.drop1.p == 0.1 and model.blocks[0].attn.proj_drop.p == 0.1
-    assert model.head_drop.p == 0.1
+    assert model.head_drop.p == 0.0  # timm 0.3.2's ViT, which DeiT trained with, had no dropout before the head
 
 
 @pytest.mark.parametrize("model_option", ["vit_demo", "vit_demo_distilled"])
@@ -93,9 +93,10 @@ def test_schedule_warms_up_linearly_then_cosine_to_min_lr():
         scheduler.step_update(step)
     assert lrs[0] == pytest.approx(1e-6)
     assert lrs[5] == pytest.approx(1e-6 + 5 * (1e-3 - 1e-6) / 10)
-    assert lrs[10] == pytest.approx(1e-3)
-    mid = 10 + 45
-    assert lrs[mid] == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * 45 / 90)), rel=1e-6)
+    # timm 0.3.2 as DeiT built it (no warm-up prefix): one cosine over the whole run, its start replaced by warm-up.
+    for step in (10, 55, 99):
+        cosine = 1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * step / 100))
+        assert lrs[step] == pytest.approx(cosine, rel=1e-6)
     assert min(lrs[10:]) >= 1e-5 - 1e-12
 
 

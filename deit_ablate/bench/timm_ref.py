@@ -46,7 +46,7 @@ def timm_args(cfg: DictConfig, data_dir: Path, out_dir: Path, workers: int, devi
         "--mixup-switch-prob", str(mix.switch_prob), "--mixup-mode", mix.mode, "--smoothing", str(mix.label_smoothing),
         "--opt", opt.name, "--weight-decay", str(opt.weight_decay), "--opt-eps", str(opt.eps),
         "--lr", str(scaled_lr(opt.lr, train.global_batch, opt.lr_base_batch)), "--sched", opt.sched,
-        "--sched-on-updates", "--warmup-epochs", str(round(opt.warmup_epochs)), "--warmup-prefix",
+        "--sched-on-updates", "--warmup-epochs", str(round(opt.warmup_epochs)),
         "--warmup-lr", str(opt.warmup_lr), "--min-lr", str(opt.min_lr), "--epochs", str(train.epochs),
         "--seed", str(cfg.seed), "--log-interval", "1", "--output", str(out_dir),
     ]
