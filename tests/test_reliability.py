@@ -103,7 +103,7 @@ def _result(cwd: Path) -> dict:
 def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(tmp_path, data_cache):
     proc = run_train(TINY + ["train.epochs=2", "optimizer.min_lr=0.5"], tmp_path, data_cache)  # min lr > peak: warns
     log = (_run_dir(tmp_path) / "train.log").read_text()
-    assert "pretrain at 32px, world size 1, global batch 32" in log
+    assert "pretrain at 32px" in log and "global batch 32 = 1 x 32 per rank" in log  # the start line
     assert "[epoch 0] train loss" in log and "[epoch 1] train loss" in log
     assert "status    finished after 16 steps" in log and "top-1" in log
     assert "WARNING py.warnings" in log and "is above the peak lr" in log  # warnings reach the run's own log

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -60,14 +61,23 @@ def _has_image(folder: Path) -> bool:
         return any(entry.name.lower().endswith(IMG_EXTENSIONS) and entry.is_file() for entry in entries)
 
 
-def check_class_folders(split_dir: Path) -> None:
-    """An ImageFolder split: at least one class folder, and an image in every one (what ImageFolder demands)."""
+@functools.lru_cache(maxsize=64)
+def _split_problem(split_dir: Path) -> str | None:
+    """What makes `split_dir` no ImageFolder split, or None; remembered, as a sweep checks one root per run."""
     classes = sorted(entry.path for entry in os.scandir(split_dir) if entry.is_dir())
     empty = [Path(c).name for c in classes if not _has_image(Path(c))]
-    if not classes or empty:
-        found = (f"its class folder(s) {', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''} hold no image"
-                 if classes else "it holds no class folder")
-        raise ConfigError(f"data.root={split_dir.parent}: {split_dir} is not an ImageFolder split: {found}. "
+    if not classes:
+        return "it holds no class folder"
+    if empty:
+        return f"its class folder(s) {', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''} hold no image"
+    return None
+
+
+def check_class_folders(split_dir: Path) -> None:
+    """An ImageFolder split: at least one class folder, and an image in every one (what ImageFolder demands)."""
+    problem = _split_problem(split_dir)
+    if problem:
+        raise ConfigError(f"data.root={split_dir.parent}: {split_dir} is not an ImageFolder split: {problem}. "
                           "An ImageFolder dataset needs <root>/train/<class>/* and <root>/val/<class>/* with images "
                           f"({', '.join(IMG_EXTENSIONS[:4])}, ...) in every class folder; remove empty class folders "
                           "or point data.root at the right folder.")
