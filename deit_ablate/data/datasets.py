@@ -18,7 +18,8 @@ from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.errors import ConfigError
 
-# A truncated JPEG is decoded as far as it goes instead of killing an epoch; the count is in the logs.
+# A truncated JPEG is decoded as far as it goes instead of killing an epoch (PIL does not say so: not counted).
+# A file that cannot be decoded at all is replaced and counted (data/bad_images.py).
 ImageFile.LOAD_TRUNCATED_IMAGES = True
 
 
