@@ -43,6 +43,7 @@ class DataConfig:
     num_workers: int | None = None  # None: the cores available to this process
     worker_nice: int = 19  # added to the workers' niceness: they yield the CPU to the training step (0-19)
     fast_jpeg: bool = False  # faster decode and crop of training JPEGs (changes pixels; data/fast_jpeg.py)
+    on_bad_image: str = "skip"  # an unreadable image: skip (the next readable one in its place, logged) or fail
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     builtin: BuiltinDataConfig = field(default_factory=BuiltinDataConfig)
@@ -166,6 +167,7 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)
     checkpoint_every_minutes: float = 10.0  # ... and every M minutes (0: off), so preemption loses little
     eval_max_batches: int | None = None
+    wait_for_lock: bool = False  # another launch trains this run: wait for it to end instead of exiting
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +59,7 @@ def pretrain_status(cfg: DictConfig) -> str:
             "sweep both stages in one command (stage=pretrain,finetune, pre-training listed first), or set "
             "finetune.init_checkpoint=/path/to/checkpoint.pt."
         )
-    return json.loads(result.read_text())["status"]
+    return ckpt.read_result(result)["status"]
 
 
 def pretrain_checkpoint(cfg: DictConfig) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
@@ -206,13 +207,45 @@ def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | No
     return info, warnings
 
 
-def find_run_files(path: str | Path) -> list[Path]:
-    """The `run-*.wandb` files under a wandb folder, its parent, one run folder, or a single file."""
+MAX_LOG_BYTES = 4 * 1024**3  # a run log above this is skipped (a 300-epoch DeiT run writes a few MB)
+
+
+def _skip_reason(path: Path, root: Path | None) -> str | None:
+    """Why a found path is not read: not a regular file, a symlink out of the folder, too large; None to read."""
+    try:
+        target = path.resolve(strict=True)
+        size, mode = target.stat().st_size, target.stat().st_mode
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop
+        return f"cannot be resolved ({error})"
+    if root is not None and not target.is_relative_to(root):
+        return f"a symlink to {target}, outside {root}"
+    if not stat.S_ISREG(mode):
+        return "not a regular file"
+    if size > MAX_LOG_BYTES:
+        return f"{size} bytes, above the {MAX_LOG_BYTES}-byte cap for a run log"
+    return None
+
+
+def _readable(files: Iterable[Path], root: Path | None, warn: Warn) -> list[Path]:
+    """The files that are safe to open; every other one reported through `warn`."""
+    kept = []
+    for file in files:
+        reason = _skip_reason(file, root)
+        if reason is None:
+            kept.append(file)
+        else:
+            warn(f"{file}: skipped, {reason}")
+    return kept
+
+
+def find_run_files(path: str | Path, warn: Warn = stderr_warn) -> list[Path]:
+    """The `run-*.wandb` files under a wandb folder, its parent, one run folder, or a single file: regular files
+    only, no symlink followed out of the folder, none above MAX_LOG_BYTES (each skipped one reported)."""
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"no such file or folder: {root}")
-    if root.is_file():
-        return [root]
+    if not root.is_dir():
+        return _readable([root], None, warn)
     found = list(root.glob("run-*.wandb"))
     if not found:
         found = list(root.glob("*/run-*.wandb"))
@@ -225,7 +258,7 @@ def find_run_files(path: str | Path) -> list[Path]:
         if any(part == "latest-run" for part in file.parts):
             continue
         unique.setdefault(file.resolve(), file)
-    return sorted(unique.values())
+    return _readable(sorted(unique.values()), root.resolve(), warn)
 
 
 def _read_many(files: list[Path], jobs: int, history: bool = False) -> list[tuple[RunInfo | None, list[str]]]:
@@ -251,7 +284,7 @@ def read_offline(
 ) -> list[RunInfo]:
     """Read every run log found under `path` (with `history`: the per-epoch rows too); damaged logs are read
     in part and reported through `warn`."""
-    files = find_run_files(path)
+    files = find_run_files(path, warn)
     if jobs is None:
         jobs = min(4, os.cpu_count() or 1)
     runs: list[RunInfo] = []
