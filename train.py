@@ -6,7 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 from deit_ablate.config import register_configs
-from deit_ablate.errors import ConfigError
+from deit_ablate.errors import ConfigError, RunError
 from deit_ablate.identity import register_resolvers
 
 register_configs()
@@ -30,10 +30,10 @@ def main(cfg: DictConfig) -> None:
 
     try:
         run(cfg)
-    except ConfigError as error:
+    except (ConfigError, RunError) as error:
         discard_empty_run_dir()
         print(f"\nerror: {error}\n", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if isinstance(error, ConfigError) else 1)
 
 
 if __name__ == "__main__":

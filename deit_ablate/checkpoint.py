@@ -1,21 +1,72 @@
-"""Checkpoints: written atomically (temp file + rename), read with weights_only=True, resumable mid-epoch."""
+"""Checkpoints: written atomically (temp file + rename) with the previous copy kept, read with weights_only=True,
+resumable mid-epoch; an unreadable one is reported by name (and a resume falls back to the copy before it)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
+import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from deit_ablate.errors import ConfigError
+from deit_ablate.errors import ConfigError, RunError
+from deit_ablate.rundir import LAST, PREV
+
+# What a killed writer leaves: save_atomic's temp files and run.py's result temp file.
+STALE_PATTERNS = (".checkpoint-*.tmp", ".result.json.tmp")
 
 
-def save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write `state` so that `path` is either the old file or the complete new one, never half of one."""
+class CheckpointUnreadable(ConfigError):
+    """A checkpoint file that cannot be read (truncated, damaged, not a checkpoint, or unsafe to unpickle)."""
+
+    def __init__(self, path: Path, reason: str, source: str = "checkpoint") -> None:
+        self.path, self.reason = path, reason
+        named = source if str(path) in source else f"{source} {path}"
+        super().__init__(f"{named} cannot be read: {reason}. It is truncated or damaged, not a PyTorch or "
+                         "safetensors checkpoint, or holds objects other than tensors and plain values (which are "
+                         "never unpickled here). Re-save or copy it again from a good source.")
+
+
+def _human_bytes(count: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def no_space_error(path: Path, written: int | None = None) -> RunError:
+    """The message for a full disk: the file, the free space there, what is intact and what to do."""
+    usage = shutil.disk_usage(path.parent)
+    needed = f" (the write stopped at {_human_bytes(written)})" if written else ""
+    intact = (f"The previous {path.name} is intact, so nothing before it is lost. " if path.exists() else "")
+    return RunError(f"no space left on the device while writing {path}{needed}: {_human_bytes(usage.free)} free of "
+                    f"{_human_bytes(usage.total)} there now. {intact}Free some space (or point output_root elsewhere) "
+                    "and launch the same command again: the run resumes from its last checkpoint.")
+
+
+def is_no_space(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from, is ENOSPC (torch.save wraps the OSError of its write)."""
+    for _ in range(4):
+        if error is None:
+            return False
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def save_atomic(state: dict[str, Any], path: str | os.PathLike, keep_previous: str | os.PathLike | None = None) -> None:
+    """Write `state` so that `path` is either the old file or the complete new one, never half of one; with
+    `keep_previous`, the old file is renamed there first (one older good copy). A full disk is a RunError."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -24,27 +75,52 @@ def save_atomic(state: dict[str, Any], path: str | os.PathLike) -> None:
             torch.save(state, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if keep_previous is not None and path.exists():
+            os.replace(path, keep_previous)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
+        written = Path(tmp).stat().st_size if Path(tmp).exists() else None
         Path(tmp).unlink(missing_ok=True)
+        if is_no_space(error):
+            raise no_space_error(path, written) from None
         raise
 
 
-def load(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint on the CPU without unpickling arbitrary objects."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+def _unreadable_reason(error: BaseException) -> str:
+    """A short reason from torch's error, without its advice to turn safe loading off."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if not line or "weights_only" in line:
+        line = "no readable data"
+    return f"{type(error).__name__}: {line[:200]}"
+
+
+def load(path: str | os.PathLike, source: str = "checkpoint") -> dict[str, Any]:
+    """Read a checkpoint on the CPU without unpickling arbitrary objects; CheckpointUnreadable if it cannot be."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
+            AttributeError, ImportError, OSError) as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise CheckpointUnreadable(Path(path), _unreadable_reason(error), source) from None
 
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-def _read_file(path: Path) -> Mapping[str, Any]:
+def _read_file(path: Path, source: str = "checkpoint") -> Mapping[str, Any]:
     """Load a checkpoint file to CPU: safetensors, or a torch pickle with weights_only=True."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path), device="cpu")
-    return load(path)
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as error:  # safetensors raises its own SafetensorError for a damaged header
+            raise CheckpointUnreadable(path, _unreadable_reason(error), source) from None
+    return load(path, source)
 
 
 def extract_state_dict(obj: Mapping[str, Any], source: str = "checkpoint") -> dict[str, torch.Tensor]:
@@ -73,12 +149,13 @@ def extract_state_dict(obj: Mapping[str, Any], source: str = "checkpoint") -> di
 
 def read_weights(path: str | os.PathLike, source: str = "checkpoint") -> dict[str, torch.Tensor]:
     """The model weights in a checkpoint file of any usual layout (safetensors too), DDP prefixes stripped."""
-    return extract_state_dict(_read_file(Path(path)), source=source)
+    return extract_state_dict(_read_file(Path(path), source), source=source)
 
 
-def training_state(trainer, epoch: int, best_top1: float, batches_done: int = 0) -> dict[str, Any]:
-    """What a resume needs: weights, optimizer, schedule, EMA and where the run stands (epoch, batch)."""
-    return {**trainer.state_dict(), "epoch": epoch, "best_top1": best_top1, "batches_done": batches_done}
+def training_state(trainer, epoch: int, best_top1: float, batches_done: int = 0, **extra: Any) -> dict[str, Any]:
+    """What a resume needs: the trainer's state and where the run stands (epoch, batch), plus `extra` (the
+    run's train_seconds so far, training_complete, bad_images)."""
+    return {**trainer.state_dict(), "epoch": epoch, "best_top1": best_top1, "batches_done": batches_done, **extra}
 
 
 def restore(trainer, state: dict[str, Any]) -> tuple[int, float, int]:
@@ -87,12 +164,71 @@ def restore(trainer, state: dict[str, Any]) -> tuple[int, float, int]:
     return int(state["epoch"]), float(state["best_top1"]), int(state.get("batches_done", 0))
 
 
+RESUME_KEYS = ("model", "optimizer", "scheduler", "epoch", "step")
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a relaunch continues from, and the newer ones it could not read."""
+
+    path: Path
+    state: dict[str, Any]
+    unreadable: list[CheckpointUnreadable] = field(default_factory=list)
+
+
+def _load_training_state(path: Path) -> dict[str, Any]:
+    """A training state written by training_state(), or CheckpointUnreadable."""
+    state = load(path)
+    if not isinstance(state, dict) or any(key not in state for key in RESUME_KEYS):
+        keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointUnreadable(path, f"not a training state (holds {keys})")
+    return state
+
+
+def find_resume_point(run_dir: Path) -> ResumePoint | None:
+    """The newest readable checkpoint of a run folder (last, then the copy before it); None for a fresh run.
+    A ConfigError naming the files and what to delete when there are checkpoints but none can be read."""
+    unreadable = []
+    for path in (run_dir / LAST, run_dir / PREV):
+        if not path.exists():
+            continue
+        try:
+            return ResumePoint(path, _load_training_state(path), unreadable)
+        except CheckpointUnreadable as error:
+            unreadable.append(error)
+    if not unreadable:
+        return None
+    reasons = "; ".join(f"{error.path.name}: {error.reason}" for error in unreadable)
+    paths = " ".join(f"'{error.path}'" for error in unreadable)
+    raise ConfigError(f"the run in {run_dir} cannot resume: no checkpoint there can be read ({reasons}). To train "
+                      f"the run again from the start, delete them (rm {paths}) and launch the same command again.")
+
+
+def set_aside(path: Path) -> Path:
+    """Rename an unreadable checkpoint to `<name>.unreadable`, so that it is never kept as the older good copy."""
+    aside = path.with_name(path.name + ".unreadable")
+    os.replace(path, aside)
+    return aside
+
+
+def remove_stale_temp_files(run_dir: Path) -> list[Path]:
+    """Delete the temp files a killed writer left in a run folder (only while holding the run's lock)."""
+    removed = []
+    for pattern in STALE_PATTERNS:
+        for path in run_dir.glob(pattern):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 class MidEpochSaver:
     """Called after every step: rank 0 saves a resumable checkpoint every N steps or M minutes, so a
     preempted or timed-out job loses at most that much work and ends with the same step count."""
 
-    def __init__(self, trainer, path: Path, every_steps: int, every_minutes: float, enabled: bool) -> None:
+    def __init__(self, trainer, path: Path, every_steps: int, every_minutes: float, enabled: bool,
+                 keep_previous: Path | None = None, extra: Callable[[], dict[str, Any]] = dict) -> None:
         self.trainer, self.path, self.enabled = trainer, path, enabled
+        self.keep_previous, self.extra = keep_previous, extra
         self.every_steps, self.every_seconds = every_steps, 60 * every_minutes
         self.last_save = time.monotonic()
         self.epoch, self.best_top1, self.skipped = 0, 0.0, 0
@@ -107,5 +243,6 @@ class MidEpochSaver:
         by_time = self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds
         if by_steps or by_time:
             done = self.skipped + batches_in_loader
-            save_atomic(training_state(self.trainer, self.epoch, self.best_top1, done), self.path)
+            state = training_state(self.trainer, self.epoch, self.best_top1, done, **self.extra())
+            save_atomic(state, self.path, self.keep_previous)
             self.last_save = time.monotonic()

@@ -26,6 +26,7 @@ DistillKind = Choice("DistillKind", {name: name for name in ("none", "soft", "ha
 KLNormalization = Choice("KLNormalization", {name: name for name in ("elements", "batch")})
 FusionRule = Choice("FusionRule", {name: name for name in ("prob", "logit")})
 Precision = Choice("Precision", {name: name for name in ("auto", "bf16", "fp32")})
+BadImagePolicy = Choice("BadImagePolicy", {name: name for name in ("skip", "fail")})
 TrackingMode = Choice("TrackingMode", {name: name for name in ("offline", "online", "disabled")})
 
 
@@ -208,6 +209,9 @@ class RuntimeConfig:
     output_root: str = "outputs"  # run folders under <output_root>/runs, wandb logs under <output_root>/wandb
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     dry_run: bool = False  # print each run's identity and what a launch would do, then stop
+    wait_for_lock: bool = False  # another launch trains this run: wait for it to end instead of exiting
+    # an unreadable image: skip (the next readable one in its place, named in train.log and counted) or fail
+    on_bad_image: BadImagePolicy = BadImagePolicy.skip
 
 
 @dataclass

@@ -83,6 +83,15 @@ def broadcast_object(value, info: DistInfo):
     return holder[0]
 
 
+def gather_objects(value, info: DistInfo) -> list:
+    """Every rank's value, in rank order, on every rank."""
+    if not info.enabled:
+        return [value]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
 def cleanup(info: DistInfo) -> None:
     """Leave the process group."""
     if info.enabled and dist.is_initialized():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,18 +17,21 @@ from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
 from deit_ablate import checkpoint as ckpt
+from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, decode_problem
 from deit_ablate.data.datasets import build_dataset, data_fingerprint, dataset_root, describe_data
 from deit_ablate.data.loader import ShardSampler, SkipFirst, build_loader, build_train_sampler, set_sampler_epoch
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
-from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, init_distributed
+from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, gather_objects, init_distributed
 from deit_ablate.engine import Diverged, Trainer, evaluate
-from deit_ablate.errors import ConfigError
+from deit_ablate.errors import ConfigError, RunError
 from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra
+from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.losses import TOKEN_KINDS, DistillationLoss
 from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, compile_in_place, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
 from deit_ablate.rundir import RunDir
+from deit_ablate.runlock import LOCK_NAME, RunLock
 from deit_ablate.stages import StageRecipe, load_pretrained, pretrain_run_dir, pretrain_status, stage_recipe
 from deit_ablate.teacher import build_teacher, teacher_forward
 from deit_ablate.tracking import Tracker
@@ -37,6 +43,19 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write a small JSON file via a temp file and a rename (a full disk is a RunError)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(payload, indent=2))
+        tmp.replace(path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        if ckpt.is_no_space(error):
+            raise ckpt.no_space_error(path) from None
+        raise
 
 
 def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
@@ -88,7 +107,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     if recipe.init_checkpoint is not None:
         load_pretrained(model, recipe.init_checkpoint)
         if info.is_main:
-            print(f"[run] fine-tuning from {recipe.init_checkpoint}")
+            log.info(f"[run] fine-tuning from {recipe.init_checkpoint}")
     if info.enabled:
         ddp_device = [info.device.index] if info.device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ddp_device)
@@ -139,8 +158,45 @@ def discard_empty_run_dir() -> None:
     RunDir(current_run_dir()).discard_if_empty()
 
 
+def agree(info: DistInfo, decide: Callable[[], Any]) -> Any:
+    """Rank 0 decides; every rank gets its answer, or raises the same ConfigError/RunError it raised."""
+    outcome: tuple = ("ok", None)
+    if info.is_main:
+        try:
+            outcome = ("ok", decide())
+        except (ConfigError, RunError) as error:
+            outcome = ("error", type(error), str(error))
+    outcome = broadcast_object(outcome, info)
+    if outcome[0] == "error":
+        raise outcome[1](outcome[2])
+    return outcome[1]
+
+
+def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 5.0) -> RunLock | None:
+    """The main rank takes the run folder's lock (the others follow its outcome): a RunError naming the holder
+    when another launch trains this run, or a wait for it to end with `wait`."""
+    lock = RunLock(run_dir) if info.is_main else None
+    announced = False
+    while True:
+        holder = lock.try_acquire() if lock is not None else None
+        holder = broadcast_object(holder, info)
+        if holder is None:
+            return lock
+        if not wait:
+            raise RunError(f"the run folder {run_dir} is in use by another launch of the same run: {holder} "
+                           f"({run_dir / LOCK_NAME}). Wait for it to end or stop it, or add "
+                           f"runtime.wait_for_lock=true to wait for it. If that launch is gone (a crashed node), "
+                           f"delete {run_dir / LOCK_NAME}.")
+        if info.is_main and not announced:
+            log.info(f"[run] waiting for the run folder {run_dir}, in use by {holder}")
+            announced = True
+        if lock is not None:
+            time.sleep(poll_s)
+
+
 def run(cfg: DictConfig) -> dict[str, Any] | None:
-    """Train one run to the end (or to divergence) and return its summary; rank 0 writes everything."""
+    """Train one run to the end (or to divergence) and return its summary; rank 0 writes everything, holding
+    the run folder's lock, and every rank logs to its own file there."""
     validate_config(cfg)
     identity = identity_from_hydra(cfg)
     run_dir = RunDir(current_run_dir())
@@ -149,20 +205,34 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         print(f"[dry run] {identity.name} (wandb id {identity.run_id}): {launch_plan(cfg, run_dir)}", flush=True)
         run_dir.discard_if_empty()
         return None
-    result = run_dir.read_result()
-    if result is not None:
-        print(f"[run] {identity.name}: already {result['status']} (top-1 {result.get('top1', float('nan')):.2f}); "
-              f"skipping. Delete {run_dir.result} to run it again.")
-        return result
-    if cfg.stage == "finetune":
-        upstream = pretrain_status(cfg)
-        if upstream != "finished":
-            return record_without_training(cfg, identity, run_dir, upstream, data)
     info = init_distributed(cfg.runtime.device)
+    lock, handler = None, None
     try:
-        return _train(cfg, info, identity, run_dir, data)
+        lock = acquire_run_lock(run_dir.path, info, cfg.runtime.wait_for_lock)
+        handler = attach_run_log(run_dir.path, info.rank)
+        for taken in lock.taken_over if lock is not None else ():
+            log.warning(f"[run] took over the lock of {taken}")
+        return _run_locked(cfg, info, identity, run_dir, data)
+    except (ConfigError, RunError) as error:
+        if handler is not None:
+            file_only.error(f"error: {error}")
+        raise
     finally:
+        if handler is not None:
+            detach_run_log(handler)
+        if lock is not None:
+            lock.release()
         cleanup(info)
+
+
+def previous_result(run_dir: RunDir, is_main: bool) -> dict[str, Any] | None:
+    """The run's result.json when it holds one; a damaged one is reported and the run counts as unfinished."""
+    try:
+        return run_dir.read_result()
+    except ConfigError as error:
+        if is_main:
+            log.warning(f"[run] {error} Treated as unfinished: the run resumes and writes it again.")
+        return None
 
 
 def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
@@ -181,36 +251,21 @@ def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
 
 def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
     """What launching this run would do now: skip, train, resume, or wait for its pre-training."""
-    result = run_dir.read_result()
+    result = previous_result(run_dir, is_main=False)
     if result is not None:
         return f"skip (already {result['status']})"
-    if cfg.stage == "finetune" and not cfg.finetune.init_checkpoint:
+    from_checkpoint = cfg.stage == "finetune" and not cfg.finetune.init_checkpoint
+    if from_checkpoint:
         upstream = pretrain_run_dir(cfg)
-        upstream_result = upstream.read_result()
+        upstream_result = previous_result(upstream, is_main=False)
         if upstream_result is None:
             return f"wait for its pre-training {upstream.name}"
         if upstream_result["status"] != "finished":
             return f"record as {upstream_result['status']} without training (its pre-training {upstream.name})"
-    if run_dir.last_checkpoint.exists():
-        step = torch.load(run_dir.last_checkpoint, map_location="cpu", weights_only=True, mmap=True)["step"]
-        return f"resume from step {step}"
-    return "train from step 0" + (f", starting from {pretrain_run_dir(cfg).name}" if cfg.stage == "finetune"
-                                  and not cfg.finetune.init_checkpoint else "")
-
-
-def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: RunDir, upstream: str,
-                            data: dict[str, Any]) -> dict[str, Any]:
-    """A fine-tune stage whose pre-training diverged: nothing to fine-tune, logged with the same status."""
-    final = {"status": upstream, "steps_done": 0, "epochs_done": 0, "train_seconds": 0.0,
-             "note": f"pre-training ended as {upstream}; not fine-tuned"}
-    tracker = Tracker(cfg, identity, data, enabled=True)
-    tracker.summary(final)
-    tracker.finish()
-    record_identity(run_dir, identity, data)
-    run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
-                          "experiment_digest": identity.digest, "data_fingerprint": data})
-    print(f"[run] {identity.name}: {final['note']}.")
-    return final
+    point = ckpt.find_resume_point(run_dir.path)
+    if point is not None:
+        return f"resume from step {point.state['step']} ({point.path.name})"
+    return "train from step 0" + (f", starting from {pretrain_run_dir(cfg).name}" if from_checkpoint else "")
 
 
 def record_identity(run_dir: RunDir, identity: RunIdentity, data: dict[str, Any]) -> None:
@@ -220,43 +275,170 @@ def record_identity(run_dir: RunDir, identity: RunIdentity, data: dict[str, Any]
                                 "data": data})
 
 
+def _run_locked(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir,
+                data: dict[str, Any]) -> dict[str, Any] | None:
+    """What run() does while holding the run folder: skip a finished run, or train (resuming) to the end."""
+    if info.is_main:
+        for path in ckpt.remove_stale_temp_files(run_dir.path):
+            log.info(f"[run] removed {path.name}, left by a launch stopped while writing it")
+    result = previous_result(run_dir, info.is_main)
+    if result is not None:
+        if info.is_main:
+            top1 = result.get("top1", float("nan"))
+            log.info(f"[run] {identity.name}: already {result['status']} (top-1 {top1:.2f}); skipping."
+                     f" Delete {run_dir.result} to run it again.")
+        return result
+    if cfg.stage == "finetune":
+        upstream = pretrain_status(cfg)
+        if upstream != "finished":
+            return record_without_training(cfg, identity, run_dir, upstream, data, info.is_main)
+    return _train(cfg, info, identity, run_dir, data)
+
+
+def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: RunDir, upstream: str,
+                            data: dict[str, Any], is_main: bool = True) -> dict[str, Any]:
+    """A fine-tune stage whose pre-training diverged: nothing to fine-tune, logged with the same status."""
+    final = {"status": upstream, "steps_done": 0, "epochs_done": 0, "train_seconds": 0.0,
+             "note": f"pre-training ended as {upstream}; not fine-tuned"}
+    if not is_main:
+        return final
+    tracker = Tracker(cfg, identity, data, enabled=True, run_dir=run_dir.path)
+    tracker.summary(final)
+    tracker.finish()
+    record_identity(run_dir, identity, data)
+    write_json_atomic(run_dir.result, {"run_id": identity.run_id, "name": identity.name, **final,
+                                       "experiment_digest": identity.digest, "data_fingerprint": data})
+    log.info(f"[run] {identity.name}: {final['note']}.")
+    return final
+
+
+def resume_point(run_dir: RunDir, info: DistInfo) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint this launch resumes from (None for a fresh run): rank 0 picks the newest readable one,
+    setting aside and reporting any it cannot read; every rank then loads that one."""
+    found: list[ckpt.ResumePoint | None] = [None]
+
+    def decide() -> str | None:
+        found[0] = point = ckpt.find_resume_point(run_dir.path)
+        if point is None:
+            return None
+        for error in point.unreadable:
+            aside = ckpt.set_aside(error.path)
+            log.warning(f"[run] {error.path.name} cannot be read ({error.reason}); set aside as {aside.name} "
+                        f"(delete it when you no longer need it). Falling back to {point.path.name}, the copy "
+                        "before it.")
+        return str(point.path)
+
+    path = agree(info, decide)
+    if path is None:
+        return None
+    return Path(path), found[0].state if info.is_main else ckpt.load(path)
+
+
+class RunClock:
+    """Training seconds of the whole run: those of earlier launches (from the checkpoint) plus this one's."""
+
+    def __init__(self, before: float = 0.0) -> None:
+        self.before, self.started = before, time.perf_counter()
+
+    def __call__(self) -> float:
+        return self.before + time.perf_counter() - self.started
+
+
+def image_folders(pieces: Pieces) -> list[SkippingImageFolder]:
+    """The run's datasets that watch for unreadable images."""
+    sets = (pieces.train_loader.dataset, pieces.val_loader.dataset)
+    return [d for d in sets if isinstance(d, SkippingImageFolder)]
+
+
+def collect_bad_images(pieces: Pieces, info: DistInfo, known: set[str]) -> set[str]:
+    """Name in the log each unreadable image found since the last call (any rank's); returns all known ones."""
+    local = [path for dataset in image_folders(pieces) for path in dataset.newly_bad()]
+    everyone = set().union(*gather_objects(local, info))
+    for path in sorted(everyone - known) if info.is_main else local:  # rank 0's log names every rank's
+        log.warning(f"[data] unreadable image {path}: the next readable image takes its place "
+                    "(runtime.on_bad_image=fail stops instead)")
+    return known | everyone
+
+
+def bad_image_error(pieces: Pieces) -> ConfigError:
+    """The clear stop of runtime.on_bad_image=fail, naming the file."""
+    paths = [path for dataset in image_folders(pieces) for path in dataset.bad_paths()]
+    if not paths:
+        return ConfigError("a loader worker found an unreadable image (runtime.on_bad_image=fail). Set "
+                           "runtime.on_bad_image=skip to train on with the next readable image in its place.")
+    return ConfigError(f"{paths[0]} cannot be read as an image ({decode_problem(paths[0])}); runtime.on_bad_image=fail "
+                       "stops the run. Replace or delete the file, or set runtime.on_bad_image=skip to train on with "
+                       "the next readable image in its place.")
+
+
 def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir,
            data: dict[str, Any]) -> dict[str, Any]:
     seed_everything(cfg.seed)
     set_cpu_threads(cfg.runtime.cpu_threads, info.device)
     plan = plan_batch(cfg, info.world_size)
     pieces = build_pieces(cfg, info, plan)  # every input error is raised by now, before anything is logged
-    tracker = Tracker(cfg, identity, data, enabled=info.is_main)
+    trainer = pieces.trainer
+    start_epoch, best_top1, skip_batches, state = 0, 0.0, 0, {}
+    resumed = resume_point(run_dir, info)
+    if resumed is not None:
+        resumed_from, state = resumed
+        start_epoch, best_top1, skip_batches = ckpt.restore(trainer, state)
+        for dataset in image_folders(pieces):
+            dataset.mark_bad(state.get("bad_images", ()))
+        if info.is_main:
+            log.info(f"[run] resuming {identity.name} from {resumed_from}: epoch {start_epoch} (batch {skip_batches}), "
+                     f"step {trainer.step}")
+    tracker = Tracker(cfg, identity, data, enabled=info.is_main, run_dir=run_dir.path)
     if info.is_main:
         record_identity(run_dir, identity, data)
-    trainer = pieces.trainer
     trainer.on_log = tracker.log
-    start_epoch, best_top1, skip_batches = 0, 0.0, 0
-    last_path = run_dir.last_checkpoint
-    if last_path.exists():
-        start_epoch, best_top1, skip_batches = ckpt.restore(trainer, ckpt.load(last_path))
-        if info.is_main:
-            print(f"[run] resuming {identity.name} from {last_path}: epoch {start_epoch} (batch {skip_batches}), "
-                  f"step {trainer.step}")
+    try:
+        final = _train_and_evaluate(cfg, info, identity, run_dir, pieces, tracker,
+                                    (start_epoch, best_top1, skip_batches, state))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            tracker.finish(exit_code=1)
+        raise
+    tracker.summary(final)
+    tracker.finish(exit_code=0)
     if info.is_main:
-        print(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px of {student_model_name(cfg)}"
-              f"{'' if pieces.recipe.train_mode else ' (in eval mode)'}, world size {info.world_size}, "
-              f"global batch {pieces.recipe.global_batch} = "
-              f"{info.world_size} x {plan.per_rank_batch} per rank ({plan.accum_steps} accumulation step(s) of "
-              f"{plan.micro_batch}), {pieces.steps_per_epoch} steps/epoch, {pieces.recipe.epochs} epochs, "
-              f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}"
-              + (f", {torch.get_num_threads()} torch thread(s)" if info.device.type == "cpu" else ""))
+        write_json_atomic(run_dir.result, {"run_id": identity.run_id, "name": identity.name, **final,
+                                           "experiment_digest": identity.digest, "data_fingerprint": data})
+        print_summary(identity, final, run_dir.path)
+    return broadcast_object(final, info)
+
+
+def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir, pieces: Pieces,
+                        tracker: Tracker, start: tuple[int, float, int, dict[str, Any]]) -> dict[str, Any]:
+    """The epochs left (or, when training is already complete, only the final evaluation); the run's summary."""
+    trainer, plan = pieces.trainer, pieces.plan
+    start_epoch, best_top1, skip_batches, state = start
+    last_path, prev_path = run_dir.last_checkpoint, run_dir.previous_checkpoint
+    if info.is_main:
+        log.info(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px of {student_model_name(cfg)}"
+                 f"{'' if pieces.recipe.train_mode else ' (in eval mode)'}, world size {info.world_size}, "
+                 f"global batch {pieces.recipe.global_batch} = "
+                 f"{info.world_size} x {plan.per_rank_batch} per rank ({plan.accum_steps} accumulation step(s) of "
+                 f"{plan.micro_batch}), {pieces.steps_per_epoch} steps/epoch, {pieces.recipe.epochs} epochs, "
+                 f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}"
+                 + (f", {torch.get_num_threads()} torch thread(s)" if info.device.type == "cpu" else ""))
     tracker.summary({"world_size": info.world_size, "per_device_batch": plan.per_rank_batch,
                      "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
                      "effective_batch": pieces.recipe.global_batch, "model_name": student_model_name(cfg)})
-    status, metrics, ema_metrics, final = "finished", {}, {}, {}
-    started = time.perf_counter()
-    epoch = start_epoch
+    status, metrics, ema_metrics = "finished", {}, {}
+    clock = RunClock(float(state.get("train_seconds", 0.0)))
+    epochs_done, bad_images = start_epoch, set(state.get("bad_images", ()))
+    max_steps = cfg.train.max_steps
+
+    def extra(complete: bool = False) -> dict[str, Any]:
+        return {"train_seconds": clock(), "training_complete": complete, "bad_images": sorted(bad_images)}
+
     saver = ckpt.MidEpochSaver(trainer, last_path, cfg.runtime.checkpoint_every_steps,
-                                cfg.runtime.checkpoint_every_minutes, info.is_main)
+                                cfg.runtime.checkpoint_every_minutes, info.is_main, keep_previous=prev_path,
+                                extra=extra)
     try:
         for epoch in range(start_epoch, pieces.recipe.epochs):
-            if cfg.train.max_steps is not None and trainer.step >= cfg.train.max_steps:
+            if max_steps is not None and trainer.step >= max_steps:
                 break
             seed_everything(cfg.seed * 10_007 + epoch * 101 + info.rank)  # exact resume at epoch boundaries
             set_sampler_epoch(pieces.train_sampler, epoch, cfg.seed)
@@ -269,10 +451,12 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunD
             skipped = skip_batches if epoch == start_epoch else 0
             saver.start_epoch(epoch, best_top1, skipped)
             steps_before = trainer.step
-            train_loss = trainer.train_epoch(loader, epoch, cfg.train.max_steps, step_hook=saver)
+            train_loss = trainer.train_epoch(loader, epoch, max_steps, step_hook=saver)
             batches_done = skipped + trainer.step - steps_before
             complete = batches_done >= pieces.steps_per_epoch  # train.max_steps may stop an epoch part-way
+            epochs_done = epoch + 1 if complete else epoch
             metrics, ema_metrics = evaluate_all(cfg, pieces)
+            bad_images = collect_bad_images(pieces, info, bad_images)
             headline = ema_metrics["top1"] if ema_metrics else metrics["top1"]
             best_top1 = max(best_top1, headline)
             row = {"epoch": epoch, "train/epoch_loss": train_loss, **{f"val/{k}": v for k, v in metrics.items()},
@@ -280,27 +464,31 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunD
             tracker.log(row, trainer.step)
             if info.is_main:
                 ema_text = f", EMA top-1 {ema_metrics['top1']:.2f}" if ema_metrics else ""
-                print(f"[epoch {epoch}] train loss {train_loss:.4f} | val top-1 {metrics['top1']:.2f} "
-                      f"top-5 {metrics['top5']:.2f}{ema_text} | step {trainer.step}", flush=True)
-                state = (ckpt.training_state(trainer, epoch + 1, best_top1) if complete
-                         else ckpt.training_state(trainer, epoch, best_top1, batches_done))
-                ckpt.save_atomic(state, last_path)
+                log.info(f"[epoch {epoch}] train loss {train_loss:.4f} | val top-1 {metrics['top1']:.2f} "
+                         f"top-5 {metrics['top5']:.2f}{ema_text} | step {trainer.step}")
+                done = epochs_done >= pieces.recipe.epochs or (max_steps is not None and trainer.step >= max_steps)
+                state = ckpt.training_state(trainer, epochs_done, best_top1, 0 if complete else batches_done,
+                                            **extra(done))
+                ckpt.save_atomic(state, last_path, keep_previous=prev_path)
                 if headline >= best_top1:
                     ckpt.save_atomic(state, run_dir.best_checkpoint)
             barrier(info)
+        if not metrics:  # relaunched after the final checkpoint: training is complete, the evaluation is not
+            if info.is_main:
+                log.info(f"[run] training was complete at step {trainer.step} (epoch {epochs_done}); evaluating "
+                         "the final weights")
+            metrics, ema_metrics = evaluate_all(cfg, pieces)
+            bad_images = collect_bad_images(pieces, info, bad_images)
     except Diverged as diverged:
         status = "diverged"
         if info.is_main:
-            print(f"[run] {identity.name} diverged: {diverged}. Recorded as a result; the sweep goes on.")
-    final = summarize(status, metrics, ema_metrics, best_top1, epoch, trainer.step, time.perf_counter() - started)
+            log.info(f"[run] {identity.name} diverged: {diverged}. Recorded as a result; the sweep goes on.")
+    except BadImageError:
+        raise bad_image_error(pieces) from None
+    final = summarize(status, metrics, ema_metrics, best_top1, epochs_done, trainer.step, clock())
     final["model_name"] = student_model_name(cfg)
-    tracker.summary(final)
-    tracker.finish(exit_code=0)
-    if info.is_main:
-        run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
-                              "experiment_digest": identity.digest, "data_fingerprint": data})
-        print_summary(identity, final, run_dir.path)
-    final = broadcast_object(final, info)
+    if bad_images or image_folders(pieces):
+        final["data/bad_images"] = len(bad_images)
     return final
 
 
@@ -313,10 +501,11 @@ def evaluate_all(cfg: DictConfig, pieces: Pieces) -> tuple[dict[str, float], dic
     return metrics, ema_metrics
 
 
-def summarize(status: str, metrics: dict, ema_metrics: dict, best_top1: float, epoch: int, step: int,
+def summarize(status: str, metrics: dict, ema_metrics: dict, best_top1: float, epochs_done: int, step: int,
               seconds: float) -> dict[str, Any]:
-    """The run's summary: headline top-1 (EMA's when EMA is on), best and final values, status."""
-    final = {"status": status, "epochs_done": epoch + 1 if metrics else epoch, "steps_done": step,
+    """The run's summary: headline top-1 (EMA's when EMA is on), best and final values, status, the epochs
+    completed, the optimizer steps and the training seconds of all its launches together."""
+    final = {"status": status, "epochs_done": epochs_done, "steps_done": step,
              "train_seconds": round(seconds, 1)}
     if metrics:
         final.update(top1_final=metrics["top1"], top5_final=metrics["top5"], val_loss_final=metrics["loss"])
@@ -334,15 +523,16 @@ def summarize(status: str, metrics: dict, ema_metrics: dict, best_top1: float, e
 
 
 def print_summary(identity: RunIdentity, final: dict[str, Any], run_dir: Path) -> None:
-    """A few lines a person reads at the end of a run."""
-    print("\n" + "=" * 72)
-    print(f"run       {identity.name}  (wandb id {identity.run_id})")
-    print(f"status    {final['status']} after {final['steps_done']} steps, {final['train_seconds']:.0f}s")
+    """A few lines a person reads at the end of a run (on the console and in train.log)."""
+    lines = ["", "=" * 72, f"run       {identity.name}  (wandb id {identity.run_id})",
+             f"status    {final['status']} after {final['steps_done']} steps, {final['train_seconds']:.0f}s"]
     if "top1" in final:
-        print(f"top-1     {final['top1']:.2f}% final, {final['top1_best']:.2f}% best   "
-              f"top-5 {final.get('top5_ema_final', final.get('top5_final', float('nan'))):.2f}%")
+        lines.append(f"top-1     {final['top1']:.2f}% final, {final['top1_best']:.2f}% best   "
+                     f"top-5 {final.get('top5_ema_final', final.get('top5_final', float('nan'))):.2f}%")
     if "top1_cls" in final:
-        print(f"heads     class {final['top1_cls']:.2f}%  distillation {final['top1_dist']:.2f}%  "
-              f"fused {final['top1_fused']:.2f}% (other rule {final['top1_fused_alt']:.2f}%)")
-    print(f"outputs   {run_dir}")
-    print("=" * 72, flush=True)
+        lines.append(f"heads     class {final['top1_cls']:.2f}%  distillation {final['top1_dist']:.2f}%  "
+                     f"fused {final['top1_fused']:.2f}% (other rule {final['top1_fused_alt']:.2f}%)")
+    if final.get("data/bad_images"):
+        lines.append(f"data      {final['data/bad_images']} unreadable image(s) replaced (named in train.log)")
+    lines += [f"outputs   {run_dir}", "=" * 72]
+    log.info("\n".join(lines))

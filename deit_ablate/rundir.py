@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from deit_ablate.errors import ConfigError
+
+# The files of a run folder.
+LAST, PREV, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
+RESULT, IDENTITY, METRICS, LOCK, LOG = "result.json", "identity.json", "metrics.csv", "run.lock", "train.log"
+HYDRA = ".hydra"
+RESULT_STATUSES = ("finished", "diverged", "failed")
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """A run's result.json; a ConfigError naming the file when it is not one this code wrote."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        problem = f"not JSON ({type(error).__name__}: {str(error)[:80]})"
+    else:
+        if isinstance(result, dict) and result.get("status") in RESULT_STATUSES:
+            return result
+        problem = (f"a {type(result).__name__}, not a result" if not isinstance(result, dict)
+                   else f"no status of {', '.join(RESULT_STATUSES)} in it")
+    raise ConfigError(f"{path} is not a run result ({problem}). Delete it: the run then resumes from its "
+                      "checkpoint (or starts again) and writes it anew.")
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -28,31 +52,43 @@ class RunDir:
 
     @property
     def last_checkpoint(self) -> Path:
-        return self.path / "checkpoint-last.pt"
+        return self.path / LAST
 
     @property
     def best_checkpoint(self) -> Path:
-        return self.path / "checkpoint-best.pt"
+        return self.path / BEST
+
+    @property
+    def previous_checkpoint(self) -> Path:
+        return self.path / PREV
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK
 
     @property
     def result(self) -> Path:
-        return self.path / "result.json"
+        return self.path / RESULT
 
     @property
     def identity(self) -> Path:
-        return self.path / "identity.json"
+        return self.path / IDENTITY
 
     @property
     def hydra(self) -> Path:
-        return self.path / ".hydra"
+        return self.path / HYDRA
 
     @property
     def log(self) -> Path:
-        return self.path / "train.log"
+        return self.path / LOG
 
     def read_result(self) -> dict[str, Any] | None:
         """The run's result.json, or None while it has none."""
-        return json.loads(self.result.read_text()) if self.result.exists() else None
+        return read_result(self.result) if self.result.exists() else None
 
     def write_result(self, payload: dict[str, Any]) -> None:
         write_json_atomic(self.result, payload)
@@ -70,7 +106,8 @@ class RunDir:
 
     def discard_if_empty(self) -> None:
         """Remove the folder when it holds nothing of the run's own (only what Hydra wrote before it failed)."""
-        if self.path.is_dir() and all(p.name in (".hydra", "train.log") for p in self.path.iterdir()):
+        own_logs = re.compile(r"train(-rank\d+)?\.log")
+        if self.path.is_dir() and all(p.name == HYDRA or own_logs.fullmatch(p.name) for p in self.path.iterdir()):
             shutil.rmtree(self.path, ignore_errors=True)
 
 

@@ -1,7 +1,13 @@
-"""wandb logging from rank 0: offline by default into <output_root>/wandb, one wandb run per training run."""
+"""wandb logging from rank 0: offline by default into <output_root>/wandb, one wandb run per training run.
+
+Rank 0 also keeps the per-epoch metrics as `metrics.csv` in the run folder (with or without wandb), and the
+wandb config carries Hydra's group choices (`choices`: `mix: cutmix_only`, ...) beside the resolved config.
+"""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -9,9 +15,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.identity import RunIdentity
+from deit_ablate.rundir import METRICS
 
 # Keys of the resolved config that never go to wandb (they could carry credentials or host details).
 _PRIVATE_KEYS = ("runtime.tracking.entity",)
+METRICS_CSV = METRICS
 
 
 def loggable_config(cfg: DictConfig) -> dict[str, Any]:
@@ -26,18 +34,63 @@ def loggable_config(cfg: DictConfig) -> dict[str, Any]:
     return config
 
 
-class Tracker:
-    """A wandb run on rank 0 and a silent stand-in elsewhere."""
+def hydra_choices() -> dict[str, str]:
+    """The config-group options of the running Hydra job (`mix: cutmix_only`), without Hydra's own groups."""
+    from hydra.core.hydra_config import HydraConfig
 
-    def __init__(self, cfg: DictConfig, identity: RunIdentity, data: dict[str, Any], enabled: bool) -> None:
+    if not HydraConfig.initialized():
+        return {}
+    choices = OmegaConf.to_container(HydraConfig.get().runtime.choices, resolve=True)
+    return {str(k): str(v) for k, v in choices.items() if not str(k).startswith("hydra/") and v is not None}
+
+
+def hydra_run_dir() -> Path | None:
+    """The running Hydra job's folder, or None outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
+def write_epoch_row(path: Path, row: dict[str, Any]) -> None:
+    """Add one epoch's metrics to a CSV; rows of this epoch and later (from before a resume) are replaced."""
+    kept: list[dict[str, str]] = []
+    fields: list[str] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            fields = list(reader.fieldnames or [])
+            kept = [r for r in reader if r.get("epoch", "").isdigit() and int(r["epoch"]) < int(row["epoch"])]
+    fields += [k for k in row if k not in fields]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n", restval="")
+    writer.writeheader()
+    writer.writerows(kept)
+    writer.writerow(row)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(buf.getvalue())
+    tmp.replace(path)
+
+
+class Tracker:
+    """A wandb run on rank 0 and a silent stand-in elsewhere; rank 0 also writes `metrics.csv`."""
+
+    def __init__(self, cfg: DictConfig, identity: RunIdentity, data: dict[str, Any], enabled: bool,
+                 run_dir: Path | None = None) -> None:
         self.run = None
-        if not enabled or cfg.runtime.tracking.mode == "disabled":
+        self.csv_path = None
+        if not enabled:
+            return
+        folder = run_dir if run_dir is not None else hydra_run_dir()
+        self.csv_path = folder / METRICS_CSV if folder is not None else None
+        if cfg.runtime.tracking.mode == "disabled":
             return
         import wandb
 
         wandb_dir = Path(cfg.runtime.output_root).resolve()
         wandb_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("WANDB_SILENT", "true")
+        config = {**loggable_config(cfg), "run_id": identity.run_id, "run_name": identity.name,
+                  "experiment_digest": identity.digest, "data_fingerprint": data, "choices": hydra_choices()}
         self.run = wandb.init(
             project=cfg.runtime.tracking.project,
             entity=cfg.runtime.tracking.entity,
@@ -47,16 +100,17 @@ class Tracker:
             name=identity.name,
             group=identity.group,
             tags=[cfg.ablation, str(cfg.stage), cfg.preset],
-            config={**loggable_config(cfg), "run_id": identity.run_id, "run_name": identity.name,
-                    "experiment_digest": identity.digest, "data_fingerprint": data},
+            config=config,
             resume="allow",
             settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True, save_code=False),
         )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Log a row of metrics at optimizer step `step`."""
+        """Log a row of metrics at optimizer step `step`; an epoch's row (it has `val/top1`) also goes to the CSV."""
         if self.run is not None:
             self.run.log(metrics, step=step)
+        if self.csv_path is not None and "val/top1" in metrics and "epoch" in metrics:
+            write_epoch_row(self.csv_path, {"epoch": metrics["epoch"], "step": step, **metrics})
 
     def summary(self, values: dict[str, Any]) -> None:
         """Set the run's summary values (the aggregator reads these)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 
 import timm
@@ -15,8 +16,30 @@ from deit_ablate.errors import ConfigError
 from deit_ablate.stages import stage_global_batch
 from deit_ablate.teacher import check_distill_config
 
+# Keys that must be at least a bound (None, where the schema allows it, means a default and is not checked).
+AT_LEAST = {"optimizer.lr": (0.0, False), "finetune.lr": (0.0, False), "train.epochs": (1, True),
+            "finetune.epochs": (1, True), "runtime.eval_batch": (1, True), "runtime.max_batch_per_device": (1, True),
+            "runtime.log_interval": (1, True), "train.max_steps": (1, True), "runtime.num_workers": (0, True),
+            "data.num_classes": (1, True), "optimizer.weight_decay": (0.0, True), "optimizer.warmup_lr": (0.0, True),
+            "optimizer.min_lr": (0.0, True), "optimizer.warmup_epochs": (0.0, True), "optimizer.eps": (0.0, False),
+            "distill.tau": (0.0, False),
+            "runtime.checkpoint_every_steps": (0, True), "runtime.checkpoint_every_minutes": (0.0, True)}
+# wandb project and entity names: also folder names, so nothing that could leave the folder or need quoting.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# timm's auto-augment policy strings (timm.data.auto_augment): the keys each kind takes and their number form.
+_INT, _FLOAT, _BIT = r"\d+", r"\d+(\.\d+)?", r"[01]"
+AUGMENT_KEYS = {
+    "rand": {"m": _INT, "n": _INT, "p": _FLOAT, "mstd": _FLOAT, "mmax": _INT, "inc": _BIT},
+    "augmix": {"m": _INT, "w": _INT, "d": _INT, "a": _FLOAT, "b": _BIT, "mstd": _FLOAT},
+    "autoaugment": {"mstd": _FLOAT},
+}
+AUTOAUGMENT_POLICIES = ("original", "originalr", "v0", "v0r", "3a")
+RAND_TRANSFORM_SETS = ("weights", "3aw", "3a")
+AUGMENT_FORMS = ("rand-m<magnitude>[-n<ops>][-p<prob>][-mstd<std>][-mmax<max>][-inc<0|1>][-t<weights|3aw|3a>] "
+                 "(DeiT: rand-m9-mstd0.5-inc1), one of " + "|".join(AUTOAUGMENT_POLICIES) + " with an optional "
+                 "-mstd<std> (AutoAugment), augmix[-m<m>][-w<w>][-d<d>][-a<a>][-b<0|1>][-mstd<std>], or null (off)")
 PROBABILITIES = ("augment.reprob", "augment.hflip", "mix.prob", "mix.switch_prob", "mix.label_smoothing",
-                 "model.drop_path", "model.dropout")
+                 "model.drop_path", "model.dropout", "distill.alpha")
 
 
 @dataclass(frozen=True)
@@ -64,6 +87,51 @@ def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
     return plan
 
 
+def check_ranges(cfg: DictConfig) -> None:
+    """Numbers that must be positive, or at least 0 or 1, before a run can mean anything."""
+    for key, (bound, inclusive) in AT_LEAST.items():
+        value = _get(cfg, key)
+        if value is not None and (value < bound if inclusive else value <= bound):
+            relation = f">= {bound}" if inclusive else f"> {bound}"
+            raise ConfigError(f"{key}={value} must be {relation}.")
+
+
+def check_names(cfg: DictConfig) -> None:
+    """runtime.tracking.project and runtime.tracking.entity: names wandb and the file system take as they are."""
+    for key in ("runtime.tracking.project", "runtime.tracking.entity"):
+        value = _get(cfg, key)
+        if value is not None and (not SAFE_NAME.fullmatch(str(value)) or ".." in str(value)):
+            raise ConfigError(f"{key}={value} is not a safe name: use letters, digits, '.', '_' and '-' "
+                              "(at most 128, starting with a letter or digit), e.g. deit-ablate.")
+
+
+def _augment_problem(policy: str) -> str | None:
+    """What is wrong with an auto-augment policy string by timm's grammar, or None."""
+    kind, *sections = policy.split("-")
+    if kind not in ("rand", "augmix") and kind not in AUTOAUGMENT_POLICIES:
+        return f"'{kind}' is not a policy kind"
+    keys = AUGMENT_KEYS.get(kind, AUGMENT_KEYS["autoaugment"])
+    for section in sections:
+        if kind == "rand" and section.startswith("t"):
+            if section[1:] not in RAND_TRANSFORM_SETS:
+                return f"section '{section}' names no transform set ({', '.join(RAND_TRANSFORM_SETS)})"
+            continue
+        match = re.fullmatch(r"([a-z]+)(.*)", section)
+        if match is None or match[1] not in keys:
+            return f"section '{section}' is not one of {', '.join(keys)} followed by a number"
+        if not re.fullmatch(keys[match[1]], match[2]):
+            return f"section '{section}' has no valid value for '{match[1]}'"
+    return None
+
+
+def check_auto_augment(policy: str | None) -> None:
+    """augment.auto_augment follows timm's grammar: timm skips sections it cannot parse without a word."""
+    problem = _augment_problem(policy) if policy else None
+    if problem:
+        raise ConfigError(f"augment.auto_augment={policy} is not a policy timm reads: {problem}. "
+                          f"Expected {AUGMENT_FORMS}.")
+
+
 # Free-form nodes: extra timm arguments, passed through as given.
 FREE_FORM = ("model.kwargs", "distill.teacher.kwargs")
 
@@ -92,6 +160,9 @@ def check_known_keys(cfg: DictConfig) -> None:
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
     check_known_keys(cfg)
+    check_ranges(cfg)
+    check_names(cfg)
+    check_auto_augment(cfg.augment.auto_augment)
     for key in PROBABILITIES:
         value = _get(cfg, key)
         if not 0.0 <= value <= 1.0:

@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 
 from deit_ablate.aggregate import cli
+from deit_ablate.aggregate.curves import plot_curves
 from deit_ablate.aggregate.reader import RunInfo, read_run_file
 from deit_ablate.aggregate.select import dedup, row_keys
+from deit_ablate.aggregate.table import build_table, row_spec
 from deit_ablate.aggregate.wandb_log import encode_log, read_log
 
 WRITER = r"""
@@ -247,14 +249,30 @@ def test_latex_and_plot(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_no_filters_count_every_run(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data, _ = _json([str(runs_dir / "main" / "wandb")], capsys)
-    base = data["rows"][0]["cells"]["pretrain"]  # 50, 52, 99 (paper preset) and the distill group's four
-    assert base["n"] == 7 and _close(base["mean"], (50 + 52 + 99 + 50 + 51 + 52 + 53) / 7)
+    data, err = _json([str(runs_dir / "main" / "wandb")], capsys)
+    rows = {r["key"]: r["cells"]["pretrain"] for r in data["rows"]}
+    # baseline's pre-training: the table8 seeds 0 and 1 and the distill group's runs of the same experiment and
+    # seeds (counted once per seed, the latest); a paper-preset run and the distilled runs are other experiments
+    base = rows["baseline"]
+    assert base["n"] == 2 and _close(base["mean"], 50.5) and sorted(base["same_seed"]) == ["base-p0", "base-p1"]
+    assert "repeat a seed already counted (base-p" in err
+    assert list(rows)[:4] == [
+        "baseline",
+        "baseline · distill.type=hard",
+        "baseline · distill.type=hard_token",
+        "baseline · preset=paper",
+    ]
+    assert _close(rows["baseline · preset=paper"]["mean"], 99.0) and rows["baseline · preset=paper"]["paper"] is None
+    assert _close(rows["baseline · preset=paper"]["delta"], 99.0 - 50.5)
+    assert _close(rows["baseline · distill.type=hard_token"]["mean"], 53.0)
+    split = data["splits"][0]
+    assert (split["row"], split["stage"], split["varied"]) == ("baseline", "pretrain", ["distill.type", "preset"])
+    assert "baseline (pre-train): runs differ in distill.type, preset; split into 'baseline' (4)" in err
     data, _ = _json([str(runs_dir / "main" / "wandb"), "--tag", "no_mixup", "--group", "tab*"], capsys)
     assert [r["key"] for r in data["rows"] if r["cells"]["pretrain"]["state"] != "missing"] == ["no_mixup"]
     assert data["rows"][5]["cells"]["pretrain"]["delta"] is None  # no baseline among these runs
-    data, _ = _json([str(runs_dir / "main" / "wandb"), *TABLE8, "--until", "2000-01-01"], capsys)
-    assert data["meta"]["counted"] == 0 and data["meta"]["filtered_out"] == 24
+    assert cli.main([str(runs_dir / "main" / "wandb"), *TABLE8, "--until", "2000-01-01"]) == 2  # none left
+    assert "error: no run left: --since/--until leave none of the 24 run(s) read" in capsys.readouterr().err
     tomorrow = (datetime.now(timezone.utc) + timedelta(days=1)).isoformat()
     data, _ = _json([str(runs_dir / "main" / "wandb"), *TABLE8, "--since", "2000-01-01", "--until", tomorrow], capsys)
     assert data["meta"]["counted"] == 18
@@ -303,13 +321,26 @@ def test_rows_distill(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_rows_resolution(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data, _ = _json([str(runs_dir / "main"), "--rows", "resolution", *TABLE8], capsys)
+    data, err = _json([str(runs_dir / "main"), "--rows", "resolution", *TABLE8], capsys)
     assert data["paper"] is None  # Table 10's sizes (160..384) are not the demo's sizes
-    assert [r["key"] for r in data["rows"]] == ["32", "48"]
-    small, large = data["rows"][0]["cells"], data["rows"][1]["cells"]
-    assert small["pretrain"]["n"] == 10 and _close(small["pretrain"]["mean"], 47.8)
-    assert large["finetune"]["n"] == 3 and _close(large["finetune"]["mean"], 57.0)
+    assert "paper table10 left out: its rows (resolution.train_size: 160, 224, 320, 384) match none" in err
+    keys = [r["key"] for r in data["rows"]]
+    assert keys[0] == "32" and keys.index("48") == 7  # each size's Table 8 rows are other experiments: sub-rows
+    assert "32 · ablation=sgd" in keys and "48 · ablation=no_mixup" in keys and len(keys) == 10
+    small, large = data["rows"][0]["cells"], data["rows"][7]["cells"]
+    assert small["pretrain"]["n"] == 2 and _close(small["pretrain"]["mean"], 51.0)  # the baseline is the main one
+    assert large["finetune"]["n"] == 2 and _close(large["finetune"]["mean"], 60.5)
+    data, err = _json([str(runs_dir / "main"), "--rows", "resolution", *TABLE8, "--match-baseline"], capsys)
+    assert [r["key"] for r in data["rows"]] == ["32", "48"] and len(data["meta"]["not_matching_baseline"]) == 14
+    assert "kept '32' (2 run(s)), left out 12 run(s) of 6 other setting(s) (--match-baseline)" in err
     assert row_keys("mix") == ("mix.mixup_alpha", "mix.cutmix_alpha") and row_keys("a.b,c") == ("a.b", "c")
+    old_log = {"mix": {"mixup_alpha": 0.8, "cutmix_alpha": 1.0}}  # a run logged before the group choices were
+    assert row_spec("mix").label(old_log) == "mixup_alpha=0.8,cutmix_alpha=1"
+    assert row_spec("mix").label({**old_log, "choices": {"mix": "mixup_cutmix"}}) == "mixup_cutmix"
+    data, _ = _json([str(runs_dir / "main"), "--rows", "distill", *TABLE8], capsys)  # logs without group choices
+    assert data["rows_key"] == "distill.type" and [r["key"] for r in data["rows"] if r["cells"]["pretrain"]["n"]]
+    assert cli.main([str(runs_dir / "main"), "--rows", "mix"]) == 2  # no mix choice, no mix.* keys in these runs
+    assert "no run logged a 'mix' group choice, and none has mix.mixup_alpha" in capsys.readouterr().err
 
 
 def test_single_run_folder_and_file(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -387,6 +418,11 @@ class _FakeRun:
         self.summary = {"status": status, "top1": top1}
         self.created_at = "2024-05-01T12:00:00Z"
 
+    def scan_history(self, keys: list[str] | None = None, **kwargs: object) -> list[dict]:
+        """Per-epoch rows as `Run.scan_history(keys=...)` yields them: only rows that have every key asked for."""
+        rows = [{"_step": 10 * e, "epoch": e, "val/top1": self.summary["top1"] - 2 + e} for e in range(3)]
+        return [r for r in rows if all(k in r for k in keys or [])]
+
 
 class _FakeApi:
     """A stand-in for `wandb.Api`: no W&B server is reachable here, so the test records the query instead."""
@@ -418,6 +454,10 @@ def test_api_source_with_stand_in(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     assert _close(base["mean"], 81.5) and _close(base["std"], SQRT_HALF) and base["n"] == 2
     assert _close(nomix["mean"], 78.0) and nomix["n"] == 1 and nomix["diverged"] == 1
     assert _close(nomix["delta"], -3.5) and _close(nomix["paper_delta"], -3.1)
+    table = cli.aggregate(cli.build_parser().parse_args(["wandb://me/deit", "--curves", "x.png"]), lambda m: None)
+    fig = plot_curves(table, None)  # the history through Run.scan_history, as offline logs have none here
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].lines}
+    assert lines == {"baseline (n=2)": [79.5, 80.5, 81.5], "no_mixup (n=1)": [76.0, 77.0, 78.0]}
 
 
 def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -426,3 +466,55 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert cli.main([str(tmp_path), "--where", "novalue"]) == 2
     assert cli.main([str(tmp_path), "--paper", "table99"]) == 2
     assert "unknown paper table" in capsys.readouterr().err
+
+
+def test_sub_rows_name_plain_keys_when_no_group_option_differs() -> None:
+    """Runs logged without group choices: a weight-decay override and a CNN run are their own rows."""
+
+    def run(rid: str, seed: int, top1: float, wd: float = 0.05, model: str = "vit_demo") -> RunInfo:
+        config = {"ablation": "baseline", "stage": "pretrain", "seed": seed, "run_id": rid, "data": {"root": rid},
+                  "model": {"name": model}, "optimizer": {"weight_decay": wd}, "distill": {"type": "none"}}
+        return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": top1})
+
+    runs = [run("a", 0, 50.0), run("b", 1, 52.0), run("c", 0, 40.0, wd=0.1), run("d", 0, 30.0, model="cnn_demo")]
+    table = build_table(runs, rows="distill", paper="none")
+    cells = {r.key: r.cells["pretrain"] for r in table.rows}
+    assert list(cells) == ["none", "none · model.name=cnn_demo", "none · optimizer.weight_decay=0.1"]
+    assert sorted(cells["none"].values) == [50.0, 52.0]
+    assert cells["none · optimizer.weight_decay=0.1"].values == [40.0]  # data.root differs too: never a split
+    assert table.splits[0].varied == ["model.name", "optimizer.weight_decay"]
+    only = build_table(runs, rows="distill", paper="none", match_baseline=True)
+    assert [r.key for r in only.rows] == ["none"] and {r.run_id for r in only.left_out} == {"c", "d"}
+
+
+def test_rows_distill_keep_the_cnn_the_paper_preset_and_other_sizes_apart() -> None:
+    """Configs as train.py composes them (with their group choices): the issue's `--rows distill` mix-up."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from tests.conftest import CONF
+
+    def run(rid: str, overrides: list[str], seed: int = 0) -> RunInfo:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
+        config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+        config = {**config, "seed": seed, "run_id": rid, "choices": choices}
+        return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": 50.0 + seed})
+
+    runs = [
+        run("a", []),
+        run("b", ["seed=1"], 1),
+        run("paper", ["preset=paper"]),
+        run("cnn", ["model=cnn_demo"]),
+        run("ft48", ["stage=finetune"]),
+        run("ft24", ["stage=finetune", "resolution=24px"]),  # Table 10's sweep: another size, its own row
+    ]
+    table = build_table(runs, rows="distill", paper="none")
+    cells = {r.key: {s: sorted(c.run_ids) for s, c in r.cells.items() if c.run_ids} for r in table.rows}
+    assert cells == {
+        "none": {"pretrain": ["a", "b"], "finetune": ["ft48"]},
+        "none · model=cnn_demo": {"pretrain": ["cnn"]},
+        "none · preset=paper, data=imagenet, model=deit_base +1 more": {"pretrain": ["paper"]},
+        "none · resolution=24px": {"finetune": ["ft24"]},
+    }

@@ -21,6 +21,8 @@ def test_two_processes_make_the_same_first_update_as_one(tmp_path, data_cache):
     proc = run_train(DETERMINISTIC + TINY + [f"hydra.run.dir={two}"], tmp_path, data_cache, module=torchrun)
     assert "rank 1 of 2 joined the process group (gloo, cpu)" in proc.stdout
     assert "global batch 32 = 2 x 16 per rank" in proc.stdout
+    assert "global batch 32 = 2 x 16 per rank" in (two / "train.log").read_text()  # each rank's own log
+    assert (two / "train-rank1.log").exists() and not list(two.glob("run.lock*"))
     a = torch.load(one / "checkpoint-last.pt", weights_only=True)
     b = torch.load(two / "checkpoint-last.pt", weights_only=True)
     assert a["step"] == b["step"] == 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
+from typing import Any
 
 from .render import STAGE_NAMES
 from .table import Table
@@ -20,12 +22,24 @@ def _limit(values: list[float]) -> float:
     return max(1.0, finite[-1]) * 1.15
 
 
-def plot_deltas(table: Table, path: str | Path, title: str | None = None) -> Path:
-    """Draw Δ to the baseline for every row but the baseline itself; write a PNG (Agg backend)."""
-    import matplotlib
+def figure_png(fig: Any) -> bytes:
+    """A matplotlib Figure as PNG bytes."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot_deltas(table: Table, path: str | Path, title: str | None = None) -> Path:
+    """Draw Δ to the baseline for every row but the baseline itself; write a PNG."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    draw_deltas(table, title).savefig(out, format="png")
+    return out
+
+
+def draw_deltas(table: Table, title: str | None = None) -> Any:
+    """The Δ-to-baseline bar chart as a matplotlib Figure (no pyplot state)."""
+    from matplotlib.figure import Figure
 
     rows = [r for r in table.rows if r.key != table.baseline]
     series = []  # (label, color, values, why a value is missing)
@@ -45,7 +59,8 @@ def plot_deltas(table: Table, path: str | Path, title: str | None = None) -> Pat
     lim = _limit(ordinary)
     width = 0.8 / max(1, len(series))
     clipped = False
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4.5), dpi=120)
+    fig = Figure(figsize=(max(6.0, 0.9 * len(rows) + 2), 4.5), dpi=120)
+    ax = fig.subplots()
     for i, (label, color, vals, states) in enumerate(series):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
         heights = [0.0 if v is None else max(-lim, min(lim, v)) for v in vals]
@@ -84,8 +99,4 @@ def plot_deltas(table: Table, path: str | Path, title: str | None = None) -> Pat
     if not rows:
         ax.text(0.5, 0.5, "no rows", transform=ax.transAxes, ha="center")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    plt.close(fig)
-    return out
+    return fig

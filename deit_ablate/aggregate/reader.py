@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,8 @@ class RunInfo:
     last_history: dict[str, Any] = field(default_factory=dict)
     exit_code: int | None = None
     problem: str | None = None  # why the log was read only in part
+    history: list[dict[str, Any]] | None = None  # per-epoch rows (`epoch`, `val/...`), when read with history
+    handle: Any = field(default=None, repr=False, compare=False)  # the W&B API run, for its history
 
     @property
     def status(self) -> str:
@@ -104,8 +108,21 @@ def _timestamp(ts: Any) -> datetime | None:
     return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, tz=timezone.utc)
 
 
-def read_run_file(path: str | Path) -> tuple[RunInfo | None, list[str]]:
-    """Parse one `run-*.wandb` file with wandb's protobuf `Record`; return the run and any warnings."""
+def _epoch_row(record: Any) -> dict[str, Any] | None:
+    """A history record's `epoch` and `val*` values, if it is an epoch's evaluation row."""
+    row: dict[str, Any] = {}
+    for item in record.history.item:
+        key = item.key or "/".join(item.nested_key)
+        if key == "epoch" or key.startswith("val"):
+            row[key] = _history_value(item)
+    return row if "epoch" in row and len(row) > 1 else None
+
+
+def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | None, list[str]]:
+    """Parse one `run-*.wandb` file with wandb's protobuf `Record`; return the run and any warnings.
+
+    With `history`, the per-epoch evaluation rows are kept too (`RunInfo.history`, for curves).
+    """
     from wandb.proto.wandb_internal_pb2 import Record, RunRecord
 
     path = Path(path)
@@ -126,6 +143,7 @@ def read_run_file(path: str | Path) -> tuple[RunInfo | None, list[str]]:
     last_history: bytes | None = None
     history_rows = 0
     exit_code: int | None = None
+    epochs: list[dict[str, Any]] | None = [] if history else None
     for payload in log.records:
         try:
             record.ParseFromString(payload)
@@ -136,6 +154,10 @@ def read_run_file(path: str | Path) -> tuple[RunInfo | None, list[str]]:
         if kind == "history":
             history_rows += 1
             last_history = payload
+            if epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
+                row = _epoch_row(record)
+                if row is not None:
+                    epochs.append(row)
         elif kind == "summary":  # the hot loop: most records are summary updates
             for item in record.summary.update:
                 key = item.key
@@ -159,11 +181,11 @@ def read_run_file(path: str | Path) -> tuple[RunInfo | None, list[str]]:
     for key, text in summary_items.items():
         if text is not None:
             _set_path(summary, (key,) if isinstance(key, str) else key, _loads(text))
-    history: dict[str, Any] = {}
+    last: dict[str, Any] = {}
     if last_history is not None:
         record.ParseFromString(last_history)
         for item in record.history.item:
-            _set_path(history, _item_path(item), _history_value(item))
+            _set_path(last, _item_path(item), _history_value(item))
     config.pop("_wandb", None)
     info = RunInfo(
         run_id=run.run_id or path.stem.removeprefix("run-"),
@@ -177,20 +199,53 @@ def read_run_file(path: str | Path) -> tuple[RunInfo | None, list[str]]:
         start_time=_timestamp(run.start_time),
         source=str(path),
         history_rows=history_rows,
-        last_history=history,
+        last_history=last,
         exit_code=exit_code,
         problem=log.problem,
+        history=epochs,
     )
     return info, warnings
 
 
-def find_run_files(path: str | Path) -> list[Path]:
-    """The `run-*.wandb` files under a wandb folder, its parent, one run folder, or a single file."""
+MAX_LOG_BYTES = 4 * 1024**3  # a run log above this is skipped (a 300-epoch DeiT run writes a few MB)
+
+
+def _skip_reason(path: Path, root: Path | None) -> str | None:
+    """Why a found path is not read: not a regular file, a symlink out of the folder, too large; None to read."""
+    try:
+        target = path.resolve(strict=True)
+        size, mode = target.stat().st_size, target.stat().st_mode
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop
+        return f"cannot be resolved ({error})"
+    if root is not None and not target.is_relative_to(root):
+        return f"a symlink to {target}, outside {root}"
+    if not stat.S_ISREG(mode):
+        return "not a regular file"
+    if size > MAX_LOG_BYTES:
+        return f"{size} bytes, above the {MAX_LOG_BYTES}-byte cap for a run log"
+    return None
+
+
+def _readable(files: Iterable[Path], root: Path | None, warn: Warn) -> list[Path]:
+    """The files that are safe to open; every other one reported through `warn`."""
+    kept = []
+    for file in files:
+        reason = _skip_reason(file, root)
+        if reason is None:
+            kept.append(file)
+        else:
+            warn(f"{file}: skipped, {reason}")
+    return kept
+
+
+def find_run_files(path: str | Path, warn: Warn = stderr_warn) -> list[Path]:
+    """The `run-*.wandb` files under a wandb folder, its parent, one run folder, or a single file: regular files
+    only, no symlink followed out of the folder, none above MAX_LOG_BYTES (each skipped one reported)."""
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"no such file or folder: {root}")
-    if root.is_file():
-        return [root]
+    if not root.is_dir():
+        return _readable([root], None, warn)
     found = list(root.glob("run-*.wandb"))
     if not found:
         found = list(root.glob("*/run-*.wandb"))
@@ -203,27 +258,37 @@ def find_run_files(path: str | Path) -> list[Path]:
         if any(part == "latest-run" for part in file.parts):
             continue
         unique.setdefault(file.resolve(), file)
-    return sorted(unique.values())
+    return _readable(sorted(unique.values()), root.resolve(), warn)
 
 
-def _read_many(files: list[Path], jobs: int) -> list[tuple[RunInfo | None, list[str]]]:
+def _read_many(files: list[Path], jobs: int, history: bool = False) -> list[tuple[RunInfo | None, list[str]]]:
+    read = partial(read_run_file, history=history)
     if jobs <= 1 or len(files) < 64:
-        return [read_run_file(f) for f in files]
+        return [read(f) for f in files]
     chunk = max(8, len(files) // (jobs * 4))
     try:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            return list(pool.map(read_run_file, files, chunksize=chunk))
+            return list(pool.map(read, files, chunksize=chunk))
     except (OSError, BrokenProcessPool):  # no process pool here (sandbox, no /dev/shm): read in this process
-        return [read_run_file(f) for f in files]
+        return [read(f) for f in files]
 
 
-def read_offline(path: str | Path, jobs: int | None = None, warn: Warn = stderr_warn) -> list[RunInfo]:
-    """Read every run log found under `path`; damaged logs are read in part and reported through `warn`."""
-    files = find_run_files(path)
+def read_histories(files: list[Path], jobs: int | None = None) -> list[list[dict[str, Any]] | None]:
+    """The per-epoch rows of each log file (None where it cannot be read), in order."""
+    jobs = min(4, os.cpu_count() or 1) if jobs is None else jobs
+    return [info.history if info is not None else None for info, _ in _read_many(files, jobs, history=True)]
+
+
+def read_offline(
+    path: str | Path, jobs: int | None = None, warn: Warn = stderr_warn, history: bool = False
+) -> list[RunInfo]:
+    """Read every run log found under `path` (with `history`: the per-epoch rows too); damaged logs are read
+    in part and reported through `warn`."""
+    files = find_run_files(path, warn)
     if jobs is None:
         jobs = min(4, os.cpu_count() or 1)
     runs: list[RunInfo] = []
-    for info, warnings in _read_many(files, jobs):
+    for info, warnings in _read_many(files, jobs, history):
         for message in warnings:
             warn(message)
         if info is not None:
@@ -275,6 +340,7 @@ def api_run_info(run: Any, path: str) -> RunInfo:
         start_time=_parse_time(getattr(run, "created_at", None)),
         source=f"{API_PREFIX}{path}/{run.id}",
         last_history={},
+        handle=run,
     )
 
 

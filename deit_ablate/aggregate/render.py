@@ -7,7 +7,7 @@ import io
 import json
 from typing import Any
 
-from .table import Cell, Row, Table
+from .table import Cell, Row, Split, Table
 
 FORMATS = ("markdown", "csv", "latex", "json")
 STAGE_NAMES = {"pretrain": "pre-train", "finetune": "fine-tune"}
@@ -44,6 +44,7 @@ def cell_record(cell: Cell) -> dict[str, Any]:
         "paper_delta": cell.paper_delta,
         "seeds": cell.seeds,
         "run_ids": cell.run_ids,
+        "same_seed": cell.same_seed,
     }
 
 
@@ -64,6 +65,7 @@ def to_json_dict(table: Table) -> dict[str, Any]:
         "rows": [
             {
                 "key": row.key,
+                "base": row.base or row.key,
                 "label": row.label,
                 "note": row.note,
                 "in_paper": row.in_paper,
@@ -71,8 +73,37 @@ def to_json_dict(table: Table) -> dict[str, Any]:
             }
             for row in table.rows
         ],
+        "splits": [split_record(s) for s in table.splits],
+        "paper_note": table.paper_note,
         "meta": table.meta,
     }
+
+
+def split_record(split: Split) -> dict[str, Any]:
+    """How the runs under one row key were split into sub-rows (or, with --match-baseline, left out)."""
+    return {
+        "row": split.row,
+        "stage": split.stage,
+        "varied": split.varied,
+        "rows": split.rows,
+        "runs": split.runs,
+        "left_out": split.left_out,
+    }
+
+
+def split_text(split: Split, limit: int = 8) -> str:
+    """One line: which keys varied under a row key, and what became of the runs."""
+    more = len(split.varied) - limit
+    keys = ", ".join(split.varied[:limit]) + (f" +{more} more" if more > 0 else "")
+    stage = STAGE_NAMES[split.stage]
+    if split.left_out:
+        dropped = sum(split.runs[1:])
+        return (
+            f"{split.row} ({stage}): runs differ in {keys}; kept {split.rows[0]!r} ({split.runs[0]} run(s)), "
+            f"left out {dropped} run(s) of {len(split.rows) - 1} other setting(s) (--match-baseline)"
+        )
+    parts = ", ".join(f"{label!r} ({n})" for label, n in zip(split.rows, split.runs, strict=True))
+    return f"{split.row} ({stage}): runs differ in {keys}; split into {parts}"
 
 
 def _num(value: float | None, digits: int, sign: bool = False) -> str:
@@ -93,6 +124,7 @@ def ours_text(cell: Cell, digits: int) -> str:
             (cell.n_failed, "failed"),
             (cell.n_unfinished, "unfinished"),
             (cell.n_no_metric, "without metric"),
+            (len(cell.same_seed), "same seed, not averaged"),
         )
         if count
     ]
@@ -110,7 +142,7 @@ def ours_text(cell: Cell, digits: int) -> str:
         "failed": cell.n_failed,
         "n/a": cell.n_no_metric,
     }
-    others = [e for e in extra if not e.endswith(state) and not (state == "n/a" and e.endswith("metric"))]
+    others = [e for e in extra if not e.endswith(" " + state) and not (state == "n/a" and e.endswith("metric"))]
     return f"{state} ({counts[state]}{'; ' + ', '.join(others) if others else ''})"
 
 
@@ -169,6 +201,11 @@ def _footnotes(table: Table) -> list[str]:
     other = [f"{r.key}: {r.note}" for r in table.rows if r.note and r.note != "did not train well"]
     if other:
         notes.append("Paper notes: " + "; ".join(other) + ".")
+    if table.splits:
+        splits = "; ".join(split_text(s) for s in table.splits)
+        notes.append(f"A cell holds runs that differ only in the seed. {splits}.")
+    if table.paper_note:
+        notes.append(table.paper_note[0].upper() + table.paper_note[1:] + ".")
     meta = table.meta
     if meta:
         notes.append(
@@ -195,12 +232,12 @@ def to_markdown(table: Table, digits: int = 2) -> str:
 
 def to_csv(table: Table) -> str:
     """One line per row; numbers at full precision, empty where there is none."""
-    fields = ["row", "label", "note"] + [f"{s}_{f}" for s in table.stages for f in CELL_FIELDS]
+    fields = ["row", "base", "label", "note"] + [f"{s}_{f}" for s in table.stages for f in CELL_FIELDS]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for row in table.rows:
-        line: dict[str, Any] = {"row": row.key, "label": row.label, "note": row.note}
+        line: dict[str, Any] = {"row": row.key, "base": row.base or row.key, "label": row.label, "note": row.note}
         for stage in table.stages:
             rec = cell_record(row.cells[stage])
             for f in CELL_FIELDS:
@@ -213,7 +250,7 @@ def to_csv(table: Table) -> str:
 def _tex(text: str) -> str:
     for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("%", r"\%"), ("&", r"\&"), ("#", r"\#")):
         text = text.replace(a, b)
-    for a, b in (("Δ", r"$\Delta$"), ("↑", r"$\uparrow$"), ("†", r"$^\dagger$"), ("±", r"$\pm$")):
+    for a, b in (("Δ", r"$\Delta$"), ("↑", r"$\uparrow$"), ("†", r"$^\dagger$"), ("±", r"$\pm$"), ("·", r"$\cdot$")):
         text = text.replace(a, b)
     return text
 

@@ -26,6 +26,11 @@ ROW_ALIASES: dict[str, tuple[str, ...]] = {
     "preset": ("preset",),
     "seed": ("seed",),
 }
+# --rows values that name a config group: rows are its chosen options (`mix`: none, mixup_only, ...); runs
+# logged before the choices were fall back to the alias keys. Any other group in the runs' choices works too.
+CHOICE_ROWS = ("mix", "augment", "optimizer", "model", "data")
+# Aliases that stay plain config keys: the paper tables are keyed by their values.
+PLAIN_ROWS = ("ablation", "distill", "resolution", "preset", "seed")
 
 
 def row_keys(rows: str) -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -11,14 +12,17 @@ from pathlib import Path
 from omegaconf import DictConfig
 from PIL import ImageFile
 from torch.utils.data import Dataset
-from torchvision.datasets import CIFAR100, ImageFolder
+from torchvision.datasets import CIFAR100
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from deit_ablate.data.bad_images import SkippingImageFolder
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.data.fingerprint import dataset_fingerprint, describe_fingerprint
 from deit_ablate.errors import ConfigError
 
-# A truncated JPEG is decoded as far as it goes instead of killing an epoch; the count is in the logs.
+# A truncated JPEG is decoded as far as it goes instead of killing an epoch (PIL does not say so: not counted).
+# A file that cannot be decoded at all is replaced and counted (data/bad_images.py).
 ImageFile.LOAD_TRUNCATED_IMAGES = True
 
 
@@ -50,7 +54,37 @@ def check_data_root(cfg: DictConfig) -> Path:
             raise ConfigError(f"data.root={root} has no {' and no '.join(missing)} folder. An ImageFolder "
                               "dataset needs <root>/train/<class>/* and <root>/val/<class>/* (for ImageNet, "
                               "run the usual valprep script to sort val/ into class folders).")
+        for split in ("train", "val"):
+            check_class_folders(root / split)
     return root
+
+
+def _has_image(folder: Path) -> bool:
+    """Whether `folder` holds at least one file with an image extension (stops at the first)."""
+    with os.scandir(folder) as entries:
+        return any(entry.name.lower().endswith(IMG_EXTENSIONS) and entry.is_file() for entry in entries)
+
+
+@functools.lru_cache(maxsize=64)
+def _split_problem(split_dir: Path) -> str | None:
+    """What makes `split_dir` no ImageFolder split, or None; remembered, as a sweep checks one root per run."""
+    classes = sorted(entry.path for entry in os.scandir(split_dir) if entry.is_dir())
+    empty = [Path(c).name for c in classes if not _has_image(Path(c))]
+    if not classes:
+        return "it holds no class folder"
+    if empty:
+        return f"its class folder(s) {', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''} hold no image"
+    return None
+
+
+def check_class_folders(split_dir: Path) -> None:
+    """An ImageFolder split: at least one class folder, and an image in every one (what ImageFolder demands)."""
+    problem = _split_problem(split_dir)
+    if problem:
+        raise ConfigError(f"data.root={split_dir.parent}: {split_dir} is not an ImageFolder split: {problem}. "
+                          "An ImageFolder dataset needs <root>/train/<class>/* and <root>/val/<class>/* with images "
+                          f"({', '.join(IMG_EXTENSIONS[:4])}, ...) in every class folder; remove empty class folders "
+                          "or point data.root at the right folder.")
 
 
 def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path | None = None) -> Dataset:
@@ -64,10 +98,11 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
                 f"CIFAR-100 was not found under data.root={root} ({error}). Download it once with "
                 "torchvision.datasets.CIFAR100(root, download=True) on a machine with internet."
             ) from error
-    elif cfg.data.fast_jpeg and split == "train":
-        dataset = ImageFolder(str(root / split), transform=transform, loader=lazy_loader)  # the crop decodes
+    elif cfg.data.fast_jpeg and split == "train":  # the crop decodes
+        dataset = SkippingImageFolder(str(root / split), cfg.runtime.on_bad_image, transform=transform,
+                                      loader=lazy_loader)
     else:
-        dataset = ImageFolder(str(root / split), transform=transform)
+        dataset = SkippingImageFolder(str(root / split), cfg.runtime.on_bad_image, transform=transform)
     num_classes = len(dataset.classes)
     if num_classes != cfg.data.num_classes:
         raise ConfigError(f"data.num_classes={cfg.data.num_classes} but {root / split} holds {num_classes} "

@@ -1,0 +1,66 @@
+"""One self-contained HTML page: the table with the paper beside it, and the plots embedded as PNG data URIs.
+
+Nothing is loaded from elsewhere (no scripts, style sheets, fonts or images by URL), so the file opens
+offline and can be mailed to people who do not use wandb.
+"""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime, timezone
+from html import escape
+
+from .render import _caption, _cells, _footnotes, _headers
+from .table import Table
+
+STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 2em;
+       color: #222; max-width: 1400px; }
+table { border-collapse: collapse; font-size: 0.9em; }
+th, td { padding: 0.3em 0.7em; border-bottom: 1px solid #ddd; text-align: right; white-space: nowrap; }
+th:first-child, td:first-child { text-align: left; }
+thead th { border-bottom: 2px solid #444; }
+tr.sub td:first-child { padding-left: 1.6em; color: #555; }
+tr.empty td { color: #999; }
+p.note { font-size: 0.85em; color: #444; max-width: 1100px; }
+img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
+"""
+
+
+def png_uri(data: bytes) -> str:
+    """PNG bytes as a `data:` URI."""
+    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+def _row_html(table: Table, digits: int) -> list[str]:
+    lines = []
+    for row in table.rows:
+        classes = [c for c, on in (("sub", row.base and row.key != row.base), ("empty", not row.has_runs)) if on]
+        attr = f' class="{" ".join(classes)}"' if classes else ""
+        cells = "".join(f"<td>{escape(text)}</td>" for text in _cells(table, row, digits))
+        lines.append(f"<tr{attr}>{cells}</tr>")
+    return lines
+
+
+def to_html(table: Table, digits: int = 2, images: list[tuple[str, bytes]] | None = None) -> str:
+    """The table, its notes and the given (title, PNG) images as one HTML document."""
+    title = table.paper.title if table.paper else f"Runs grouped by {table.rows_key}"
+    heads = "".join(f"<th>{escape(h)}</th>" for h in _headers(table))
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{escape(title)}</title>",
+        f"<style>{STYLE}</style>",
+        "</head><body>",
+        f"<h1>{escape(title)}</h1>",
+        f"<p>{escape(_caption(table))}</p>",
+        f"<table><thead><tr>{heads}</tr></thead><tbody>",
+        *_row_html(table, digits),
+        "</tbody></table>",
+        *(f'<p class="note">{escape(note)}</p>' for note in _footnotes(table)),
+    ]
+    for name, data in images or []:
+        parts += [f"<h2>{escape(name)}</h2>", f'<img alt="{escape(name)}" src="{png_uri(data)}">']
+    made = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts += [f'<p class="note">Made by deit-aggregate on {made}.</p>', "</body></html>"]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,72 @@
+"""Unreadable images in an ImageFolder tree: replaced by the next readable sample (runtime.on_bad_image=skip, the
+default), or a clear stop naming the file (fail). The loader workers mark each bad file in a shared table; the
+training process names each once in the run's log and counts them (`data/bad_images` in the summary)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torchvision.datasets import ImageFolder
+
+MAX_TRIES = 64  # consecutive unreadable samples before a dataset counts as broken
+
+
+class BadImageError(RuntimeError):
+    """An unreadable image under runtime.on_bad_image=fail (raised in a loader worker; the run names the file)."""
+
+
+def decode_problem(path: str | Path) -> str | None:
+    """Why PIL cannot decode the file at `path` in full, or None when it can."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+    except Exception as error:  # PIL raises many types for damaged files (OSError, SyntaxError, ValueError, ...)
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+class SkippingImageFolder(ImageFolder):
+    """An ImageFolder whose unreadable samples are replaced by the next readable one, or stop the run."""
+
+    def __init__(self, root: str, on_bad_image: str = "skip", **kwargs) -> None:
+        super().__init__(root, **kwargs)
+        self.on_bad_image = on_bad_image
+        self.bad = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()  # seen by every worker
+        self.reported: set[int] = set()  # in the training process: files already named in the log
+
+    def __getitem__(self, index: int):
+        for offset in range(MAX_TRIES):
+            candidate = (index + offset) % len(self.samples)
+            if self.bad[candidate]:
+                continue
+            try:
+                return super().__getitem__(candidate)
+            except Exception:
+                path = self.samples[candidate][0]
+                if decode_problem(path) is None:  # the file decodes: the error is not the file's
+                    raise
+                self.bad[candidate] = 1
+                if self.on_bad_image == "fail":
+                    raise BadImageError(f"unreadable image {path}") from None
+        raise BadImageError(f"{MAX_TRIES} unreadable images in a row from {self.samples[index][0]}")
+
+    def bad_paths(self) -> list[str]:
+        """Every file found unreadable so far (by any worker)."""
+        return [self.samples[int(i)][0] for i in self.bad.nonzero().flatten()]
+
+    def newly_bad(self) -> list[str]:
+        """Files found unreadable since the last call, each returned once."""
+        fresh = [int(i) for i in self.bad.nonzero().flatten() if int(i) not in self.reported]
+        self.reported.update(fresh)
+        return [self.samples[i][0] for i in fresh]
+
+    def mark_bad(self, paths: Iterable[str]) -> None:
+        """Mark files an earlier launch of the run found unreadable (from its checkpoint); not named again."""
+        index = {path: i for i, (path, _) in enumerate(self.samples)}
+        for path in paths:
+            if path in index:
+                self.bad[index[path]] = 1
+                self.reported.add(index[path])

@@ -1,0 +1,205 @@
+"""The aggregator on real runs of train.py: cells never pool different experiments, rows by group choice, curves, HTML.
+
+One module fixture runs the issue's sequence in one `outputs/` folder, at the tiny test scale for two epochs:
+a Table 8 sweep (`ablation=baseline,sgd,no_mixup seed=0,1`), the mix sweep (`mix=none,mixup_only,cutmix_only`)
+and a plain `train.py` (the same experiment as `ablation=baseline seed=0`, under another run id).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from deit_ablate.aggregate import cli
+from deit_ablate.aggregate.curves import load_histories, plot_curves
+from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.aggregate.settings import EXECUTION_KEYS, experiment_settings, is_execution_key
+from deit_ablate.identity import RunIdentity
+from deit_ablate.tracking import METRICS_CSV, Tracker
+from tests.conftest import TINY, run_train
+
+TWO_EPOCHS = [o for o in TINY if not o.startswith("train.epochs=")] + ["train.epochs=2"]
+MIX_ROWS = {"none", "mixup_only", "cutmix_only", "mixup_cutmix"}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
+    """The issue's runs, written by train.py into one outputs/ folder."""
+    cwd = tmp_path_factory.mktemp("agg_runs")
+    run_train(["-m", "ablation=baseline,sgd,no_mixup", "seed=0,1", *TWO_EPOCHS], cwd, data_cache)
+    run_train(["-m", "mix=none,mixup_only,cutmix_only", *TWO_EPOCHS], cwd, data_cache)
+    run_train(TWO_EPOCHS, cwd, data_cache)
+    return cwd / "outputs"
+
+
+def _table(argv: list[str]):
+    args = cli.build_parser().parse_args(argv)
+    return cli.aggregate(args, warn=lambda message: None)
+
+
+def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[dict, str]:
+    assert cli.main([*argv, "--format", "json"]) == 0
+    out = capsys.readouterr()
+    return json.loads(out.out), out.err
+
+
+def _configs(outputs: Path) -> dict[str, dict]:
+    return {r.run_id: r.config for r in read_offline(outputs / "wandb", warn=lambda m: None)}
+
+
+def test_runs_log_choices_and_keep_a_metrics_csv(outputs: Path) -> None:
+    configs = _configs(outputs)
+    assert len(configs) == 10
+    mixes = sorted(c["choices"]["mix"] for c in configs.values())
+    assert mixes == sorted(["none", "mixup_only", "cutmix_only"] + ["mixup_cutmix"] * 7)
+    assert all(not any(k.startswith("hydra/") for k in c["choices"]) for c in configs.values())
+    for config in configs.values():
+        folder = outputs / "runs" / config["run_name"]
+        assert OmegaConf.load(folder / ".hydra" / "hydra.yaml").hydra.runtime.choices.mix == config["choices"]["mix"]
+        lines = (folder / METRICS_CSV).read_text().splitlines()
+        assert lines[0].startswith("epoch,step,") and "val/top1" in lines[0]
+        assert [line.split(",")[0] for line in lines[1:]] == ["0", "1"]
+
+
+def test_no_cell_pools_sgd_with_adamw(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    configs = _configs(outputs)
+    for rows in ("mix", "optimizer.name", "ablation", "seed"):
+        data, err = _json([str(outputs / "wandb"), "--rows", rows], capsys)
+        for row in data["rows"]:
+            for cell in row["cells"].values():
+                settings = {json.dumps(experiment_settings(configs[rid]), sort_keys=True) for rid in cell["run_ids"]}
+                assert len(settings) <= 1, (rows, row["key"])
+                optimizers = {configs[rid]["optimizer"]["name"] for rid in cell["run_ids"]}
+                assert len(optimizers) <= 1, (rows, row["key"], optimizers)
+    data, err = _json([str(outputs / "wandb"), "--rows", "mix"], capsys)
+    split = next(s for s in data["splits"] if s["row"] == "mixup_cutmix")
+    assert "optimizer.name" in split["varied"] and "ablation" in split["varied"]
+    assert "runs differ in ablation, mix.mixup_alpha, optimizer.name" in err  # always said which keys varied
+
+
+def test_rows_mix_are_the_option_names(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, _ = _json([str(outputs / "wandb"), "--rows", "mix"], capsys)
+    keys = [r["key"] for r in data["rows"]]
+    assert set(keys) == MIX_ROWS | {"mixup_cutmix · ablation=no_mixup", "mixup_cutmix · ablation=sgd"}
+    assert {r["base"] for r in data["rows"]} == MIX_ROWS and data["rows_key"] == "mix"
+    assert data["baseline"] == "mixup_cutmix"
+    main = next(r for r in data["rows"] if r["key"] == "mixup_cutmix")["cells"]["pretrain"]
+    assert main["n"] == 2 and sorted(main["seeds"]) == [0, 1] and len(main["same_seed"]) == 1  # the plain run
+    data, _ = _json([str(outputs / "wandb"), "--rows", "mix", "--match-baseline"], capsys)
+    assert {r["key"] for r in data["rows"]} == MIX_ROWS
+    assert len(data["meta"]["not_matching_baseline"]) == 4  # sgd and no_mixup, two seeds each
+    data, _ = _json([str(outputs / "wandb"), "--rows", "mix.mixup_alpha"], capsys)  # a plain key: its values
+    assert {r["base"] for r in data["rows"]} == {"0", "0.8"}
+
+
+def test_table8_view_splits_and_reports_a_repeated_seed(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, err = _json([str(outputs / "wandb")], capsys)
+    rows = {r["key"]: r for r in data["rows"]}
+    base = rows["baseline"]["cells"]["pretrain"]
+    assert base["n"] == 2 and len(base["same_seed"]) == 1 and "repeat a seed already counted" in err
+    assert rows["baseline"]["cells"]["pretrain"]["paper"] == 81.8
+    for mix in ("none", "mixup_only", "cutmix_only"):
+        sub = rows[f"baseline · mix={mix}"]
+        assert sub["cells"]["pretrain"]["n"] == 1 and sub["cells"]["pretrain"]["paper"] is None
+    assert rows["sgd"]["cells"]["pretrain"]["n"] == 2 and rows["no_mixup"]["cells"]["pretrain"]["n"] == 2
+    assert len(data["rows"]) == 13 + 3  # Table 8's rows, three of them without runs... and the mix sub-rows
+    data, _ = _json([str(outputs / "wandb"), "--paper", "none"], capsys)  # no paper: rows without runs hidden
+    assert [r["key"] for r in data["rows"]] == [
+        "baseline", "baseline · mix=cutmix_only", "baseline · mix=mixup_only", "baseline · mix=none", "sgd", "no_mixup"
+    ]
+    data, _ = _json([str(outputs / "wandb"), "--only-present"], capsys)
+    assert len(data["rows"]) == 6 and data["paper"]["table"] == "table8"
+    md = capsys.readouterr
+    assert cli.main([str(outputs / "wandb"), "--list-runs"]) == 0
+    assert "same seed: not averaged" in md().out
+
+
+def test_curves_draw_one_line_per_row_with_data(outputs: Path) -> None:
+    table = _table([str(outputs / "wandb"), "--rows", "mix"])
+    png = outputs.parent / "curves.png"
+    fig = plot_curves(table, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with_data = [r.key for r in table.rows if any(c.n for c in r.cells.values())]
+    assert len(fig.axes) == 1 and len(with_data) == 6  # pre-training only: one panel
+    assert sorted(line.get_label().split(" (n=")[0] for line in fig.axes[0].lines) == sorted(with_data)
+    means = {line.get_label().split(" (n=")[0]: list(line.get_ydata()) for line in fig.axes[0].lines}
+    assert all(len(v) == 2 for v in means.values())  # two epochs each
+    assert cli.main([str(outputs / "wandb"), "--rows", "mix", "--curves", str(png), "-q", "--out", "/dev/null"]) == 0
+
+
+def test_curves_read_the_csv_else_the_wandb_log(outputs: Path, tmp_path: Path) -> None:
+    runs = read_offline(outputs / "wandb", warn=lambda m: None)
+    from_csv = load_histories(runs, jobs=1)
+    assert {where for _, where in from_csv.values()} == {"csv"}
+    shutil.copytree(outputs / "wandb", tmp_path / "elsewhere" / "wandb", ignore=shutil.ignore_patterns("latest-run"))
+    moved = read_offline(tmp_path / "elsewhere" / "wandb", warn=lambda m: None)
+    from_log = load_histories(moved, jobs=1)
+    assert {where for _, where in from_log.values()} == {"log"}
+    for rid, (rows, _) in from_csv.items():
+        logged = from_log[rid][0]
+        assert [r["epoch"] for r in logged] == [0, 1]
+        assert [r["val/top1"] for r in logged] == pytest.approx([r["val/top1"] for r in rows], abs=1e-6)
+
+
+def test_html_is_one_self_contained_file(outputs: Path) -> None:
+    page = outputs.parent / "table8.html"
+    assert cli.main([str(outputs / "wandb"), "--format", "html", "--out", str(page), "-q"]) == 0
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and "<table>" in text and "81.8 ± 0.2" in text
+    assert "baseline · mix=none" in text
+    assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]+"', text)) == 2  # Δ plot and curves
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", text, re.I)
+    assert not re.search(r"<script|<link|@import|@font-face|url\(", text, re.I)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--metric", "top-1"], ["--metric 'top-1'", "top1"]),
+        (["--rows", "distil"], ["--rows key 'distil'", "distill"]),
+        (["--where", "optimizer.wd=0.1"], ["'optimizer.wd'", "optimizer.weight_decay"]),
+        (["--preset", "papr"], ["--preset papr", "demo"]),
+        (["--group", "tabel8"], ["--group tabel8"]),
+    ],
+)
+def test_mistakes_exit_2_naming_the_key(outputs: Path, capsys: pytest.CaptureFixture[str], argv, words) -> None:
+    assert cli.main([str(outputs / "wandb"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and all(w in err for w in words), err
+
+
+def test_dropped_paper_column_says_why(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, err = _json([str(outputs / "wandb"), "--rows", "resolution", "--paper", "table10"], capsys)
+    assert data["paper"] is None and "paper table10 left out" in err and "(32)" in err
+
+
+def test_execution_keys_never_split_a_cell() -> None:
+    from deit_ablate.identity import DATA_LOCATION, NOT_EXPERIMENT
+
+    # What never enters a run's identity never splits a cell.
+    assert all(is_execution_key(k) for k in (*NOT_EXPERIMENT[:1], DATA_LOCATION, "runtime.tracking.mode"))
+    assert is_execution_key("runtime.anything") and "runtime" in EXECUTION_KEYS
+    a = {"seed": 0, "train": {"device": "cpu", "epochs": 2}, "runtime": {"x": 1}, "choices": {"mix": "none"}}
+    b = {"seed": 1, "train": {"device": "cuda", "epochs": 2}, "runtime": {"x": 2}, "choices": {"mix": "none"}}
+    assert experiment_settings(a) == experiment_settings(b) == {"train.epochs": 2}
+
+
+def test_metrics_csv_after_a_resume_holds_each_epoch_once(tmp_path: Path) -> None:
+    cfg = OmegaConf.create({"runtime": {"tracking": {"mode": "disabled"}}})
+    first = Tracker(cfg, RunIdentity("name", "id", "group", "digest"), {}, enabled=True, run_dir=tmp_path)
+    for epoch in range(3):
+        first.log({"epoch": epoch, "train/loss": 1.0}, step=epoch * 10 + 5)  # a step row: not in the CSV
+        first.log({"epoch": epoch, "val/top1": 10.0 + epoch}, step=epoch * 10 + 10)
+    # resumed from epoch 1
+    resumed = Tracker(cfg, RunIdentity("name", "id", "group", "digest"), {}, enabled=True, run_dir=tmp_path)
+    resumed.log({"epoch": 1, "val/top1": 21.0, "val_ema/top1": 22.0}, step=20)
+    lines = (tmp_path / METRICS_CSV).read_text().splitlines()
+    assert lines == ["epoch,step,val/top1,val_ema/top1", "0,10,10.0,", "1,20,21.0,22.0"]
+    Tracker(cfg, RunIdentity("name", "id", "group", "digest"), {}, enabled=False,
+            run_dir=tmp_path / "rank1").log({"epoch": 0, "val/top1": 1}, 1)
+    assert not (tmp_path / "rank1").exists()

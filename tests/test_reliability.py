@@ -1,0 +1,334 @@
+"""Bad input and faults, one case each (issue 14): a clear message or a recovery, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from deit_ablate.distill import load_teacher
+
+from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
+from deit_ablate.data.builtin import ensure_builtin_dataset
+from deit_ablate.errors import ConfigError
+from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
+from deit_ablate.validate import validate_config
+from tests.conftest import REPO, TINY, compose_config, run_train
+
+
+def _no_run_left(cwd: Path, output_root: str = "outputs") -> bool:
+    """No run folder and no wandb run under `output_root`: nothing was written for the run."""
+    return not list((cwd / output_root).glob("runs/*")) and not list((cwd / output_root).glob("wandb/*run-*"))
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("optimizer.lr=-1", "optimizer.lr=-1.0 must be > 0"),
+    ("optimizer.lr=0", "optimizer.lr=0.0 must be > 0"),
+    ("runtime.eval_batch=0", "runtime.eval_batch=0 must be >= 1"),
+    ("runtime.num_workers=-1", "runtime.num_workers=-1 must be >= 0"),
+    ("train.epochs=0", "train.epochs=0 must be >= 1"),
+    ("train.epochs=-3", "train.epochs=-3 must be >= 1"),
+    ("finetune.epochs=0", "finetune.epochs=0 must be >= 1"),
+    ("train.max_steps=0", "train.max_steps=0 must be >= 1"),
+    ("runtime.tracking.project=../..", "runtime.tracking.project=../.. is not a safe name"),
+    ("runtime.tracking.project=a/b", "runtime.tracking.project=a/b is not a safe name"),
+    ("augment.auto_augment=rand-m9-mstd0.5-inc", "section 'inc' has no valid value for 'inc'"),
+    ("augment.auto_augment=rand-m9-mstd0.5-inc2", "section 'inc2' has no valid value"),
+    ("augment.auto_augment=rand-x9", "section 'x9' is not one of"),
+    ("augment.auto_augment=rand-m9-tweight", "section 'tweight' names no transform set"),
+    ("augment.auto_augment=randaugment", "'randaugment' is not a policy kind"),
+    ("augment.auto_augment=original-m9", "section 'm9' is not one of mstd"),
+])
+def test_out_of_range_values_are_refused_naming_the_key(override, expected):
+    with pytest.raises(ConfigError) as error:
+        validate_config(compose_config([override]))
+    assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("policy", ["rand-m9-mstd0.5-inc1", "rand-m9-n3-mstd0.5", "rand-mstd1-tweights",
+                                    "original", "v0r-mstd0.5", "3a", "augmix-m5-w4-d2", None])
+def test_timm_policy_strings_pass(policy):
+    validate_config(compose_config([f"augment.auto_augment={policy if policy else 'null'}"]))
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("optimizer.lr=-1", "optimizer.lr=-1.0 must be > 0"),
+    ("runtime.tracking.project=../..", "runtime.tracking.project=../.. is not a safe name"),
+    ("augment.auto_augment=rand-m9-mstd0.5-inc", "Expected rand-m<magnitude>[-n<ops>]"),
+])
+def test_bad_values_exit_2_with_one_line_and_leave_nothing(tmp_path, data_cache, override, expected):
+    proc = run_train(TINY + [override], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
+    assert _no_run_left(tmp_path)
+
+
+def test_imagefolder_split_without_class_folders_is_refused(tmp_path):
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+    with pytest.raises(ConfigError) as error:
+        validate_config(compose_config(["data=imagefolder", f"data.root={tmp_path}", "data.num_classes=1"]))
+    assert f"{tmp_path / 'train'} is not an ImageFolder split: it holds no class folder" in str(error.value)
+
+
+def test_imagefolder_with_an_empty_class_folder_is_the_clear_data_root_error(tmp_path, data_cache):
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        (root / split / "cat").mkdir(parents=True)
+    (root / "val" / "cat" / "a.png").write_bytes(b"")
+    proc = run_train(["data=imagefolder", f"data.root={root}", "data.num_classes=1"] + TINY, tmp_path, data_cache,
+                     check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{root / 'train'} is not an ImageFolder split: its class folder(s) cat hold no image" in proc.stderr
+    assert _no_run_left(tmp_path)
+
+
+def _run_dir(cwd: Path) -> Path:
+    (run_dir,) = [p for p in (cwd / "outputs" / "runs").iterdir() if p.is_dir()]
+    return run_dir
+
+
+def _result(cwd: Path) -> dict:
+    return json.loads((_run_dir(cwd) / "result.json").read_text())
+
+
+def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(tmp_path, data_cache):
+    proc = run_train(TINY + ["train.epochs=2", "optimizer.min_lr=0.5"], tmp_path, data_cache)  # min lr > peak: warns
+    log = (_run_dir(tmp_path) / "train.log").read_text()
+    assert "pretrain at 32px" in log and "global batch 32 = 1 x 32 per rank" in log  # the start line
+    assert "[epoch 0] train loss" in log and "[epoch 1] train loss" in log
+    assert "status    finished after 16 steps" in log and "top-1" in log
+    assert "WARNING py.warnings" in log and "is above the peak lr" in log  # warnings reach the run's own log
+    assert "status    finished after 16 steps" in proc.stdout and "[epoch 1]" in proc.stdout  # and the console
+
+
+def test_epochs_done_counts_only_completed_epochs_after_max_steps(tmp_path, data_cache):
+    run_train(TINY + ["train.epochs=2", "train.max_steps=5"], tmp_path, data_cache)
+    result = _result(tmp_path)
+    assert (result["epochs_done"], result["steps_done"]) == (0, 5) and "top1" in result
+
+
+def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache):
+    run_train(TINY, tmp_path, data_cache)
+    run_dir = _run_dir(tmp_path)
+    first = json.loads((run_dir / "result.json").read_text())
+    # What a kill between the final checkpoint and result.json leaves; earlier launches took 1000 s.
+    (run_dir / "result.json").unlink()
+    state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    assert state["training_complete"] and state["step"] == 8
+    state["train_seconds"] = 1000.0
+    torch.save(state, run_dir / "checkpoint-last.pt")
+    proc = run_train(TINY, tmp_path, data_cache)
+    assert "training was complete at step 8" in proc.stdout
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "finished" and (result["steps_done"], result["epochs_done"]) == (8, 1)
+    assert result["top1"] == first["top1"] and result["top1_final"] == first["top1_final"]
+    assert 1000.0 <= result["train_seconds"] < 1000.0 + 600
+    runs = read_offline(tmp_path / "outputs" / "wandb")
+    assert len({r.run_id for r in runs}) == 1 and runs[-1].summary["top1"] == first["top1"]
+
+
+def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache):
+    run_train(TINY + ["train.max_steps=3"], tmp_path, data_cache)
+    run_dir = _run_dir(tmp_path)
+    for garbage in ("{not json", "[1, 2]"):
+        (run_dir / "result.json").write_text(garbage)
+        proc = run_train(TINY + ["train.max_steps=3"], tmp_path, data_cache)
+        assert "Traceback" not in proc.stderr
+        assert f"{run_dir / 'result.json'} is not a run result" in proc.stderr
+        assert "Treated as unfinished" in proc.stderr
+        result = _result(tmp_path)
+        assert result["status"] == "finished" and result["steps_done"] == 3 and "top1" in result
+
+
+def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, data_cache):
+    args = TINY + ["train.epochs=2"]
+    run_train(args, tmp_path, data_cache)
+    run_dir = _run_dir(tmp_path)
+    assert torch.load(run_dir / "checkpoint-prev.pt", weights_only=True)["step"] == 8  # one older good copy
+    (run_dir / "result.json").unlink()
+    last = run_dir / "checkpoint-last.pt"
+    last.write_bytes(last.read_bytes()[:1000])  # truncated
+    stale = run_dir / ".checkpoint-last.pt.k1ll3d.tmp"  # what a writer killed mid-save leaves
+    stale.write_bytes(b"\0" * 4096)
+    proc = run_train(args, tmp_path, data_cache)
+    assert "Traceback" not in proc.stderr
+    assert "checkpoint-last.pt cannot be read" in proc.stderr and "Falling back to checkpoint-prev.pt" in proc.stderr
+    assert "epoch 1 (batch 0), step 8" in proc.stdout and not stale.exists()
+    assert (run_dir / "checkpoint-last.pt.unreadable").exists()
+    result = _result(tmp_path)
+    assert (result["steps_done"], result["epochs_done"]) == (16, 2) and "top1" in result
+    assert "cannot be read" in (run_dir / "train.log").read_text()
+
+    (run_dir / "result.json").unlink()
+    for name in ("checkpoint-last.pt", "checkpoint-prev.pt"):
+        (run_dir / name).write_bytes(b"garbage")
+    proc = run_train(args, tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot resume: no checkpoint there can be read" in proc.stderr
+    assert f"rm '{run_dir / 'checkpoint-last.pt'}' '{run_dir / 'checkpoint-prev.pt'}'" in proc.stderr
+
+
+def test_garbage_teacher_checkpoint_names_the_file_and_never_suggests_unsafe_loading(tmp_path):
+    garbage = tmp_path / "teacher.pth"
+    garbage.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(ConfigError) as error:
+        load_teacher("resnet10t", garbage, 10)
+    assert f"The teacher checkpoint {garbage} cannot be read" in str(error.value)
+    assert "weights_only" not in str(error.value)
+
+
+def _image_folder(data_cache: Path, target: Path) -> Path:
+    """A copy of the tiny built-in set as a plain ImageFolder tree."""
+    source = ensure_builtin_dataset(data_cache / "builtin", 40, 30, 10, 0)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.json"))
+    return target
+
+
+def test_unreadable_image_is_replaced_named_once_and_counted(tmp_path, data_cache):
+    root = _image_folder(data_cache, tmp_path / "folder")
+    bad = root / "train" / "disc" / "garbage.JPEG"
+    bad.write_bytes(b"this is not a JPEG" * 50)
+    args = ["data=imagefolder", f"data.root={root}", "data.num_classes=10"] + TINY + [
+        "train.epochs=2", "runtime.num_workers=2"]  # found in a loader worker: the training process names and counts it
+    proc = run_train(args, tmp_path, data_cache)
+    assert "Traceback" not in proc.stderr
+    result = _result(tmp_path)
+    assert result["status"] == "finished" and result["data/bad_images"] == 1 and "top1" in result
+    log = (_run_dir(tmp_path) / "train.log").read_text()
+    assert log.count(f"unreadable image {bad}") == 1  # named once, though read in both epochs
+    assert (read_offline(tmp_path / "outputs" / "wandb")[0].summary["data/bad_images"]) == 1
+
+    proc = run_train(args + ["runtime.on_bad_image=fail", "runtime.output_root=failing"], tmp_path, data_cache,
+                     check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{bad} cannot be read as an image" in proc.stderr and "runtime.on_bad_image=skip" in proc.stderr
+
+
+def _lock_record(pid: int, host: str | None = None, **extra) -> str:
+    record = {**this_process(), "pid": pid, "proc_start": None, "token": "theirs", **extra}
+    if host is not None:
+        record["host"] = host
+    return json.dumps(record)
+
+
+@pytest.fixture
+def sleeper():
+    """A live process on this host that is not this one."""
+    proc = subprocess.Popen(["sleep", "120"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_run_lock_is_held_by_a_live_process_and_taken_over_when_it_is_gone(tmp_path, sleeper):
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text(_lock_record(sleeper.pid))
+    holder = RunLock(tmp_path).try_acquire()
+    assert holder is not None and f"pid {sleeper.pid} on host {socket.gethostname()}" in holder
+    sleeper.kill()
+    sleeper.wait()
+    lock = RunLock(tmp_path)
+    assert lock.try_acquire() is None and f"pid {sleeper.pid} is gone" in lock.taken_over[0]
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not lock_file.exists() and not list(tmp_path.iterdir())  # nothing left beside it either
+
+
+def test_run_lock_from_another_host_counts_as_stale_only_when_not_refreshed(tmp_path):
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text(_lock_record(1, host="elsewhere"))
+    assert "on host elsewhere" in RunLock(tmp_path).try_acquire()
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(lock_file, (old, old))
+    lock = RunLock(tmp_path)
+    assert lock.try_acquire() is None and "not refreshed" in lock.taken_over[0]
+    lock.release()
+
+
+def test_run_lock_of_an_earlier_attempt_of_the_same_slurm_job_is_taken_over(tmp_path, monkeypatch):
+    lock_file = tmp_path / LOCK_NAME
+    lock_file.write_text(_lock_record(1, host="node7", slurm_job="4242", slurm_restart="0"))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert "SLURM job 4242" in RunLock(tmp_path).try_acquire()  # the same attempt: not ours to take
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued attempt, maybe on another node
+    lock = RunLock(tmp_path)
+    assert lock.try_acquire() is None and "earlier attempt of SLURM job 4242" in lock.taken_over[0]
+    lock.release()
+
+
+def test_run_lock_release_leaves_a_lock_that_is_not_ours(tmp_path):
+    lock = RunLock(tmp_path)
+    assert lock.try_acquire() is None
+    (tmp_path / LOCK_NAME).write_text(_lock_record(1, host="elsewhere"))  # taken over by another launch
+    lock.release()
+    assert (tmp_path / LOCK_NAME).exists()
+
+
+def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper):
+    run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache)
+    run_dir = _run_dir(tmp_path)
+    (run_dir / "result.json").unlink()
+    (run_dir / LOCK_NAME).write_text(_lock_record(sleeper.pid, proc_start=None))
+    before = sorted(p.name for p in (tmp_path / "outputs" / "wandb").iterdir())
+    proc = run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"is in use by another launch of the same run: pid {sleeper.pid} on host" in proc.stderr
+    assert "runtime.wait_for_lock=true" in proc.stderr and f"delete {run_dir / LOCK_NAME}" in proc.stderr
+    assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == sleeper.pid  # untouched
+    assert sorted(p.name for p in (tmp_path / "outputs" / "wandb").iterdir()) == before  # no new wandb run
+    assert not (run_dir / "result.json").exists()
+
+
+WANDB_WRITER = r"""
+import os, sys
+os.environ["WANDB_SILENT"] = "true"
+import wandb
+run = wandb.init(project="p", dir=sys.argv[1], mode="offline", id="real", config={"ablation": "baseline"},
+                 settings=wandb.Settings(x_disable_stats=True, console="off", save_code=False, disable_git=True))
+run.summary.update({"status": "finished", "top1": 50.0})
+run.finish()
+"""
+
+READER = r"""
+import json, sys
+from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
+print(json.dumps([run.run_id for run in read_offline(sys.argv[1], jobs=1)]))
+"""
+
+
+def test_aggregator_reads_regular_files_only_and_reports_each_skipped_path(tmp_path):
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    subprocess.run([sys.executable, "-c", WANDB_WRITER, str(tmp_path)], check=True, env=env, timeout=120)
+    wandb_dir = tmp_path / "wandb"
+    (real,) = wandb_dir.glob("offline-run-*-real/run-real.wandb")
+    outside = tmp_path / "outside" / "run-other.wandb"
+    outside.parent.mkdir()
+    shutil.copy(real, outside)
+    planted = {}
+    for name in ("fifo", "zero", "out", "huge"):
+        folder = wandb_dir / f"offline-run-20260101_000000-{name}"
+        folder.mkdir()
+        planted[name] = folder / f"run-{name}.wandb"
+    os.mkfifo(planted["fifo"])
+    planted["zero"].symlink_to("/dev/zero")
+    planted["out"].symlink_to(outside)
+    with open(planted["huge"], "wb") as handle:  # sparse: no disk space used
+        handle.truncate(MAX_LOG_BYTES + 1)
+    proc = subprocess.run([sys.executable, "-c", READER, str(wandb_dir)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["real"]
+    assert f"{planted['fifo']}: skipped, not a regular file" in proc.stderr
+    assert f"{planted['zero']}: skipped, a symlink to /dev/zero, outside {wandb_dir.resolve()}" in proc.stderr
+    assert f"{planted['out']}: skipped, a symlink to {outside.resolve()}, outside" in proc.stderr
+    assert f"{planted['huge']}: skipped, {MAX_LOG_BYTES + 1} bytes, above the" in proc.stderr
