@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from deit_ablate.distill import load_teacher
 
 from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.errors import ConfigError
 from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
+from deit_ablate.teacher import load_teacher
 from deit_ablate.validate import validate_config
 from tests.conftest import REPO, TINY, compose_config, run_train
 

@@ -54,6 +54,15 @@ def test_sweep_runs_8_rank_jobs_and_chains_the_finetune_after_its_pretraining(tm
     assert all(r.summary["world_size"] == 8 for r in runs)
 
 
+def test_dry_run_on_the_slurm_launcher_plans_without_queueing(tmp_path, data_cache):
+    queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    proc = run_train(["-m", "stage=pretrain,finetune", "runtime.dry_run=true"] + SLURM + TINY, tmp_path, data_cache)
+    plan = [line for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
+    assert len(plan) == 2 and "train from step 0" in plan[0] and "wait for its pre-training" in plan[1]
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split() == queued
+    assert not (tmp_path / "outputs" / "runs" / ".submitit").exists()  # nothing submitted
+
+
 def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_cache):
     tiny = [o for o in TINY if o != "train.epochs=1"]
     args = ["-m", "runtime.checkpoint_every_steps=1", "train.epochs=6"] + SLURM + tiny
