@@ -110,6 +110,14 @@ def run_identity(cfg: DictConfig, overrides: list[str]) -> RunIdentity:
     return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)
 
 
+def with_data(identity: RunIdentity, data: dict[str, Any]) -> RunIdentity:
+    """The identity once its data is known: the wandb id and group carry the data's fingerprint too, so the same
+    settings on two datasets (under two output roots) never write to one wandb run."""
+    digest = str(data.get("digest", ""))
+    return RunIdentity(identity.name, _short_hash(f"{identity.digest}:{digest}", 16),
+                       f"{identity.group}@{digest[:6]}" if digest else identity.group, identity.digest)
+
+
 def folder_name(identity: RunIdentity, runs_root: Path) -> str:
     """The run's folder under `runs_root`: the one already holding its experiment, whatever overrides named it
     then, else `identity.name`."""

@@ -24,7 +24,7 @@ from deit_ablate.data.transforms import build_eval_transform, build_train_pipeli
 from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, gather_objects, init_distributed
 from deit_ablate.engine import Diverged, Trainer, evaluate
 from deit_ablate.errors import ConfigError, RunError
-from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra
+from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra, with_data
 from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.losses import TOKEN_KINDS, DistillationLoss
 from deit_ablate.mixing import build_criterion, build_mixup
@@ -201,6 +201,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     identity = identity_from_hydra(cfg)
     run_dir = RunDir(current_run_dir())
     data = data_identity(cfg, run_dir)
+    identity = with_data(identity, data)
     if cfg.runtime.dry_run:
         print(f"[dry run] {identity.name} (wandb id {identity.run_id}): {launch_plan(cfg, run_dir)}", flush=True)
         run_dir.discard_if_empty()
