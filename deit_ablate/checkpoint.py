@@ -3,10 +3,8 @@ resumable mid-epoch; an unreadable one is reported by name (and a resume falls b
 
 from __future__ import annotations
 
-import errno
 import os
 import pickle
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -16,8 +14,8 @@ from typing import Any
 
 import torch
 
-from deit_ablate.errors import ConfigError, RunError
-from deit_ablate.rundir import LAST, PREV
+from deit_ablate.errors import ConfigError
+from deit_ablate.rundir import LAST, PREV, is_no_space, no_space_error
 
 # What a killed writer leaves: save_atomic's temp files and run.py's result temp file.
 STALE_PATTERNS = (".checkpoint-*.tmp", ".result.json.tmp")
@@ -32,36 +30,6 @@ class CheckpointUnreadable(ConfigError):
         super().__init__(f"{named} cannot be read: {reason}. It is truncated or damaged, not a PyTorch or "
                          "safetensors checkpoint, or holds objects other than tensors and plain values (which are "
                          "never unpickled here). Re-save or copy it again from a good source.")
-
-
-def _human_bytes(count: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if count < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"
-
-
-def no_space_error(path: Path, written: int | None = None) -> RunError:
-    """The message for a full disk: the file, the free space there, what is intact and what to do."""
-    usage = shutil.disk_usage(path.parent)
-    needed = f" (the write stopped at {_human_bytes(written)})" if written else ""
-    intact = (f"The previous {path.name} is intact, so nothing before it is lost. " if path.exists() else "")
-    return RunError(f"no space left on the device while writing {path}{needed}: {_human_bytes(usage.free)} free of "
-                    f"{_human_bytes(usage.total)} there now. {intact}Free some space (or point output_root elsewhere) "
-                    "and launch the same command again: the run resumes from its last checkpoint.")
-
-
-def is_no_space(error: BaseException | None) -> bool:
-    """Whether `error`, or an error it was raised from, is ENOSPC (torch.save wraps the OSError of its write)."""
-    for _ in range(4):
-        if error is None:
-            return False
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def save_atomic(state: dict[str, Any], path: str | os.PathLike, keep_previous: str | os.PathLike | None = None) -> None:

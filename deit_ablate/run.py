@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import time
 from collections.abc import Callable
@@ -43,19 +42,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write a small JSON file via a temp file and a rename (a full disk is a RunError)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(payload, indent=2))
-        tmp.replace(path)
-    except OSError as error:
-        tmp.unlink(missing_ok=True)
-        if ckpt.is_no_space(error):
-            raise ckpt.no_space_error(path) from None
-        raise
 
 
 def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
@@ -255,9 +241,8 @@ def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
     result = previous_result(run_dir, is_main=False)
     if result is not None:
         return f"skip (already {result['status']})"
-    from_checkpoint = cfg.stage == "finetune" and not cfg.finetune.init_checkpoint
-    if from_checkpoint:
-        upstream = pretrain_run_dir(cfg)
+    upstream = pretrain_run_dir(cfg) if cfg.stage == "finetune" and not cfg.finetune.init_checkpoint else None
+    if upstream is not None:
         upstream_result = previous_result(upstream, is_main=False)
         if upstream_result is None:
             return f"wait for its pre-training {upstream.name}"
@@ -266,7 +251,7 @@ def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
     point = ckpt.find_resume_point(run_dir.path)
     if point is not None:
         return f"resume from step {point.state['step']} ({point.path.name})"
-    return "train from step 0" + (f", starting from {pretrain_run_dir(cfg).name}" if from_checkpoint else "")
+    return "train from step 0" + (f", starting from {upstream.name}" if upstream is not None else "")
 
 
 def record_identity(run_dir: RunDir, identity: RunIdentity, data: dict[str, Any]) -> None:
@@ -307,8 +292,8 @@ def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: Run
     tracker.summary(final)
     tracker.finish()
     record_identity(run_dir, identity, data)
-    write_json_atomic(run_dir.result, {"run_id": identity.run_id, "name": identity.name, **final,
-                                       "experiment_digest": identity.digest, "data_fingerprint": data})
+    run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
+                          "experiment_digest": identity.digest, "data_fingerprint": data})
     log.info(f"[run] {identity.name}: {final['note']}.")
     return final
 
@@ -403,8 +388,8 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunD
     tracker.summary(final)
     tracker.finish(exit_code=0)
     if info.is_main:
-        write_json_atomic(run_dir.result, {"run_id": identity.run_id, "name": identity.name, **final,
-                                           "experiment_digest": identity.digest, "data_fingerprint": data})
+        run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
+                              "experiment_digest": identity.digest, "data_fingerprint": data})
         print_summary(identity, final, run_dir.path)
     return broadcast_object(final, info)
 

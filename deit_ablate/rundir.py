@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.errors import ConfigError
+from deit_ablate.errors import ConfigError, RunError
 
 # The files of a run folder.
 LAST, PREV, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
@@ -33,11 +34,47 @@ def read_result(path: Path) -> dict[str, Any]:
                       "checkpoint (or starts again) and writes it anew.")
 
 
+def _human_bytes(count: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def no_space_error(path: Path, written: int | None = None) -> RunError:
+    """The message for a full disk: the file, the free space there, what is intact and what to do."""
+    usage = shutil.disk_usage(path.parent)
+    needed = f" (the write stopped at {_human_bytes(written)})" if written else ""
+    intact = (f"The previous {path.name} is intact, so nothing before it is lost. " if path.exists() else "")
+    return RunError(f"no space left on the device while writing {path}{needed}: {_human_bytes(usage.free)} free of "
+                    f"{_human_bytes(usage.total)} there now. {intact}Free some space (or point runtime.output_root "
+                    "elsewhere) and launch the same command again: the run resumes from its last checkpoint.")
+
+
+def is_no_space(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from, is ENOSPC (torch.save wraps the OSError of its write)."""
+    for _ in range(4):
+        if error is None:
+            return False
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write a small JSON file via a temp file and a rename."""
+    """Write a small JSON file via a temp file and a rename (a full disk is a RunError)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(payload, indent=2))
+        tmp.replace(path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        if is_no_space(error):
+            raise no_space_error(path) from None
+        raise
 
 
 @dataclass(frozen=True)

@@ -90,11 +90,12 @@ def stage_recipe(cfg: DictConfig) -> StageRecipe:
 def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The weights a pre-training run ended with: its EMA's when it kept one (the `ema` row's result)."""
     source = f"The pre-trained checkpoint {path}"
-    if Path(path).suffix != ".safetensors":
-        state = ckpt.load(path)
-        if isinstance(state, dict) and isinstance(state.get("ema"), dict):
-            return ckpt.extract_state_dict({"model": state["ema"]}, source=source)
-    return ckpt.read_weights(path, source=source)
+    if Path(path).suffix == ".safetensors":
+        return ckpt.read_weights(path, source=source)
+    state = ckpt.load(path, source)  # read once: a paper-scale checkpoint is about a gigabyte
+    if isinstance(state, dict) and isinstance(state.get("ema"), dict):
+        state = {"model": state["ema"]}
+    return ckpt.extract_state_dict(state, source=source)
 
 
 def load_pretrained(model: torch.nn.Module, path: str | Path) -> None:
