@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Stop the one-node test SLURM cluster started by scripts/slurm_up.sh.
+# Stop the test SLURM cluster started by scripts/slurm_up.sh and remove its namespace nodes' network.
 #
-#   scripts/slurm_down.sh           # cancel all jobs, stop slurmd, slurmctld and munged
+#   scripts/slurm_down.sh           # cancel all jobs, stop every slurmd, slurmctld and munged, delete the
+#                                   # deit-nK network namespaces, the deitbr0 bridge and the nK lines
+#                                   # slurm_up.sh added to /etc/hosts
 #   scripts/slurm_down.sh --purge   # same, then also forget all job state (StateSaveLocation,
 #                                   # slurmd spool) so the next slurm_up starts at a clean slate
 #
@@ -14,13 +16,14 @@ SPOOL_DIR=/var/spool/slurmd
 RUN_DIR=/run/slurm
 MUNGE_PID=/run/munge/munged.pid
 CTLD_PID="$RUN_DIR/slurmctld.pid"
-SLURMD_PID="$RUN_DIR/slurmd.pid"
+BRIDGE=deitbr0
+HOSTS_MARK="# deit_ablate slurm_up node"
 
 PURGE=0
 for arg in "$@"; do
     case "$arg" in
         --purge) PURGE=1 ;;
-        -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
         *) echo "[slurm_down] ERROR: unknown argument '$arg' (only --purge)" >&2; exit 2 ;;
     esac
 done
@@ -74,13 +77,34 @@ if pid_alive "$CTLD_PID" && command -v squeue >/dev/null 2>&1; then
 fi
 
 # 2. daemons: slurmd first (it kills its job steps), then the controller, then munge
-stop_pidfile "$SLURMD_PID" slurmd
+for pidfile in "$RUN_DIR"/slurmd-*.pid "$RUN_DIR/slurmd.pid"; do
+    [ -e "$pidfile" ] && stop_pidfile "$pidfile" "slurmd ($(basename "$pidfile" .pid))"
+done
 stop_pidfile "$CTLD_PID" slurmctld
 stop_pidfile "$MUNGE_PID" munged
 
 if [ "$PURGE" -eq 1 ]; then
     log "purging job state in $STATE_DIR and $SPOOL_DIR"
     rm -rf "${STATE_DIR:?}"/* "${SPOOL_DIR:?}"/*
+fi
+
+# 3. the namespace nodes' network: their namespaces (the veth pairs go with them), the bridge, /etc/hosts
+if command -v ip >/dev/null 2>&1; then
+    for ns in /run/netns/deit-n*; do
+        [ -e "$ns" ] || continue
+        log "deleting network namespace $(basename "$ns")"
+        ip netns del "$(basename "$ns")" || true
+    done
+    if ip link show "$BRIDGE" >/dev/null 2>&1; then
+        log "deleting bridge $BRIDGE"
+        ip link del "$BRIDGE" || true
+    fi
+fi
+if grep -q "$HOSTS_MARK\$" /etc/hosts 2>/dev/null; then
+    log "removing the namespace nodes from /etc/hosts"
+    # in place (sed -i would replace the file, which fails where /etc/hosts is a mount point)
+    kept="$(grep -v "$HOSTS_MARK\$" /etc/hosts)"
+    printf '%s\n' "$kept" >/etc/hosts
 fi
 
 log "cluster stopped"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Bring up a real one-node SLURM cluster on this (Debian, root) machine, for tests.
+# Bring up a real SLURM cluster on this (Debian, root) machine, for tests: this host as a one-node
+# partition, and two more nodes, each in its own network and UTS namespace, as a two-node partition.
 #
 #   scripts/slurm_up.sh      # idempotent: running it again is harmless
 #   scripts/slurm_down.sh    # stops it again
@@ -8,16 +9,27 @@
 #   * installs `slurm-wlm` and `munge` with apt-get, only if they are missing;
 #   * creates the munge key (/etc/munge/munge.key, owned by munge) and starts `munged` as munge;
 #   * makes eight fake GPUs (character devices `mknod /dev/fakegpuN c 1 3`, i.e. /dev/null clones);
-#   * writes /etc/slurm/slurm.conf and /etc/slurm/gres.conf: one node (this host) advertised with
+#   * makes the two extra nodes' network: a bridge `deitbr0` (10.211.0.1/24) in the root namespace and,
+#     per node nK, a network namespace `deit-nK` joined to the bridge by a veth pair, address
+#     10.211.0.1K, `lo` up; `nK` goes into /etc/hosts (marked, removed again by slurm_down.sh) so the
+#     names in SLURM_JOB_NODELIST resolve everywhere;
+#   * writes /etc/slurm/slurm.conf and /etc/slurm/gres.conf: three nodes, each advertised with
 #     CPUs=16 RealMemory=16000 Gres=gpu:8 (SlurmdParameters=config_overrides lets slurmd accept a
-#     node bigger than the machine), partition `debug` (default) and a higher-priority partition
-#     `urgent` whose jobs preempt (requeue) `debug` jobs, accounting off, JobRequeue=1;
+#     node bigger than the machine): this host in partition `debug` (default) and a higher-priority
+#     partition `urgent` whose jobs preempt (requeue) `debug` jobs; n1 and n2 in partition `multi`
+#     (two-node jobs: hydra.launcher.partition=multi hydra.launcher.nodes=2); accounting off,
+#     JobRequeue=1; every slurmd has its own spool, pid and log file (%n = its node name);
 #   * installs a small `sacct` shim so submitit sees job states although accounting is off;
-#   * starts slurmctld and slurmd (restarting them if the config changed) and waits until the node
-#     is idle.
+#   * starts slurmctld, this host's slurmd, and one slurmd per extra node inside its namespaces
+#     (`nsenter --net=/run/netns/deit-nK unshare --uts`, hostname nK; nsenter rather than `ip netns
+#     exec`, which remounts /sys and breaks slurmd's cgroup set-up), restarting them if the config
+#     changed, and waits until every node is idle.
 #
 # Environment knobs (all optional):
-#   SLURM_UP_TIMEOUT   seconds to wait for the node to become idle (default 60)
+#   SLURM_UP_TIMEOUT   seconds to wait for the nodes to become idle (default 60)
+#   SLURM_UP_EXTRA_NODES number of namespace nodes for the `multi` partition (default 2; 0: only
+#                      this host, no bridge, no namespaces)
+#   SLURM_UP_SUBNET    first three octets of their network (default 10.211.0)
 #   SLURM_UP_CPUS      CPUs advertised for the node (default 16)
 #   SLURM_UP_MEM_MB    RealMemory advertised for the node, in MB (default 16000)
 #   SLURM_UP_GPUS      number of fake GPUs (default 8)
@@ -30,6 +42,8 @@ NODE_CPUS="${SLURM_UP_CPUS:-16}"
 NODE_MEM_MB="${SLURM_UP_MEM_MB:-16000}"
 NGPUS="${SLURM_UP_GPUS:-8}"
 SACCT_SHIM="${SLURM_UP_SACCT_SHIM:-1}"
+EXTRA_NODES="${SLURM_UP_EXTRA_NODES:-2}"
+SUBNET="${SLURM_UP_SUBNET:-10.211.0}"
 
 CONF_DIR=/etc/slurm
 STATE_DIR=/var/spool/slurmctld
@@ -40,7 +54,9 @@ GPU_PREFIX=/dev/fakegpu
 MUNGE_KEY=/etc/munge/munge.key
 MUNGE_PID=/run/munge/munged.pid
 CTLD_PID="$RUN_DIR/slurmctld.pid"
-SLURMD_PID="$RUN_DIR/slurmd.pid"
+BRIDGE=deitbr0
+BRIDGE_ADDR="$SUBNET.1"
+HOSTS_MARK="# deit_ablate slurm_up node"
 SHIM_PATH=/usr/local/bin/sacct
 SHIM_MARK=deit_ablate-sacct-shim
 
@@ -74,8 +90,11 @@ stop_pidfile() {  # stop_pidfile PIDFILE NAME: SIGTERM the process, wait up to 1
 dump_logs() {
     echo "----- $LOG_DIR/slurmctld.log (last 60 lines) -----" >&2
     tail -n 60 "$LOG_DIR/slurmctld.log" >&2 2>/dev/null || echo "(missing)" >&2
-    echo "----- $LOG_DIR/slurmd.log (last 60 lines) -----" >&2
-    tail -n 60 "$LOG_DIR/slurmd.log" >&2 2>/dev/null || echo "(missing)" >&2
+    local node
+    for node in "${NODES[@]}"; do
+        echo "----- $LOG_DIR/slurmd-$node.log (last 40 lines) -----" >&2
+        tail -n 40 "$LOG_DIR/slurmd-$node.log" >&2 2>/dev/null || echo "(missing)" >&2
+    done
     echo "----- /var/log/munge/munged.log (last 20 lines) -----" >&2
     tail -n 20 /var/log/munge/munged.log >&2 2>/dev/null || echo "(missing)" >&2
 }
@@ -106,6 +125,13 @@ done
 HOST="$(hostname -s)"
 [ -n "$HOST" ] || die "hostname -s is empty"
 getent hosts "$HOST" >/dev/null || die "hostname '$HOST' does not resolve; add it to /etc/hosts"
+case "$EXTRA_NODES" in ''|*[!0-9]*) die "SLURM_UP_EXTRA_NODES must be a number (got '$EXTRA_NODES')";; esac
+[ "$EXTRA_NODES" -le 8 ] || die "SLURM_UP_EXTRA_NODES=$EXTRA_NODES: at most 8 namespace nodes"
+EXTRA=()
+for k in $(seq 1 "$EXTRA_NODES"); do EXTRA+=("n$k"); done
+NODES=("$HOST" "${EXTRA[@]}")
+node_addr() { echo "$SUBNET.$((10 + ${1#n}))"; }  # n1 -> 10.211.0.11
+slurmd_pid() { echo "$RUN_DIR/slurmd-$1.pid"; }
 SLURM_USER=root
 if id slurm >/dev/null 2>&1; then SLURM_USER=slurm; fi
 
@@ -155,10 +181,43 @@ done
 log "fake GPUs: ${GPU_PREFIX}[0-$last]"
 
 # ---------------------------------------------------------------------------------------------
-# 4. config files
+# 4. the extra nodes' network: a bridge here, one network namespace per node joined to it by a veth
+#    pair, and the node names in /etc/hosts (every address stays inside what this script creates)
+# ---------------------------------------------------------------------------------------------
+if [ "${#EXTRA[@]}" -gt 0 ]; then
+    command -v ip >/dev/null 2>&1 || die "'ip' not found (package iproute2) but needed for the namespace nodes"
+    if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+        log "creating bridge $BRIDGE ($BRIDGE_ADDR/24)"
+        ip link add "$BRIDGE" type bridge
+    fi
+    ip addr show dev "$BRIDGE" | grep -q "inet $BRIDGE_ADDR/" || ip addr add "$BRIDGE_ADDR/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    for node in "${EXTRA[@]}"; do
+        ns="deit-$node" veth="veth-$node" addr="$(node_addr "$node")"
+        [ -e "/run/netns/$ns" ] || { log "creating network namespace $ns ($addr)"; ip netns add "$ns"; }
+        if ! ip link show "$veth" >/dev/null 2>&1; then
+            ip -n "$ns" link del eth0 2>/dev/null || true
+            ip link add "$veth" type veth peer name eth0 netns "$ns"
+        fi
+        ip link set "$veth" master "$BRIDGE"
+        ip link set "$veth" up
+        ip -n "$ns" addr show dev eth0 | grep -q "inet $addr/" || ip -n "$ns" addr add "$addr/24" dev eth0
+        ip -n "$ns" link set eth0 up
+        ip -n "$ns" link set lo up
+        if ! grep -q "^$addr $node $HOSTS_MARK\$" /etc/hosts; then
+            # rewritten in place, not with sed -i, which fails where /etc/hosts is a mount point
+            kept="$(grep -v " $node $HOSTS_MARK\$" /etc/hosts || true)"
+            printf '%s\n%s\n' "$kept" "$addr $node $HOSTS_MARK" >/etc/hosts
+        fi
+    done
+    log "namespace nodes: ${EXTRA[*]} on $BRIDGE ($SUBNET.0/24)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 5. config files
 # ---------------------------------------------------------------------------------------------
 install -d -m 0755 "$CONF_DIR" "$LOG_DIR" "$RUN_DIR"
-install -d -m 0755 "$SPOOL_DIR"
+for node in "${NODES[@]}"; do install -d -m 0755 "$SPOOL_DIR/$node"; done
 install -d -o "$SLURM_USER" -g "$SLURM_USER" -m 0755 "$STATE_DIR"
 chown "$SLURM_USER:$SLURM_USER" "$LOG_DIR" "$RUN_DIR"
 
@@ -177,10 +236,22 @@ write_if_changed() {  # write_if_changed PATH [MODE] (content on stdin); returns
     return 0
 }
 
+CTLD_HOST="$HOST"
+EXTRA_CONF=""
+if [ "${#EXTRA[@]}" -gt 0 ]; then
+    # the namespace nodes reach the controller at the bridge's address
+    CTLD_HOST="$HOST($BRIDGE_ADDR)"
+    EXTRA_CONF="# two-node jobs: each node its own network + UTS namespace (see the top of slurm_up.sh)"
+    for node in "${EXTRA[@]}"; do
+        EXTRA_CONF+=$'\n'"NodeName=$node NodeAddr=$(node_addr "$node") CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB Gres=gpu:$NGPUS State=UNKNOWN"
+    done
+    EXTRA_CONF+=$'\n'"PartitionName=multi Nodes=$(IFS=,; echo "${EXTRA[*]}") Default=NO MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30"
+fi
+
 if write_if_changed "$CONF_DIR/slurm.conf" <<EOF
-# Generated by deit_ablate scripts/slurm_up.sh -- one-node test cluster. Edits are overwritten.
+# Generated by deit_ablate scripts/slurm_up.sh -- test cluster. Edits are overwritten.
 ClusterName=deitlocal
-SlurmctldHost=$HOST
+SlurmctldHost=$CTLD_HOST
 SlurmUser=$SLURM_USER
 AuthType=auth/munge
 # job-step credential lifetime; it is also the delay before a requeued job may start again
@@ -195,11 +266,11 @@ TaskPlugin=task/none
 SlurmdParameters=config_overrides
 ReturnToService=2
 StateSaveLocation=$STATE_DIR
-SlurmdSpoolDir=$SPOOL_DIR
+SlurmdSpoolDir=$SPOOL_DIR/%n
 SlurmctldPidFile=$CTLD_PID
-SlurmdPidFile=$SLURMD_PID
+SlurmdPidFile=$RUN_DIR/slurmd-%n.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
+SlurmdLogFile=$LOG_DIR/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 
@@ -240,6 +311,7 @@ UnkillableStepTimeout=30
 NodeName=$HOST NodeAddr=$HOST CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB Gres=gpu:$NGPUS State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
 PartitionName=urgent Nodes=$HOST Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+$EXTRA_CONF
 EOF
 then CHANGED=1; fi
 
@@ -307,12 +379,21 @@ elif [ -e "$SHIM_PATH" ] && grep -q "$SHIM_MARK" "$SHIM_PATH"; then
 fi
 
 # ---------------------------------------------------------------------------------------------
-# 5. daemons
+# 6. daemons
 # ---------------------------------------------------------------------------------------------
-if [ "$CHANGED" -eq 1 ] && { pid_alive "$CTLD_PID" || pid_alive "$SLURMD_PID"; }; then
-    log "configuration changed: restarting slurm daemons"
-    stop_pidfile "$SLURMD_PID" slurmd
-    stop_pidfile "$CTLD_PID" slurmctld
+stop_all_slurmd() {  # every slurmd of this cluster, and one left by an older single-pid-file layout
+    local pidfile
+    for pidfile in "$RUN_DIR"/slurmd-*.pid "$RUN_DIR/slurmd.pid"; do
+        [ -e "$pidfile" ] && stop_pidfile "$pidfile" "slurmd ($(basename "$pidfile"))"
+    done
+    return 0
+}
+if [ "$CHANGED" -eq 1 ] || [ -e "$RUN_DIR/slurmd.pid" ]; then
+    if pid_alive "$CTLD_PID" || ls "$RUN_DIR"/slurmd*.pid >/dev/null 2>&1; then
+        log "configuration changed: restarting slurm daemons"
+        stop_all_slurmd
+        stop_pidfile "$CTLD_PID" slurmctld
+    fi
 fi
 
 if pid_alive "$CTLD_PID"; then
@@ -321,38 +402,47 @@ else
     log "starting slurmctld"
     slurmctld || { dump_logs; die "slurmctld failed to start"; }
 fi
-if pid_alive "$SLURMD_PID"; then
-    log "slurmd already running (pid $(cat "$SLURMD_PID"))"
-else
-    log "starting slurmd"
-    slurmd || { dump_logs; die "slurmd failed to start"; }
-fi
-
-log "waiting up to ${TIMEOUT}s for node $HOST to be idle"
-start=$(date +%s)
-resumed=0
-while :; do
-    state="$(sinfo -h -n "$HOST" -o '%T' 2>/dev/null | head -n 1 || true)"
-    case "$state" in
-        idle | mixed | allocated | completing)
-            break ;;
-        drain* | down* | fail*)
-            # e.g. left DOWN/DRAINED by an earlier unclean stop: put it back in service once
-            if [ "$resumed" -eq 0 ]; then
-                log "node is '$state', resuming it"
-                scontrol update NodeName="$HOST" State=RESUME >/dev/null 2>&1 || true
-                resumed=1
-            fi ;;
-    esac
-    if [ $(($(date +%s) - start)) -ge "$TIMEOUT" ]; then
-        echo "[slurm_up] ERROR: node $HOST not idle after ${TIMEOUT}s (state: '${state:-unknown}')" >&2
-        sinfo -N -l >&2 2>/dev/null || true
-        scontrol show node "$HOST" >&2 2>/dev/null || true
-        dump_logs
-        exit 1
+for node in "${NODES[@]}"; do
+    if pid_alive "$(slurmd_pid "$node")"; then
+        log "slurmd $node already running (pid $(cat "$(slurmd_pid "$node")"))"
+    elif [ "$node" = "$HOST" ]; then
+        log "starting slurmd $node"
+        slurmd -N "$node" || { dump_logs; die "slurmd $node failed to start"; }
+    else
+        log "starting slurmd $node in namespace deit-$node"
+        nsenter --net="/run/netns/deit-$node" unshare --uts sh -c "hostname $node && exec slurmd -N $node" ||
+            { dump_logs; die "slurmd $node failed to start"; }
     fi
-    sleep 0.5
 done
 
-log "cluster up: node $HOST is $state (waited $(($(date +%s) - start))s)"
+wait_idle() {  # wait_idle NODE: until the controller reports NODE usable, resuming it once if down
+    local node="$1" state resumed=0
+    while :; do
+        state="$(sinfo -h -n "$node" -o '%T' 2>/dev/null | head -n 1 || true)"
+        case "$state" in
+            idle | mixed | allocated | completing)
+                return 0 ;;
+            drain* | down* | fail*)
+                # e.g. left DOWN/DRAINED by an earlier unclean stop: put it back in service once
+                if [ "$resumed" -eq 0 ]; then
+                    log "node $node is '$state', resuming it"
+                    scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true
+                    resumed=1
+                fi ;;
+        esac
+        if [ $(($(date +%s) - start)) -ge "$TIMEOUT" ]; then
+            echo "[slurm_up] ERROR: node $node not idle after ${TIMEOUT}s (state: '${state:-unknown}')" >&2
+            sinfo -N -l >&2 2>/dev/null || true
+            scontrol show node "$node" >&2 2>/dev/null || true
+            dump_logs
+            exit 1
+        fi
+        sleep 0.5
+    done
+}
+
+log "waiting up to ${TIMEOUT}s for nodes ${NODES[*]} to be idle"
+start=$(date +%s)
+for node in "${NODES[@]}"; do wait_idle "$node"; done
+log "cluster up: nodes ${NODES[*]} idle (waited $(($(date +%s) - start))s)"
 sinfo
