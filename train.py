@@ -1,5 +1,6 @@
 """Train one run of the DeiT recipe: `python train.py [group=option ...] [key=value ...]` (see README)."""
 
+import os
 import sys
 
 import hydra
@@ -8,6 +9,7 @@ from omegaconf import DictConfig
 from deit_ablate.config import register_configs
 from deit_ablate.errors import ConfigError, RunError
 from deit_ablate.identity import register_resolvers
+from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
 
 register_configs()
 register_resolvers()
@@ -38,4 +40,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     check_group_options(sys.argv[1:])
+    sys.argv += one_writer_overrides(int(os.environ.get("RANK", "0")))  # under torchrun: rank 0 saves .hydra/
     main()

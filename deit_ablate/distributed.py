@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    host: str = field(default_factory=socket.gethostname)
 
     @property
     def is_main(self) -> bool:
@@ -57,7 +59,8 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
-        print(f"[dist] rank {rank} of {world_size} joined the process group ({backend}, {device})", flush=True)
+        print(f"[dist] rank {rank} of {world_size} (local rank {local_rank} on {socket.gethostname()}) joined the "
+              f"process group ({backend}, {device})", flush=True)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
@@ -90,6 +93,14 @@ def gather_objects(value, info: DistInfo) -> list:
     out = [None] * info.world_size
     dist.all_gather_object(out, value)
     return out
+
+
+def placement(info: DistInfo) -> dict[str, list[int]]:
+    """Which ranks ran on which host, on every rank: the run's record of its nodes."""
+    hosts: dict[str, list[int]] = {}
+    for rank, host in enumerate(gather_objects(info.host, info)):
+        hosts.setdefault(host, []).append(rank)
+    return hosts
 
 
 def cleanup(info: DistInfo) -> None:

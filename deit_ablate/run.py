@@ -20,7 +20,15 @@ from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, deco
 from deit_ablate.data.datasets import build_dataset, data_fingerprint, dataset_root, describe_data
 from deit_ablate.data.loader import ShardSampler, SkipFirst, build_loader, build_train_sampler, set_sampler_epoch
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
-from deit_ablate.distributed import DistInfo, barrier, broadcast_object, cleanup, gather_objects, init_distributed
+from deit_ablate.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_object,
+    cleanup,
+    gather_objects,
+    init_distributed,
+    placement,
+)
 from deit_ablate.engine import Diverged, Trainer, evaluate
 from deit_ablate.errors import ConfigError, RunError
 from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra, with_data
@@ -73,7 +81,9 @@ class Pieces:
 def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     """Data, model, optimizer, schedule and loss for this stage of the run."""
     recipe = stage_recipe(cfg)
-    root = dataset_root(cfg) if info.is_main else None
+    # the first rank of every node draws the built-in set if its cache lacks it (a node-local cache is filled
+    # on each node; on a shared file system the second finds it there or loses the atomic rename harmlessly)
+    root = dataset_root(cfg) if info.local_rank == 0 else None
     barrier(info)
     root = dataset_root(cfg) if root is None else root
     train_transform, batch_transform = build_train_pipeline(cfg)
@@ -186,15 +196,16 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     validate_config(cfg)
     identity = identity_from_hydra(cfg)
     run_dir = RunDir(current_run_dir())
-    data = data_identity(cfg, run_dir)
-    identity = with_data(identity, data)
     if cfg.runtime.dry_run:
+        identity = with_data(identity, data_identity(cfg, run_dir))
         print(f"[dry run] {identity.name} (wandb id {identity.run_id}): {launch_plan(cfg, run_dir)}", flush=True)
         run_dir.discard_if_empty()
         return None
     info = init_distributed(cfg.runtime.device)
     lock, handler = None, None
     try:
+        data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
+        identity = with_data(identity, data)
         lock = acquire_run_lock(run_dir.path, info, cfg.runtime.wait_for_lock)
         handler = attach_run_log(run_dir.path, info.rank)
         for taken in lock.taken_over if lock is not None else ():
@@ -371,9 +382,9 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunD
         start_epoch, best_top1, skip_batches = ckpt.restore(trainer, state)
         for dataset in image_folders(pieces):
             dataset.mark_bad(state.get("bad_images", ()))
-        if info.is_main:
-            log.info(f"[run] resuming {identity.name} from {resumed_from}: epoch {start_epoch} (batch {skip_batches}), "
-                     f"step {trainer.step}")
+        where = "" if info.is_main else f" (rank {info.rank} on {info.host})"  # each rank's file says it resumed
+        log.info(f"[run] resuming {identity.name} from {resumed_from}: epoch {start_epoch} (batch {skip_batches}), "
+                 f"step {trainer.step}{where}")
     tracker = Tracker(cfg, identity, data, enabled=info.is_main, run_dir=run_dir.path)
     if info.is_main:
         record_identity(run_dir, identity, data)
@@ -408,7 +419,8 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
                  f"{plan.micro_batch}), {pieces.steps_per_epoch} steps/epoch, {pieces.recipe.epochs} epochs, "
                  f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}"
                  + (f", {torch.get_num_threads()} torch thread(s)" if info.device.type == "cpu" else ""))
-    tracker.summary({"world_size": info.world_size, "per_device_batch": plan.per_rank_batch,
+    nodes = placement(info)  # host -> ranks, e.g. {"n1": [0..7], "n2": [8..15]}
+    tracker.summary({"world_size": info.world_size, "nodes": nodes, "per_device_batch": plan.per_rank_batch,
                      "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
                      "effective_batch": pieces.recipe.global_batch, "model_name": student_model_name(cfg)})
     status, metrics, ema_metrics = "finished", {}, {}
@@ -473,6 +485,7 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
         raise bad_image_error(pieces) from None
     final = summarize(status, metrics, ema_metrics, best_top1, epochs_done, trainer.step, clock())
     final["model_name"] = student_model_name(cfg)
+    final["nodes"] = nodes
     if bad_images or image_folders(pieces):
         final["data/bad_images"] = len(bad_images)
     return final

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import torch
@@ -19,7 +20,7 @@ def test_two_processes_make_the_same_first_update_as_one(tmp_path, data_cache):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
                 str(REPO / "train.py")]
     proc = run_train(DETERMINISTIC + TINY + [f"hydra.run.dir={two}"], tmp_path, data_cache, module=torchrun)
-    assert "rank 1 of 2 joined the process group (gloo, cpu)" in proc.stdout
+    assert re.search(r"rank 1 of 2 \(local rank 1 on .+\) joined the process group \(gloo, cpu\)", proc.stdout)
     assert "global batch 32 = 2 x 16 per rank" in proc.stdout
     assert "global batch 32 = 2 x 16 per rank" in (two / "train.log").read_text()  # each rank's own log
     assert (two / "train-rank1.log").exists() and not list(two.glob("run.lock*"))

@@ -26,10 +26,10 @@ log = logging.getLogger(__name__)
 class DeitSlurmLauncher(SlurmLauncher):
     """Validate every run, then submit pre-training runs as an array and fine-tunes with afterok on them."""
 
-    def __call__(self, *args, **kwargs) -> JobReturn:
+    def __call__(self, sweep_overrides: list[str], *args, **kwargs) -> JobReturn:
         """One task of a submitted job; a requeued attempt first clears what a killed attempt left half-saved."""
         _remove_stale_result_file()
-        return super().__call__(*args, **kwargs)
+        return super().__call__(sweep_overrides + one_writer_overrides(_global_rank()), *args, **kwargs)
 
     def _run_locally(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Run the sweep's jobs in this process, as Hydra's basic launcher does (the dry run's plan)."""
@@ -106,6 +106,21 @@ class DeitSlurmLauncher(SlurmLauncher):
         # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
         # which resumes from its own latest checkpoint (deit_ablate/run.py).
         return [jobs[i].results()[0] for i in range(len(params))]
+
+
+def one_writer_overrides(rank: int) -> list[str]:
+    """Hydra saves the run's `.hydra/` files from every process it runs in; only global rank 0 should write them
+    (16 ranks rewriting them at once leave a reader a half-written file)."""
+    return [] if rank == 0 else ["hydra.output_subdir=null"]
+
+
+def _global_rank() -> int:
+    import submitit
+
+    try:
+        return submitit.JobEnvironment().global_rank
+    except (RuntimeError, KeyError):  # not inside a submitit job
+        return 0
 
 
 def _remove_stale_result_file() -> None:
