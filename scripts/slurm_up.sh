@@ -106,21 +106,33 @@ missing=()
 for bin in slurmctld slurmd sinfo sbatch munged; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
 done
+packages=(slurm-wlm munge)
+if [ "$EXTRA_NODES" != 0 ]; then  # the namespace nodes need ip (iproute2), nsenter and unshare (util-linux)
+    for bin in ip nsenter unshare; do
+        command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
+    done
+    packages+=(iproute2 util-linux)
+fi
 if [ "${#missing[@]}" -gt 0 ]; then
-    log "missing ${missing[*]}: installing slurm-wlm and munge with apt-get"
+    log "missing ${missing[*]}: installing ${packages[*]} with apt-get"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q
     # Services are not started by the packages (no systemd here; policy-rc.d may forbid it anyway);
     # this script starts the daemons itself.
     apt-get install -y -q --no-install-recommends \
         -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
-        slurm-wlm munge
+        "${packages[@]}"
 else
-    log "slurm-wlm and munge already installed"
+    log "${packages[*]} already installed"
 fi
 for bin in slurmctld slurmd sinfo sbatch scontrol munged munge unmunge; do
     command -v "$bin" >/dev/null 2>&1 || die "$bin not found after installing slurm-wlm and munge"
 done
+if [ "$EXTRA_NODES" != 0 ]; then
+    for bin in ip nsenter unshare; do
+        command -v "$bin" >/dev/null 2>&1 || die "$bin not found after installing iproute2 and util-linux"
+    done
+fi
 
 HOST="$(hostname -s)"
 [ -n "$HOST" ] || die "hostname -s is empty"

@@ -155,15 +155,16 @@ def test_torchrun_across_two_namespaces_makes_the_same_first_update(tmp_path, da
 
 
 def _task_pid(job_id: str, rank: int) -> int | None:
-    """The pid of one task of a running job (all nodes share this machine's process table)."""
+    """The pid of one task's Python process of a running job (all nodes share this machine's process table);
+    not `srun`, which would forward a signal to every task."""
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
             variables = dict(item.split("=", 1) for item in environ.read_text().split("\0") if "=" in item)
-            cmdline = (environ.parent / "cmdline").read_text()
+            argv = (environ.parent / "cmdline").read_text().split("\0")
         except OSError:
             continue
         if (variables.get("SLURM_JOB_ID") == job_id and variables.get("SLURM_PROCID") == str(rank)
-                and "submitit" in cmdline and "slurmstepd" not in cmdline):
+                and "python" in Path(argv[0]).name and "submitit.core._submit" in argv):
             return int(environ.parent.name)
     return None
 
@@ -205,8 +206,10 @@ def test_a_signalled_two_node_job_is_requeued_and_both_nodes_resume_to_the_same_
     steps_per_epoch = 8  # 300 images over 16 ranks (18 each, cut to whole batches of 2 ... 16) / 2 per rank
     assert result["status"] == "finished" and result["steps_done"] == 4 * steps_per_epoch
     assert result["nodes"] == {"n1": list(range(8)), "n2": list(range(8, 16))}
-    submitit_log = "\n".join(p.read_text() for p in (runs / ".submitit").rglob("*_log.err"))
-    assert "SIGUSR2 on n1: this job is preempted" in submitit_log and f"Requeued job {job_id}" in submitit_log
+    submitit_log = "\n".join(p.read_text() for p in (runs / ".submitit").rglob("*_log.*"))
+    assert "Caught signal SIGUSR2 on n1: this job is preempted" in submitit_log
+    assert "Caught signal SIGUSR2 on n2" not in submitit_log  # one node's task only: rank 0 requeued the job
+    assert f"Requeued job {job_id}" in submitit_log
     # Every rank of both nodes came back and resumed from the same checkpoint step.
     resumed = {}
     for rank in range(16):

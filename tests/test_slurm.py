@@ -47,7 +47,8 @@ def test_sweep_runs_8_rank_jobs_and_chains_the_finetune_after_its_pretraining(tm
     assert all(r["status"] == "finished" and r["steps_done"] == 3 for r in results.values())
     logs = "\n".join(_rank_logs(tmp_path))
     for rank in range(8):  # every job formed one Gloo group of world size 8
-        assert logs.count(f"[dist] rank {rank} of 8 joined the process group (gloo, cpu)") == 2
+        assert len(re.findall(rf"\[dist\] rank {rank} of 8 \(local rank {rank} on \S+\) joined the process group "
+                              r"\(gloo, cpu\)", logs)) == 2
     assert logs.count("global batch 32 = 8 x 4 per rank") == 2  # printed by rank 0 only
     runs = read_offline(tmp_path / "outputs" / "wandb")
     assert len(runs) == 2 and {r.config["stage"] for r in runs} == {"pretrain", "finetune"}  # rank 0 only
