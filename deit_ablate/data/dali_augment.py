@@ -123,7 +123,7 @@ def sharpness(images, level, sign, fill_value, shape):
 
 
 def _warp(images, matrix, fill_value):
-    return fn.warp_affine(images, matrix=matrix, fill_value=fill_value, inverse_map=False)
+    return fn.warp_affine(images, matrix=matrix, fill_value=fill_value, inverse_map=True)  # as PIL: output to input
 
 
 def shear_x(images, level, sign, fill_value, shape):
