@@ -215,3 +215,18 @@ def test_train_with_dali_resumes_exactly_at_an_epoch_boundary(tmp_path, data_cac
     assert a["step"] == b["step"] == 16
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
+
+
+def test_an_unreadable_image_stops_with_its_name(tmp_path):
+    cfg = compose_config(TINY + ["data.backend=dali", "resolution=32px"])
+    for label in ("a", "b"):
+        folder = tmp_path / "train" / label
+        folder.mkdir(parents=True)
+        for index in range(8):
+            Image.fromarray(PICTURES[index % 4]).save(folder / f"{index}.png")
+    (tmp_path / "train" / "b" / "3.png").write_bytes(b"not an image at all")
+    cfg.data.num_classes = 2
+    dataset = build_dataset(cfg, "train", None, tmp_path)
+    loader = DaliTrainLoader(dataset, list(range(16)), 8, cfg, torch.device("cpu"), threads=1)
+    with pytest.raises(ConfigError, match=r"b/3.png cannot be read as an image .*data.backend=pil"):
+        _epoch(loader, 0)

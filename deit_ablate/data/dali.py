@@ -116,6 +116,10 @@ class DaliTrainLoader:
         other.__dict__.update(self.__dict__, sampler=sampler)
         return other
 
+    def decode_error(self, indices: list[int], index: int, error: Exception) -> str:
+        """What to say when batch `index` of this epoch cannot be decoded."""
+        return _decode_error_text(self.dataset.samples, indices, self.batch_size, index, error)
+
     def build_pipeline(self, indices: list[int], seed: int):
         """A DALI pipeline that yields this epoch's batches, then stops."""
         from nvidia.dali import fn, pipeline_def, types
@@ -145,13 +149,39 @@ class DaliTrainLoader:
         device = torch.device("cuda", self.device_id) if self.device_id is not None else torch.device("cpu")
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         try:
-            for _ in range(len(indices) // self.batch_size):
-                images, labels = pipe.run()
+            for index in range(len(indices) // self.batch_size):
+                try:
+                    images, labels = pipe.run()
+                except RuntimeError as error:
+                    raise ConfigError(self.decode_error(indices, index, error)) from None
                 batch = torch.empty((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
                 feed_ndarray(images.as_tensor(), batch, cuda_stream=stream)
                 yield batch, torch.from_numpy(np.array(labels.as_tensor()).reshape(-1))
         finally:
             del pipe
+
+
+def _unreadable(samples: Sequence[tuple[str, int]], indices: list[int]) -> tuple[str, str] | None:
+    from deit_ablate.data.bad_images import decode_problem
+
+    for i in indices:
+        problem = decode_problem(samples[i][0])
+        if problem:
+            return samples[i][0], problem
+    return None
+
+
+def _decode_error_text(samples, indices: list[int], batch_size: int, index: int, error: Exception) -> str:
+    """The clear stop when DALI cannot decode a batch: the unreadable file among the batches in flight, if PIL
+    finds it too, and the fix (data.backend=dali has no runtime.on_bad_image=skip)."""
+    in_flight = indices[index * batch_size:(index + 3) * batch_size]  # this batch and the two DALI prefetched
+    found = _unreadable(samples, in_flight)
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    what = f"{found[0]} cannot be read as an image ({found[1]})" if found else \
+        f"DALI could not decode a training image ({first_line})"
+    return (f"{what}; data.backend=dali stops at an unreadable image (it has no runtime.on_bad_image=skip). "
+            "Replace or delete the file, or train with data.backend=pil, which puts the next readable image in "
+            "its place.")
 
 
 def dali_available() -> bool:
