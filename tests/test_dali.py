@@ -9,29 +9,28 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+# DALI (installed by scripts/install.sh) is imported, not skipped: its absence fails this module.
+from nvidia.dali import fn, pipeline_def
 from PIL import Image
 from timm.data import auto_augment as timm_aa
 from timm.data.distributed_sampler import RepeatAugSampler
 
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.dali import DALI_PACKAGE, DaliTrainLoader, fill_value, require_dali
-from deit_ablate.data.datasets import build_dataset, dataset_root
-from deit_ablate.data.loader import build_train_sampler, set_sampler_epoch
-from deit_ablate.errors import ConfigError
-from deit_ablate.identity import experiment, experiment_digest
-from deit_ablate.validate import validate_config
-from tests.conftest import TINY, compose_config, run_train
-
-dali = pytest.importorskip("nvidia.dali", reason="DALI is installed by scripts/install.sh")
-from nvidia.dali import fn, pipeline_def  # noqa: E402
-
-from deit_ablate.data.dali_augment import (  # noqa: E402
+from deit_ablate.data.dali_augment import (
     LEVEL_TO_ARG,
     NEGATED,
     RAND_INCREASING_OPS,
     RandAugmentSpec,
     parse_rand_augment,
 )
+from deit_ablate.data.datasets import build_dataset, dataset_root
+from deit_ablate.data.loader import build_train_sampler, set_sampler_epoch
+from deit_ablate.errors import ConfigError
+from deit_ablate.identity import experiment, experiment_digest
+from deit_ablate.validate import validate_config
+from tests.conftest import TINY, compose_config, run_train
 
 SIZE = 40
 PICTURES = [np.asarray(draw_image(label, SIZE, np.random.default_rng(label))) for label in (0, 3, 6, 9)]
