@@ -28,6 +28,7 @@ FusionRule = Choice("FusionRule", {name: name for name in ("prob", "logit")})
 Precision = Choice("Precision", {name: name for name in ("auto", "bf16", "fp32")})
 BadImagePolicy = Choice("BadImagePolicy", {name: name for name in ("skip", "fail")})
 TrackingMode = Choice("TrackingMode", {name: name for name in ("offline", "online", "disabled")})
+DataBackend = Choice("DataBackend", {name: name for name in ("pil", "dali")})  # data/transforms.py, data/dali.py
 
 
 @dataclass
@@ -63,6 +64,9 @@ class DataConfig:
     root: str | None = None
     num_classes: int = 10
     fast_jpeg: bool = False  # faster decode and crop of training JPEGs (changes pixels; data/fast_jpeg.py)
+    # training images decoded and augmented by timm's PIL transform (pil, the reference's pixels) or by NVIDIA
+    # DALI (dali, opt-in: on the GPU when there is one; data/dali.py)
+    backend: DataBackend = DataBackend.pil
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     builtin: BuiltinDataConfig = field(default_factory=BuiltinDataConfig)

@@ -21,6 +21,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 NOT_EXPERIMENT = ("runtime", "hydra")
 # Where the data lies is not which data it is: the data's fingerprint (recorded in the run folder) stands for it.
 DATA_LOCATION = "data.root"
+# The default input pipeline, left out of the digest: data.backend=dali (other pixels) is another run.
+DEFAULT_BACKEND = "pil"
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
 FINETUNE_ONLY = ("finetune",)
 # Overrides that pick the stage of a run rather than the experiment it continues.
@@ -56,6 +58,8 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = ()) -> dict[str, Any]:
         out[str(key)] = str(value) if hasattr(value, "value") else value  # an Enum leaf
     section, leaf = DATA_LOCATION.split(".")
     out.get(section, {}).pop(leaf, None)
+    if out.get("data", {}).get("backend") == DEFAULT_BACKEND:  # runs from before data.backend keep their identity
+        out["data"].pop("backend")
     return out
 
 

@@ -18,7 +18,14 @@ from timm.utils import ModelEmaV3
 from deit_ablate import checkpoint as ckpt
 from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, decode_problem
 from deit_ablate.data.datasets import build_dataset, data_fingerprint, dataset_root, describe_data
-from deit_ablate.data.loader import ShardSampler, SkipFirst, build_loader, build_train_sampler, set_sampler_epoch
+from deit_ablate.data.loader import (
+    ShardSampler,
+    SkipFirst,
+    build_loader,
+    build_train_loader,
+    build_train_sampler,
+    set_sampler_epoch,
+)
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
 from deit_ablate.distributed import (
     DistInfo,
@@ -90,7 +97,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     train_set = build_dataset(cfg, "train", train_transform, root)
     val_set = build_dataset(cfg, "val", build_eval_transform(cfg), root)
     train_sampler = build_train_sampler(train_set, cfg.augment.repeated_aug, info.world_size, info.rank, cfg.seed)
-    train_loader = build_loader(train_set, train_sampler, plan.per_rank_batch, cfg, train=True)
+    train_loader = build_train_loader(train_set, train_sampler, plan.per_rank_batch, cfg, info.device)
     val_sampler = ShardSampler(len(val_set), info.world_size, info.rank)
     val_loader = build_loader(val_set, val_sampler, cfg.runtime.eval_batch, cfg, train=False)
     steps_per_epoch = len(train_loader)
@@ -442,9 +449,9 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
             set_sampler_epoch(pieces.train_sampler, epoch, cfg.seed)
             loader = pieces.train_loader
             if epoch == start_epoch and skip_batches:  # resumed mid-epoch (preemption): skip what was done
-                loader = build_loader(pieces.train_loader.dataset,
-                                      SkipFirst(pieces.train_sampler, skip_batches * plan.per_rank_batch),
-                                      plan.per_rank_batch, cfg, train=True)
+                loader = build_train_loader(pieces.train_loader.dataset,
+                                            SkipFirst(pieces.train_sampler, skip_batches * plan.per_rank_batch),
+                                            plan.per_rank_batch, cfg, info.device)
             loader.generator = torch.Generator().manual_seed(cfg.seed * 10_007 + epoch)
             skipped = skip_batches if epoch == start_epoch else 0
             saver.start_epoch(epoch, best_top1, skipped)

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from timm.optim import list_optimizers
 
 from deit_ablate.config import Config
+from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
 from deit_ablate.stages import stage_global_batch
@@ -179,6 +180,8 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     if cfg.data.fast_jpeg and cfg.augment.no_aug:
         raise ConfigError("data.fast_jpeg speeds up the random-resized crop, which augment.no_aug=true turns off. "
                           "Set data.fast_jpeg=false.")
+    if cfg.data.backend == "dali":
+        check_dali_config(cfg)
     if cfg.augment.repeated_aug < 1:
         raise ConfigError(f"augment.repeated_aug={cfg.augment.repeated_aug}: the number of copies must be >= 1 "
                           "(1 turns repeated augmentation off).")

@@ -19,7 +19,7 @@ from deit_ablate.bench.env import synchronize, torch_threads
 from deit_ablate.data.builtin import CLASSES, draw_image
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
-from deit_ablate.data.loader import build_loader, build_train_sampler, set_sampler_epoch
+from deit_ablate.data.loader import build_loader, build_train_loader, build_train_sampler, set_sampler_epoch
 from deit_ablate.data.transforms import build_train_pipeline, build_train_transform
 
 JPEG_WIDTH, JPEG_HEIGHT, JPEG_QUALITY = 500, 375, 90  # about the mean ImageNet training image
@@ -85,17 +85,19 @@ def timm_loader(root: Path, cfg, batch: int, workers: int) -> DataLoader:
 
 def our_loader(cfg, dataset: Dataset, batch: int, batch_step: Callable | None = None,
                device: torch.device | None = None) -> Loader:
-    """Our DataLoader (data.loader.build_loader) over our training sampler, as run.py builds it; each batch is
-    moved to `device` and given the trainer's per-batch step, as train_epoch does (this counts as pipeline time)."""
+    """Our training loader (data.loader.build_train_loader: a DataLoader, or DALI's with data.backend=dali) over our
+    training sampler, as run.py builds it; each batch is moved to `device` and given the trainer's per-batch step,
+    as train_epoch does (this counts as pipeline time)."""
     sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0, cfg.seed)
     set_sampler_epoch(sampler, 0, cfg.seed)
-    return Loader(build_loader(dataset, sampler, batch, cfg, train=True), batch_step, device or torch.device("cpu"))
+    device = device or torch.device("cpu")
+    return Loader(build_train_loader(dataset, sampler, batch, cfg, device), batch_step, device)
 
 
 class Loader:
     """A DataLoader, the copy to the device and the per-batch step, iterated with `threads` torch threads if set."""
 
-    def __init__(self, loader: DataLoader, batch_step: Callable | None, device: torch.device,
+    def __init__(self, loader: Any, batch_step: Callable | None, device: torch.device,
                  threads: int | None = None) -> None:
         self.loader, self.batch_step, self.device, self.threads = loader, batch_step, device, threads
 

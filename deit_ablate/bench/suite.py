@@ -127,8 +127,10 @@ def section_step(s: Settings, report: Report) -> None:
 
 
 def section_pipeline(s: Settings, report: Report) -> None:
-    """Our training transform + DataLoader on 500x375 JPEGs at 224 px: default, fast JPEG path, timm's loader."""
+    """Our training transform + DataLoader on 500x375 JPEGs at 224 px: default, fast JPEG path, the DALI backend
+    (on the device: the CPU here, the GPU where there is one), timm's loader."""
     from deit_ablate.bench import pipeline
+    from deit_ablate.data.dali import dali_available
     from deit_ablate.data.transforms import build_train_pipeline
 
     count, batch = (48, 16) if s.quick else (s.jpeg_count, s.pipeline_batch)
@@ -137,6 +139,10 @@ def section_pipeline(s: Settings, report: Report) -> None:
     workers = _workers(s)
     overrides = ["resolution=224px", f"runtime.num_workers={workers}", f"data.root={builtin_root(s)}"]
     paths = {"ours": [], "ours+fast_jpeg": ["data.fast_jpeg=true"], "timm_transform": []}
+    if dali_available():
+        paths["dali"] = ["data.backend=dali"]
+    else:
+        _log("[bench] DALI is not importable: no dali variant (bash scripts/install.sh installs it)")
 
     def loader(name: str, n_workers: int = workers) -> pipeline.Loader:
         config = compose_run([*overrides, f"runtime.num_workers={n_workers}", *paths[name]])
@@ -145,6 +151,8 @@ def section_pipeline(s: Settings, report: Report) -> None:
 
     cfg = compose_run(overrides)
     loaders: dict[str, Any] = {"ours": loader("ours"), "ours+fast_jpeg": loader("ours+fast_jpeg")}
+    if "dali" in paths:
+        loaders["dali"] = loader("dali")
     if not s.quick:
         loaders["timm_transform"] = loader("timm_transform")
     if s.device.type == "cpu" and not s.quick:  # what the workers deliver when the per-batch step runs on a GPU
@@ -177,6 +185,9 @@ def section_pipeline(s: Settings, report: Report) -> None:
     report.compare("input_pipeline", "ours+fast_jpeg", "timm_transform", target=1.5)
     report.compare("input_pipeline", "ours+fast_jpeg/1-process", "timm_transform/1-process", target=1.5)
     report.compare("input_pipeline", "ours", "timm_loader")
+    report.compare("input_pipeline", "dali", "ours")
+    report.compare("input_pipeline", "dali/1-process", "ours/1-process")
+    report.compare("input_pipeline", "dali", "timm_loader")
     _add_stage_costs(s, report, root, *build_train_pipeline(cfg), count)
     images = min(count, 48 if s.quick else 200)
     difference = pipeline.crop_difference(root, images)
@@ -194,6 +205,9 @@ def _pipeline_loader_note(name: str) -> str:
         return "timm create_loader, prefetcher"
     if name.startswith("timm_transform"):
         return "our build_loader, timm's create_transform whole per image (to-tensor, normalize, erasing in workers)"
+    if name.startswith("dali"):
+        return ("data.backend=dali: DALI pipeline (decode, crop, flip, RandAugment; threads = workers, 1 for "
+                "1-process) fed our sampler's order, + BatchNormalize on the batch in this process")
     if name.endswith("no-batch-step"):
         return "our build_loader, uint8 batches as the workers deliver them (BatchNormalize left to a GPU)"
     return "our build_loader + BatchNormalize on the batch in this process"

@@ -87,3 +87,13 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictC
         prefetch_factor=4 if workers > 0 else None,
         worker_init_fn=functools.partial(lower_worker_priority, cfg.runtime.worker_nice) if workers > 0 else None,
     )
+
+
+def build_train_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig,
+                       device: torch.device | None = None):
+    """The training loader of data.backend: a DataLoader over the PIL transform, or DALI's (on `device`)."""
+    if cfg.data.backend == "dali":
+        from deit_ablate.data.dali import DaliTrainLoader
+
+        return DaliTrainLoader(dataset, sampler, batch_size, cfg, device)
+    return build_loader(dataset, sampler, batch_size, cfg, train=True)

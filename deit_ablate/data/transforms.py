@@ -31,10 +31,13 @@ def build_train_transform(cfg: DictConfig) -> Callable:
     )
 
 
-def build_train_pipeline(cfg: DictConfig) -> tuple[Callable, BatchNormalize]:
+def build_train_pipeline(cfg: DictConfig) -> tuple[Callable | None, BatchNormalize]:
     """The training transform split in two: per image up to uint8 pixels (in the loader workers; with
-    data.fast_jpeg, the fast crop), and per batch the float work the trainer runs on the device (data.batch)."""
+    data.fast_jpeg, the fast crop), and per batch the float work the trainer runs on the device (data.batch).
+    With data.backend=dali there is no per-image transform (None): DALI decodes and augments (data/dali.py)."""
     per_image, per_batch = split_for_batches(build_train_transform(cfg))
+    if cfg.data.backend == "dali":
+        return None, per_batch
     if cfg.data.fast_jpeg:
         per_image = fast_train_transform(per_image)
     return per_image, per_batch

@@ -1,0 +1,230 @@
+"""One prepared GPU check (scripts/gpu_check.sh): the figures a GPU session reports, in one JSON and one table.
+
+    python -m deit_ablate.bench.gpu_check OUT.json          # on a CUDA GPU, < 8 minutes on one H200
+    python -m deit_ablate.bench.gpu_check OUT.json --dry    # the same flow on the CPU at toy sizes (schema check)
+
+bf16 matmul rate; DeiT-B/16 bf16 train step (Trainer.train_step on synthetic batches), eager and torch.compile,
+images/s and MFU; host syncs per step; input pipeline images/s at 224 (pil: DataLoader on all cores, dali: the
+DALI pipeline on the GPU) on JPEGs it draws; the hard-token distillation step (RegNetY-16GF teacher, random init,
++ DeiT-B distilled); peak GPU memory. Nothing is installed or downloaded. Without a GPU it stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The issue's targets for one H200 (docs/PERFORMANCE.md): train step and the DALI pipeline, images/s.
+TARGETS = {"train_step_eager_images_per_s": 3000.0, "pipeline_dali_images_per_s": 4000.0}
+NO_GPU_EXIT = 3
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line: the JSON path, and --dry for the CPU toy run."""
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="where to write the JSON results")
+    parser.add_argument("--dry", action="store_true", help="CPU, toy sizes: checks the flow and the JSON schema")
+    parser.add_argument("--jpegs", type=int, default=None, help="JPEGs drawn for the pipeline (default 512; dry 16)")
+    return parser.parse_args(argv)
+
+
+def _sizes(dry: bool) -> dict[str, Any]:
+    if dry:
+        return {"model": "vit_demo", "teacher": "cnn_demo", "size": 32,
+                "batch": 8, "steps": 2, "warmup": 1, "repeats": 1, "jpegs": 16, "pipeline_batch": 8,
+                "pipeline_size": 32, "matmul_n": 256}
+    return {"model": "deit_base", "teacher": "regnety_160", "size": 224,
+            "batch": 128, "steps": 20, "warmup": 5, "repeats": 3, "jpegs": 512, "pipeline_batch": 128,
+            "pipeline_size": 224, "matmul_n": 8192}
+
+
+def _log(message: str) -> None:
+    print(f"[gpu_check] {message}", flush=True)
+
+
+def _step_overrides(sizes: dict[str, Any], data_root: str, device: str, model: str) -> list[str]:
+    return [f"model={model}", f"resolution.train_size={sizes['size']}", f"resolution.eval_size={sizes['size']}",
+            f"train.global_batch={sizes['batch']}", f"runtime.max_batch_per_device={sizes['batch']}",
+            "runtime.num_workers=0", f"data.root={data_root}", "data.builtin.train_per_class=30",
+            "data.builtin.val_per_class=10", f"runtime.device={device}", "train.amp=bf16"]
+
+
+def _peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure_train_steps(sizes: dict[str, Any], device: torch.device, data_root: str, peak: float,
+                        results: dict[str, Any]) -> None:
+    """DeiT-B/16 bf16 train step, eager and compiled: images/s, MFU against the measured matmul rate, syncs."""
+    from deit_ablate.bench import step
+    from deit_ablate.bench.compose import compose_run
+    from deit_ablate.bench.report import median
+
+    cfg = compose_run(_step_overrides(sizes, data_root, device.type, sizes["model"]))
+    for name, compile_model in (("eager", False), ("compile", True)):
+        _reset_peak(device)
+        start = time.perf_counter()
+        setup = step.build_trainer(cfg, device, compile_model=compile_model)
+        if compile_model:
+            step.run_steps(setup, 1)
+        rates = step.alternate({name: setup}, sizes["steps"], sizes["repeats"], sizes["warmup"])[name]
+        flops = step.train_flops_per_image(setup.trainer.model, sizes["size"], device)
+        value = median(rates)
+        results[f"train_step_{name}"] = {
+            "images_per_s": value, "samples": rates, "train_gflops_per_image": flops / 1e9,
+            "mfu": flops * value / peak, "compiled": setup.compiled, "model": cfg.model.name,
+            "batch": sizes["batch"], "size": sizes["size"], "amp": "bf16",
+            "peak_memory_gib": _peak_memory_gib(device), "seconds": time.perf_counter() - start}
+        if name == "eager":
+            results["host_syncs_per_step"] = step.count_syncs_per_step(setup)
+        _log(f"train step {name}: {value:.0f} images/s, MFU {flops * value / peak:.1%}")
+        del setup
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure_distillation(sizes: dict[str, Any], device: torch.device, data_root: str, workdir: Path,
+                         results: dict[str, Any]) -> None:
+    """The hard-token distillation step: a randomly initialized teacher (written here, no download) and the
+    student with a distillation token, as distill=hard_token trains them."""
+    import timm
+
+    from deit_ablate.bench import step
+    from deit_ablate.bench.compose import compose_run
+    from deit_ablate.bench.report import median
+
+    teacher_cfg = compose_run([f"model={sizes['teacher']}"])
+    teacher = timm.create_model(teacher_cfg.model.name, num_classes=10, **dict(teacher_cfg.model.kwargs))
+    checkpoint = workdir / "teacher.pt"
+    torch.save(teacher.state_dict(), checkpoint)
+    del teacher
+    overrides = _step_overrides(sizes, data_root, device.type, sizes["model"])
+    overrides += ["distill=hard_token", f"distill.teacher.model={teacher_cfg.model.name}",
+                  f"distill.teacher.checkpoint={checkpoint}"]
+    if teacher_cfg.model.kwargs:
+        overrides += [f"+distill.teacher.kwargs.{k}={v}" for k, v in teacher_cfg.model.kwargs.items()]
+    cfg = compose_run(overrides)
+    _reset_peak(device)
+    start = time.perf_counter()
+    setup = step.build_trainer(cfg, device)
+    rates = step.alternate({"distill": setup}, sizes["steps"], sizes["repeats"], sizes["warmup"])["distill"]
+    results["distill_hard_token_step"] = {
+        "images_per_s": median(rates), "samples": rates, "student": type(setup.trainer.module).__name__,
+        "student_model": cfg.model.distilled_name, "teacher": cfg.distill.teacher.model, "batch": sizes["batch"],
+        "size": sizes["size"], "peak_memory_gib": _peak_memory_gib(device), "seconds": time.perf_counter() - start}
+    _log(f"distillation step: {median(rates):.0f} images/s")
+
+
+def measure_pipelines(sizes: dict[str, Any], device: torch.device, data_root: str, jpegs: int, workdir: Path,
+                      results: dict[str, Any]) -> None:
+    """Input pipeline at 224 on drawn 500x375 JPEGs: pil (DataLoader on every core) and dali (on the device)."""
+    from deit_ablate.bench import pipeline
+    from deit_ablate.bench.compose import compose_run
+    from deit_ablate.bench.report import median
+    from deit_ablate.data.dali import dali_available
+    from deit_ablate.data.loader import default_num_workers
+
+    start = time.perf_counter()
+    root = pipeline.ensure_jpeg_set(jpegs, root=workdir / "jpegs")
+    _log(f"drew {jpegs} JPEGs in {time.perf_counter() - start:.0f}s")
+    workers = default_num_workers()
+    size = sizes["pipeline_size"]
+    base = [f"resolution.train_size={size}", f"runtime.num_workers={workers}", f"data.root={data_root}"]
+    backends = {"pil": ["data.backend=pil"]}
+    if dali_available():
+        backends["dali"] = ["data.backend=dali"]
+    else:
+        results["pipeline_dali"] = {"error": "DALI is not importable here (bash scripts/install.sh installs it)"}
+    for name, extra in backends.items():
+        cfg = compose_run([*base, *extra])
+        dataset, batch_step = pipeline.jpeg_dataset(root, cfg)
+        loader = pipeline.our_loader(cfg, dataset, sizes["pipeline_batch"], batch_step, device)
+        rows = [pipeline.epoch_rate(loader) for _ in range(1 + sizes["repeats"])][1:]  # the first: warm-up
+        rates = [row["images_per_s"] for row in rows]
+        results[f"pipeline_{name}"] = {
+            "images_per_s": median(rates), "samples": rates, "workers_or_threads": workers, "train_size": size,
+            "batch": sizes["pipeline_batch"], "jpegs": jpegs, "repeated_aug": cfg.augment.repeated_aug,
+            "where": "DALI on the GPU (mixed decoder)" if name == "dali" and device.type == "cuda" else
+            ("DALI on the CPU" if name == "dali" else "DataLoader workers, BatchNormalize on the device")}
+        _log(f"pipeline {name}: {median(rates):.0f} images/s")
+
+
+def table(report: dict[str, Any]) -> str:
+    """The printed summary: one line per figure, with the issue's targets where it sets one."""
+    r = report["results"]
+    lines = [f"GPU check on {report['device'].get('summary')}  ({report['seconds']:.0f}s)"]
+
+    def add(label: str, value: Any, unit: str = "", target: float | None = None) -> None:
+        shown = f"{value:,.1f} {unit}" if isinstance(value, (int, float)) else str(value)
+        mark = "" if target is None or not isinstance(value, (int, float)) else (
+            f"   target >= {target:,.0f}: {'met' if value >= target else 'NOT met'}")
+        lines.append(f"  {label:<44} {shown}{mark}")
+
+    add(f"matmul {r.get('matmul_dtype')}", r["matmul_bf16_tflops"], "TFLOP/s")
+    for name in ("eager", "compile"):
+        step = r.get(f"train_step_{name}", {})
+        add(f"train step {name} ({step.get('model')})", step.get("images_per_s"), "images/s",
+            TARGETS["train_step_eager_images_per_s"] if name == "eager" else None)
+        add(f"  MFU {name}", 100 * step["mfu"] if "mfu" in step else None, "%")
+    add("host syncs per step", r.get("host_syncs_per_step"))
+    add("pipeline pil (all cores)", r.get("pipeline_pil", {}).get("images_per_s"), "images/s")
+    add("pipeline dali", r.get("pipeline_dali", {}).get("images_per_s", r.get("pipeline_dali", {}).get("error")),
+        "images/s", TARGETS["pipeline_dali_images_per_s"])
+    add("distillation step (hard token)", r.get("distill_hard_token_step", {}).get("images_per_s"), "images/s")
+    add("peak GPU memory", r.get("peak_memory_gib"), "GiB")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check for a GPU, run every measurement, write the JSON, print the table."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.dry and not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); run it on a machine with "
+              "a GPU, or add --dry for the CPU schema check.", file=sys.stderr, flush=True)
+        return NO_GPU_EXIT
+    from deit_ablate.bench.env import describe, matmul_rate
+
+    device = torch.device("cuda", 0) if not args.dry else torch.device("cpu")
+    sizes = _sizes(args.dry)
+    jpegs = args.jpegs or sizes["jpegs"]
+    command = "bash scripts/gpu_check.sh " + " ".join(sys.argv[1:] if argv is None else argv)
+    start = time.perf_counter()
+    report: dict[str, Any] = {"command": command, "device": describe(device), "dry": args.dry, "targets": TARGETS,
+                              "results": {}}
+    results = report["results"]
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+        workdir = Path(tmp)
+        data_root = os.environ.get("DEIT_ABLATE_CACHE", str(workdir)) + "/builtin"
+        rate = matmul_rate(device, n=sizes["matmul_n"])
+        results["matmul_bf16_tflops"] = rate["flops_per_s"] / 1e12
+        results["matmul_dtype"] = rate["dtype"]
+        _log(f"matmul {rate['dtype']}: {rate['flops_per_s'] / 1e12:.1f} TFLOP/s")
+        measure_train_steps(sizes, device, data_root, rate["flops_per_s"], results)
+        measure_distillation(sizes, device, data_root, workdir, results)
+        measure_pipelines(sizes, device, data_root, jpegs, workdir, results)
+    results["peak_memory_gib"] = max((v.get("peak_memory_gib") or 0.0 for v in results.values()
+                                      if isinstance(v, dict)), default=0.0) if device.type == "cuda" else None
+    report["seconds"] = time.perf_counter() - start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    print(table(report), flush=True)
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

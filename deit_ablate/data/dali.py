@@ -1,0 +1,193 @@
+"""The opt-in NVIDIA DALI training input (data.backend=dali): JPEG/PNG decoding, crop, flip and RandAugment on the
+GPU (nvJPEG, `mixed` decoder and `gpu` ops) when there is one, DALI's CPU operators otherwise.
+
+DALI gets the project's own sampler order (the repeated-augmentation sampler: copies on different ranks, the
+epoch cut to the dataset's size, per-epoch reseeding, a shard per rank) through an external source of file
+bytes, and hands the trainer the batch the PIL path hands it: B x H x W x 3 uint8 pixels (on the GPU here) and
+int64 labels. Normalization, random erasing and Mixup/CutMix stay per batch in the trainer (data/batch.py).
+A pipeline is built per epoch, seeded from torch's generator, which run.py reseeds per epoch and rank, so a run
+resumed at an epoch boundary draws the same augmentations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import Sampler
+
+from deit_ablate.errors import ConfigError
+
+DALI_PACKAGE = "nvidia-dali-cuda130"
+
+
+def require_dali() -> None:
+    """Import DALI, or raise a ConfigError naming the package and how to install it."""
+    try:
+        import nvidia.dali  # noqa: F401
+        import nvidia.dali.plugin.pytorch  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(
+            f"data.backend=dali needs NVIDIA DALI, which cannot be imported here ({error}). Install it with "
+            f"`bash scripts/install.sh` (it installs {DALI_PACKAGE}) or `.venv/bin/python -m pip install "
+            f"{DALI_PACKAGE}` (nvidia-dali-cuda120 for CUDA 12 drivers), or set data.backend=pil."
+        ) from None
+
+
+def dali_config_problem(cfg: DictConfig) -> str | None:
+    """What in `cfg` the DALI backend cannot run, with the fix, or None."""
+    from deit_ablate.data.dali_augment import parse_rand_augment
+
+    data, aug = cfg.data, cfg.augment
+    if data.name == "cifar100":
+        return ("data=cifar100 is held in memory as arrays; the DALI backend reads image files. Use "
+                "data.backend=pil for CIFAR-100, or an ImageFolder tree (data=imagefolder).")
+    if data.fast_jpeg:
+        return "data.fast_jpeg speeds up the pil backend's crop; set data.fast_jpeg=false with data.backend=dali."
+    if aug.no_aug:
+        return "augment.no_aug=true (resize and center crop) is built for the pil backend only; set data.backend=pil."
+    if not aug.auto_augment:
+        return (f"the DALI backend builds timm's RandAugment only, not colour jitter (augment.color_jitter="
+                f"{aug.color_jitter}, which timm applies when augment.auto_augment is off, as in the no_randaugment "
+                "row); run this row with data.backend=pil.")
+    spec = parse_rand_augment(aug.auto_augment)
+    if isinstance(spec, str):
+        return f"augment.auto_augment={aug.auto_augment}: {spec}; run it with data.backend=pil."
+    if aug.interpolation not in ("bicubic", "bilinear"):
+        return f"augment.interpolation={aug.interpolation}: the DALI backend resizes bicubic or bilinear."
+    return None
+
+
+def check_dali_config(cfg: DictConfig) -> None:
+    """Raise a ConfigError before anything runs when data.backend=dali cannot run `cfg`."""
+    require_dali()
+    problem = dali_config_problem(cfg)
+    if problem:
+        raise ConfigError(f"data.backend=dali: {problem}")
+
+
+class _EpochBatches:
+    """One epoch's batches of (encoded file bytes, labels) in the sampler's order, for DALI's external source."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], indices: list[int], batch_size: int) -> None:
+        self.samples, self.indices, self.batch_size = samples, indices, batch_size
+
+    def __iter__(self) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
+        for start in range(0, len(self.indices) - self.batch_size + 1, self.batch_size):
+            chunk = [self.samples[i] for i in self.indices[start:start + self.batch_size]]
+            yield ([np.fromfile(path, dtype=np.uint8) for path, _ in chunk],
+                   [np.array(label, dtype=np.int64) for _, label in chunk])
+
+
+def fill_value(mean: Sequence[float]) -> int:
+    """The one grey DALI's warps fill with: the mean of timm's fill colour (the dataset mean in 0-255)."""
+    return int(round(float(np.mean([round(255 * m) for m in mean]))))
+
+
+class DaliTrainLoader:
+    """The training loader of data.backend=dali: iterates (uint8 B x H x W x 3 images, labels) like a DataLoader."""
+
+    def __init__(self, dataset, sampler: Sampler, batch_size: int, cfg: DictConfig,
+                 device: torch.device | None = None, threads: int | None = None) -> None:
+        from deit_ablate.data.dali_augment import parse_rand_augment
+        from deit_ablate.data.loader import default_num_workers
+
+        require_dali()
+        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+        device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device_id = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
+        workers = cfg.runtime.num_workers if cfg.runtime.num_workers is not None else default_num_workers()
+        self.threads = threads or max(1, workers)
+        aug = cfg.augment
+        self.graph = {"size": cfg.resolution.train_size, "scale": tuple(aug.scale), "ratio": (3 / 4, 4 / 3),
+                      "hflip": aug.hflip, "rand_spec": parse_rand_augment(aug.auto_augment),
+                      "fill_value": fill_value(cfg.data.mean), "interpolation": aug.interpolation}
+        self.generator = None  # set by run.py per epoch, as on a DataLoader; the seed comes from torch's state
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+    def with_sampler(self, sampler: Sampler) -> DaliTrainLoader:
+        """The same loader over another sampler (the rest of an interrupted epoch)."""
+        other = object.__new__(DaliTrainLoader)
+        other.__dict__.update(self.__dict__, sampler=sampler)
+        return other
+
+    def decode_error(self, indices: list[int], index: int, error: Exception) -> str:
+        """What to say when batch `index` of this epoch cannot be decoded."""
+        return _decode_error_text(self.dataset.samples, indices, self.batch_size, index, error)
+
+    def build_pipeline(self, indices: list[int], seed: int):
+        """A DALI pipeline that yields this epoch's batches, then stops."""
+        from nvidia.dali import fn, pipeline_def, types
+
+        from deit_ablate.data.dali_augment import deit_train_images
+
+        source = _EpochBatches(self.dataset.samples, indices, self.batch_size)
+        graph = dict(self.graph, gpu=self.device_id is not None)
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=self.device_id, seed=seed,
+                      enable_conditionals=True, prefetch_queue_depth=2)
+        def pipeline():
+            encoded, labels = fn.external_source(source=source, num_outputs=2, dtype=[types.UINT8, types.INT64])
+            return deit_train_images(encoded, **graph), labels
+
+        pipe = pipeline()
+        pipe.build()
+        return pipe
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        indices = [int(i) for i in self.sampler]
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())  # torch's state: reseeded per epoch and rank by run.py
+        pipe = self.build_pipeline(indices, seed)
+        size = self.graph["size"]
+        device = torch.device("cuda", self.device_id) if self.device_id is not None else torch.device("cpu")
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        try:
+            for index in range(len(indices) // self.batch_size):
+                try:
+                    images, labels = pipe.run()
+                except RuntimeError as error:
+                    raise ConfigError(self.decode_error(indices, index, error)) from None
+                batch = torch.empty((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
+                feed_ndarray(images.as_tensor(), batch, cuda_stream=stream)
+                yield batch, torch.from_numpy(np.array(labels.as_tensor()).reshape(-1))
+        finally:
+            del pipe
+
+
+def _unreadable(samples: Sequence[tuple[str, int]], indices: list[int]) -> tuple[str, str] | None:
+    from deit_ablate.data.bad_images import decode_problem
+
+    for i in indices:
+        problem = decode_problem(samples[i][0])
+        if problem:
+            return samples[i][0], problem
+    return None
+
+
+def _decode_error_text(samples, indices: list[int], batch_size: int, index: int, error: Exception) -> str:
+    """The clear stop when DALI cannot decode a batch: the unreadable file among the batches in flight, if PIL
+    finds it too, and the fix (data.backend=dali has no runtime.on_bad_image=skip)."""
+    in_flight = indices[index * batch_size:(index + 3) * batch_size]  # this batch and the two DALI prefetched
+    found = _unreadable(samples, in_flight)
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    what = f"{found[0]} cannot be read as an image ({found[1]})" if found else \
+        f"DALI could not decode a training image ({first_line})"
+    return (f"{what}; data.backend=dali stops at an unreadable image (it has no runtime.on_bad_image=skip). "
+            "Replace or delete the file, or train with data.backend=pil, which puts the next readable image in "
+            "its place.")
+
+
+def dali_available() -> bool:
+    """Whether DALI imports here (tests and benchmarks that need it)."""
+    try:
+        require_dali()
+    except ConfigError:
+        return False
+    return True
