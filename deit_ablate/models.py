@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from timm.layers import resample_abs_pos_embed
 from timm.models import model_entrypoint
 
+from deit_ablate.deeper import OPTIONS, apply_options, split_options
 from deit_ablate.errors import ConfigError
 from deit_ablate.losses import TOKEN_KINDS
 
@@ -30,7 +31,14 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
     """A freshly initialised timm model (`name`, else model.name); never loads weights from a hub."""
     name = name or model_cfg.name
     kwargs = dict(OmegaConf.to_container(model_cfg.kwargs, resolve=True))
+    options, kwargs = split_options(kwargs)
     head_drop = model_cfg.dropout
+    if options != OPTIONS and (not is_vision_transformer(name) or has_distillation_token(name)
+                               or model_entrypoint(name).__module__.endswith(".cait")):
+        raise ConfigError(f"model.kwargs {', '.join(k for k in OPTIONS if options[k] != OPTIONS[k])} are options of "
+                          f"timm's VisionTransformer (DeiT/ViT without a distillation token); {name} is not one.")
+    if options["class_attn_depth"]:
+        kwargs.update(class_token=False, global_pool="avg")  # the trunk of CaiT's class-attention model
     if is_vision_transformer(name):
         kwargs["img_size"] = img_size
         # DeiT's --drop went through timm 0.3.2's ViT: after the position embedding, in the attention projection
@@ -38,7 +46,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
         # drop_rate is a dropout before the head, which DeiT did not have.
         kwargs.update(pos_drop_rate=model_cfg.dropout, proj_drop_rate=model_cfg.dropout)
         head_drop = 0.0
-    return timm.create_model(
+    model = timm.create_model(
         name,
         pretrained=False,
         num_classes=num_classes,
@@ -46,6 +54,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
         drop_path_rate=model_cfg.drop_path,
         **kwargs,
     )
+    return model if options == OPTIONS else apply_options(model, options, model_cfg.drop_path, kwargs.get("init_values"))
 
 
 def student_model_name(cfg) -> str:
