@@ -10,6 +10,7 @@ initialised at 0 or U[0, 2ε], or fixed (appendix A), and the class-attention st
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,7 +50,8 @@ class ClassAttentionViT(nn.Module):
     """CaiT's two stages (section 3): a ViT trunk without class token, then CA+FFN blocks that update only the
     class embedding, which alone is normalised and classified. Parameter names follow timm's `Cait`."""
 
-    def __init__(self, trunk: VisionTransformer, depth: int = 2, init_values: float | None = None) -> None:
+    def __init__(self, trunk: VisionTransformer, depth: int = 2, init_values: float | None = None,
+                 learned: bool = True) -> None:
         super().__init__()
         if trunk.cls_token is not None:
             raise ValueError("the trunk of a class-attention model must be built without a class token")
@@ -65,17 +67,16 @@ class ClassAttentionViT(nn.Module):
         norm = type(trunk.blocks[0].norm1)
         eps = trunk.blocks[0].norm1.eps
         # timm's class-attention block always carries LayerScale; without it in the trunk its diagonal is a
-        # fixed 1 (no LayerScale), with it the block's is learned from the trunk's ε, as in CaiT.
+        # fixed 1 (no LayerScale), with it the block's starts at the trunk's ε and is learned as the trunk's is.
         self.blocks_token_only = nn.ModuleList(
-            LayerScaleBlockClassAttn(dim, num_heads, qkv_bias=True, norm_layer=lambda d: norm(d, eps=eps),
+            LayerScaleBlockClassAttn(dim, num_heads, qkv_bias=True, norm_layer=partial(norm, eps=eps),
                                      attn_block=ClassAttn, init_values=init_values or 1.0)
             for _ in range(depth)
         )
         for block in self.blocks_token_only:
             block.apply(_init_linear)
-            if init_values is None:
-                block.gamma_1.requires_grad_(False)
-                block.gamma_2.requires_grad_(False)
+            block.gamma_1.requires_grad_(bool(init_values) and learned)
+            block.gamma_2.requires_grad_(bool(init_values) and learned)
         self.norm = norm(dim, eps=eps)
 
     @torch.jit.ignore
@@ -154,5 +155,5 @@ def apply_options(model: VisionTransformer, options: dict[str, Any], drop_path: 
                     nn.init.uniform_(layer_scale.gamma, 0.0, 2 * init_values)
                 layer_scale.gamma.requires_grad_(bool(options["layer_scale_learned"]))
     if options["class_attn_depth"]:
-        return ClassAttentionViT(model, options["class_attn_depth"], init_values)
+        return ClassAttentionViT(model, options["class_attn_depth"], init_values, bool(options["layer_scale_learned"]))
     return model
