@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from timm.layers import DropPath, LayerScale
-from timm.models.cait import ClassAttn, LayerScaleBlockClassAttn
+from timm.models.cait import Cait, ClassAttn, LayerScaleBlockClassAttn
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -29,7 +29,10 @@ OPTIONS: dict[str, Any] = {
     "layer_scale_init": "const",  # LayerScale diagonal at init: const ε (timm), zero, uniform U[0, 2ε]
     "layer_scale_learned": True,  # False: the LayerScale diagonal stays at its initial values
     "class_attn_depth": 0,  # CaiT's class-attention stage: this many CA+FFN blocks after the trunk (0: none)
+    "class_attn_layer_scale": True,  # False: no LayerScale in the class-attention blocks (CaiT appendix B)
 }
+# The options a timm CaiT (`Cait`, which has its own class attention, LayerScale and uniform drop path) takes.
+CAIT_OPTIONS = ("class_attn_layer_scale",)
 SCHEDULES = ("linear", "uniform")
 BRANCH_SCALES = ("none", "scalar")
 LAYER_SCALE_INITS = ("const", "zero", "uniform")
@@ -75,8 +78,12 @@ class ClassAttentionViT(nn.Module):
         )
         for block in self.blocks_token_only:
             block.apply(_init_linear)
-            block.gamma_1.requires_grad_(bool(init_values) and learned)
-            block.gamma_2.requires_grad_(bool(init_values) and learned)
+        if not init_values:
+            _without_layer_scale(self.blocks_token_only)
+        elif not learned:
+            for block in self.blocks_token_only:
+                block.gamma_1.requires_grad_(False)
+                block.gamma_2.requires_grad_(False)
         self.norm = norm(dim, eps=eps)
 
     @torch.jit.ignore
@@ -104,10 +111,19 @@ def _init_linear(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
-def split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`model.kwargs` as (our options with their defaults, the rest for timm); bad values are a ConfigError."""
+def split_options(kwargs: dict[str, Any], family: str | None = "vit") -> tuple[dict[str, Any], dict[str, Any]]:
+    """`model.kwargs` as (our options with their defaults, the rest for timm); bad values are a ConfigError.
+
+    `family`: `vit` (timm's VisionTransformer without a distillation token), `cait` (timm's Cait) or None."""
     ours = {key: kwargs.pop(key) for key in list(kwargs) if key in OPTIONS}
     options = {**OPTIONS, **ours}
+    changed = [key for key in OPTIONS if options[key] != OPTIONS[key]]
+    takes = set(OPTIONS) if family == "vit" else set(CAIT_OPTIONS) if family == "cait" else set()
+    if [key for key in changed if key not in takes]:
+        what = ", ".join(f"model.kwargs.{key}" for key in changed if key not in takes)
+        raise ConfigError(f"{what}: options of timm's VisionTransformer without distillation token (DeiT, ViT; "
+                          "class_attn_layer_scale also of timm's Cait), which this model is not. Remove them or "
+                          "choose such a model.")
     for key, allowed in (("drop_path_schedule", SCHEDULES), ("branch_scale", BRANCH_SCALES),
                          ("layer_scale_init", LAYER_SCALE_INITS)):
         if options[key] not in allowed:
@@ -134,7 +150,12 @@ def drop_path_rates(model: nn.Module) -> list[tuple[float, float]]:
 
 def apply_options(model: VisionTransformer, options: dict[str, Any], drop_path: float,
                   init_values: float | None) -> nn.Module:
-    """The timm ViT `model` with our options applied (the model itself, or the class-attention model around it)."""
+    """The timm ViT `model` with our options applied (the model itself, or the class-attention model around it);
+    for a timm Cait, only whether its class-attention blocks keep LayerScale."""
+    if isinstance(model, Cait):
+        if not options["class_attn_layer_scale"]:
+            _without_layer_scale(model.blocks_token_only)
+        return model
     if options["drop_path_schedule"] == "uniform":
         for block in model.blocks:  # section 4.1: the same rate d_r in every block
             block.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
@@ -155,5 +176,14 @@ def apply_options(model: VisionTransformer, options: dict[str, Any], drop_path: 
                     nn.init.uniform_(layer_scale.gamma, 0.0, 2 * init_values)
                 layer_scale.gamma.requires_grad_(bool(options["layer_scale_learned"]))
     if options["class_attn_depth"]:
-        return ClassAttentionViT(model, options["class_attn_depth"], init_values, bool(options["layer_scale_learned"]))
+        ca_init = init_values if options["class_attn_layer_scale"] else None
+        return ClassAttentionViT(model, options["class_attn_depth"], ca_init, bool(options["layer_scale_learned"]))
     return model
+
+
+def _without_layer_scale(blocks: nn.ModuleList) -> None:
+    """Class-attention blocks without LayerScale: timm's diagonal fixed at 1."""
+    for block in blocks:
+        for gamma in (block.gamma_1, block.gamma_2):
+            nn.init.ones_(gamma)
+            gamma.requires_grad_(False)

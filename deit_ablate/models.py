@@ -27,16 +27,20 @@ def has_distillation_token(name: str) -> bool:
     return "_distilled_" in name
 
 
+def model_family(name: str) -> str | None:
+    """`vit` (timm's VisionTransformer without a distillation token), `cait` (timm's Cait), else None: which of
+    the options of `deit_ablate.deeper` the model takes."""
+    if not is_vision_transformer(name) or has_distillation_token(name):
+        return None
+    return "cait" if model_entrypoint(name).__module__.endswith(".cait") else "vit"
+
+
 def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: str | None = None) -> torch.nn.Module:
     """A freshly initialised timm model (`name`, else model.name); never loads weights from a hub."""
     name = name or model_cfg.name
     kwargs = dict(OmegaConf.to_container(model_cfg.kwargs, resolve=True))
-    options, kwargs = split_options(kwargs)
+    options, kwargs = split_options(kwargs, model_family(name))
     head_drop = model_cfg.dropout
-    if options != OPTIONS and (not is_vision_transformer(name) or has_distillation_token(name)
-                               or model_entrypoint(name).__module__.endswith(".cait")):
-        raise ConfigError(f"model.kwargs {', '.join(k for k in OPTIONS if options[k] != OPTIONS[k])} are options of "
-                          f"timm's VisionTransformer (DeiT/ViT without a distillation token); {name} is not one.")
     if options["class_attn_depth"]:
         kwargs.update(class_token=False, global_pool="avg")  # the trunk of CaiT's class-attention model
     if is_vision_transformer(name):
@@ -120,7 +124,8 @@ def resize_pos_embed_state(
     dst_shape = model.pos_embed.shape
     if src.shape == dst_shape:
         return out
-    n_prefix = 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens", 1))
+    # the position rows that are not patches (class/distillation tokens; none in CaiT, whose class token enters late)
+    n_prefix = dst_shape[1] - model.patch_embed.num_patches
     if src.ndim != 3 or src.shape[-1] != dst_shape[-1]:
         raise ValueError(
             f"pos_embed of shape {tuple(src.shape)} cannot be resized to {tuple(dst_shape)}: the embedding "

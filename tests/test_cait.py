@@ -47,17 +47,21 @@ ROWS.update({
     "ls_fixed": ("depth18_layerscale", *[{"model.kwargs.layer_scale_learned": False}] * 2),
     "heads8": ("depth12", *[{"model.kwargs.num_heads": 8}] * 2),
     "crop_1_0": ("depth12", *[{"resolution.crop_pct": 1.0}] * 2),
+    "cait_s36_no_ca_layerscale": ("cait_s36", *[{"model.kwargs.class_attn_layer_scale": False}] * 2),
+    "cait_s36_500ep": ("cait_s36", {"train.epochs": 500}, {"train.epochs": 17}),
 })
+ROOTS = ("depth12", "cait_s36")
 
 
 def test_every_row_has_an_option_and_a_paper_row_in_order():
-    assert sorted(p.stem for p in (CONF / "cait").glob("*.yaml")) == sorted(["depth12", *ROWS])
+    assert sorted(p.stem for p in (CONF / "cait").glob("*.yaml")) == sorted([*ROOTS, *ROWS])
     table = paper_table("cait")
     assert [r.key for r in table.rows][:4] == ["depth12", "depth12_uniform", "depth12_rezero", "depth12_layerscale"]
-    assert {r.key for r in table.rows} == {"depth12", *ROWS}
+    assert {r.key for r in table.rows} == {*ROOTS, *ROWS}
     assert {r.key: r.baseline for r in table.rows if r.key in ROWS} == {k: v[0] for k, v in ROWS.items()}
-    # Only where the seed text states a number: DeiT-S's 79.9 (section 4.3).
-    assert {r.key: r.values["pretrain"] for r in table.rows if r.values["pretrain"] is not None} == {"depth12": 79.9}
+    # Only where the seed text states a number: DeiT-S's 79.9 (section 4.3), CaiT-S36's (section 4.5.4, appendix B).
+    assert {r.key: r.values["pretrain"] for r in table.rows if r.values["pretrain"] is not None} == {
+        "depth12": 79.9, "cait_s36": 83.44, "cait_s36_no_ca_layerscale": 83.36, "cait_s36_500ep": 83.42}
 
 
 @pytest.mark.parametrize("preset", ["demo", "paper"])
@@ -172,12 +176,34 @@ def test_class_attention_stage_updates_only_the_class_embedding():
     assert {"cls_token", "pos_embed"} <= scaled.no_weight_decay()
 
 
+@pytest.mark.parametrize("preset", ["demo", "paper"])
+def test_cait_s36_is_timms_cait_with_the_papers_settings(preset):
+    cfg = _flat(compose_config([f"preset={preset}", "cait=cait_s36"]))
+    depth, epochs = (36, 400) if preset == "paper" else (12, 13)
+    assert (cfg["model.kwargs.depth"], cfg["model.kwargs.num_heads"], cfg["model.kwargs.init_values"]) == (depth, 8, 1e-6)
+    assert (cfg["train.epochs"], cfg["resolution.crop_pct"]) == (epochs, 1.0)
+
+
+def test_cait_without_layer_scale_in_class_attention_fixes_its_diagonal_at_one():
+    with_ls, without = _build("cait_s36"), _build("cait_s36_no_ca_layerscale")
+    assert torch.equal(with_ls.blocks_token_only[0].gamma_1, torch.full((128,), 1e-6))
+    assert with_ls.blocks_token_only[0].gamma_1.requires_grad and with_ls.blocks[0].gamma_1.requires_grad
+    for block in without.blocks_token_only:
+        assert torch.equal(block.gamma_1, torch.ones(128)) and not block.gamma_2.requires_grad
+    assert torch.equal(without.blocks[0].gamma_1, torch.full((128,), 1e-6))  # the trunk keeps its LayerScale
+    drop = [block.drop_path.drop_prob for block in without.blocks]
+    assert drop == [0.2] * 12  # timm's Cait: uniform stochastic depth
+
+
 def test_class_attention_model_fine_tunes_at_another_resolution():
     cfg = compose_config(["cait=ca_10_2"])
     small, large = build_model(cfg.model, 10, 32), build_model(cfg.model, 10, 48)
     resized = resize_pos_embed_state(small.state_dict(), large)
     assert resized["pos_embed"].shape == large.pos_embed.shape == (1, 36, 128)
     large.load_state_dict(resized)
+    cfg = compose_config(["cait=cait_s36"])  # timm's Cait: no class row in pos_embed either
+    small, large = build_model(cfg.model, 10, 32), build_model(cfg.model, 10, 48)
+    assert resize_pos_embed_state(small.state_dict(), large)["pos_embed"].shape == (1, 36, 128)
 
 
 def test_bad_model_options_are_clear_errors():
@@ -188,7 +214,7 @@ def test_bad_model_options_are_clear_errors():
     with pytest.raises(ConfigError, match="LayerScale, which is off"):
         build_model(cfg.model, 10, 32)
     cfg = compose_config(["model=cnn_demo", "++model.kwargs.class_attn_depth=2"])
-    with pytest.raises(ConfigError, match="resnet10t is not one"):
+    with pytest.raises(ConfigError, match="class_attn_depth: options of timm's VisionTransformer"):
         build_model(cfg.model, 10, 32)
 
 
