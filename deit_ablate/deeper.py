@@ -62,9 +62,10 @@ class ClassAttentionViT(nn.Module):
         num_heads = trunk.blocks[0].attn.num_heads
         self.embed_dim = self.num_features = dim
         self.num_classes = trunk.num_classes
-        self.num_prefix_tokens = 0  # pos_embed covers the patches only (resize_pos_embed_state reads this)
+        self.num_prefix_tokens = 0  # pos_embed covers the patches only
         self.patch_embed, self.pos_embed, self.pos_drop = trunk.patch_embed, trunk.pos_embed, trunk.pos_drop
-        self.norm_pre, self.blocks, self.head_drop, self.head = trunk.norm_pre, trunk.blocks, trunk.head_drop, trunk.head
+        self.norm_pre, self.blocks = trunk.norm_pre, trunk.blocks
+        self.head_drop, self.head = trunk.head_drop, trunk.head
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         nn.init.trunc_normal_(self.cls_token, std=0.02)
         norm = type(trunk.blocks[0].norm1)

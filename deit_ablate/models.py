@@ -58,7 +58,9 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
         drop_path_rate=model_cfg.drop_path,
         **kwargs,
     )
-    return model if options == OPTIONS else apply_options(model, options, model_cfg.drop_path, kwargs.get("init_values"))
+    if options == OPTIONS:
+        return model
+    return apply_options(model, options, model_cfg.drop_path, kwargs.get("init_values"))
 
 
 def student_model_name(cfg) -> str:

@@ -180,7 +180,8 @@ def test_class_attention_stage_updates_only_the_class_embedding():
 def test_cait_s36_is_timms_cait_with_the_papers_settings(preset):
     cfg = _flat(compose_config([f"preset={preset}", "cait=cait_s36"]))
     depth, epochs = (36, 400) if preset == "paper" else (12, 13)
-    assert (cfg["model.kwargs.depth"], cfg["model.kwargs.num_heads"], cfg["model.kwargs.init_values"]) == (depth, 8, 1e-6)
+    model = tuple(cfg[f"model.kwargs.{key}"] for key in ("depth", "num_heads", "init_values"))
+    assert model == (depth, 8, 1e-6) and cfg["model.name"] == "cait_s24_224"
     assert (cfg["train.epochs"], cfg["resolution.crop_pct"]) == (epochs, 1.0)
 
 

@@ -240,8 +240,8 @@ def to_csv(table: Table) -> str:
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for row in table.rows:
-        line: dict[str, Any] = {"row": row.key, "base": row.base or row.key, "delta_to": row.delta_to, "label": row.label,
-                                "note": row.note}
+        line: dict[str, Any] = {"row": row.key, "base": row.base or row.key, "delta_to": row.delta_to,
+                                "label": row.label, "note": row.note}
         for stage in table.stages:
             rec = cell_record(row.cells[stage])
             for f in CELL_FIELDS:
