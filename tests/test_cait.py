@@ -20,6 +20,7 @@ from deit_ablate.deeper import ClassAttentionViT, ScalarScale, drop_path_rates
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import run_identity
 from deit_ablate.models import build_model, resize_pos_embed_state
+from deit_ablate.validate import validate_config
 from tests.conftest import CONF, REPO, TINY, compose_config, run_train
 from tests.test_ablation import _flat
 
@@ -217,6 +218,9 @@ def test_bad_model_options_are_clear_errors():
     cfg = compose_config(["model=cnn_demo", "++model.kwargs.class_attn_depth=2"])
     with pytest.raises(ConfigError, match="class_attn_depth: options of timm's VisionTransformer"):
         build_model(cfg.model, 10, 32)
+    # Checked with the rest of the config before a run starts; a distilled student takes none of them.
+    with pytest.raises(ConfigError, match="class_attn_depth: options of timm's VisionTransformer"):
+        validate_config(compose_config(["cait=ca_12_2", "distill=hard_token", "distill.teacher.checkpoint=x.pt"]))
 
 
 def _info(rid: str, row: str, top1: float, seed: int = 0) -> RunInfo:
@@ -255,6 +259,8 @@ def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_fin
     assert all(r["steps_done"] == 2 for r in results)
     runs = read_offline(tmp_path / "outputs" / "wandb")
     assert sorted(r.config["choices"]["cait"] for r in runs) == ["ca_10_2", "depth12_rezero"]
+    assert sorted(tag for r in runs for tag in r.tags if tag.startswith("cait=")) == ["cait=ca_10_2",
+                                                                                    "cait=depth12_rezero"]
     out = tmp_path / "cait.json"
     assert cli.main([str(tmp_path / "outputs" / "wandb"), "--format", "json", "--out", str(out), "-q"]) == 0
     table = json.loads(out.read_text())
