@@ -12,7 +12,9 @@ import torch
 from omegaconf import OmegaConf
 
 from deit_ablate.aggregate import cli
+from deit_ablate.aggregate.html import to_html
 from deit_ablate.aggregate.paper import paper_table
+from deit_ablate.aggregate.plot import draw_deltas
 from deit_ablate.aggregate.reader import RunInfo, read_offline
 from deit_ablate.aggregate.render import render
 from deit_ablate.aggregate.table import build_table
@@ -242,6 +244,11 @@ def test_study_table_has_the_papers_order_and_each_rows_own_baseline():
     assert "| depth24_layerscale | depth24_uniform | 70.00 (n=1) | +5.00 | not in the text |" in text
     assert "| depth12 |  | 61.00 ± 1.41 (n=2) | +0.00 | 79.9 | +0.0 |" in text
     assert "Going deeper with Image Transformers" in text
+    assert "<td>depth24_uniform</td>" in to_html(table, 2, []) and "<td>not in the text</td>" in to_html(table, 2, [])
+    axes = draw_deltas(table).axes[0]  # the roots (depth12; cait_s36) have no bar: they extend no row
+    assert [t.get_text() for t in axes.get_xticklabels()] == ["depth24", "depth24_uniform", "depth24_layerscale",
+                                                              "ca_12_2"]
+    assert axes.get_ylabel() == "Δ top-1 to the row's own baseline (points)"
 
 
 def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_finds_the_study(tmp_path, data_cache):
