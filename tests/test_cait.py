@@ -251,7 +251,8 @@ def test_study_table_has_the_papers_order_and_each_rows_own_baseline():
     assert axes.get_ylabel() == "Δ top-1 to the row's own baseline (points)"
 
 
-def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_finds_the_study(tmp_path, data_cache):
+def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_finds_the_study(tmp_path, data_cache,
+                                                                                            capsys):
     # Two Gloo processes, two steps of the class-attention model with a fixed LayerScale: a parameter left without
     # a gradient (a fixed diagonal counted as trainable, an unused token) would stop DDP at its second step.
     tiny = [a for a in TINY if not a.startswith("model.kwargs.")]
@@ -268,10 +269,18 @@ def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_fin
     assert sorted(r.config["choices"]["cait"] for r in runs) == ["ca_10_2", "depth12_rezero"]
     assert sorted(tag for r in runs for tag in r.tags if tag.startswith("cait=")) == ["cait=ca_10_2",
                                                                                     "cait=depth12_rezero"]
-    out = tmp_path / "cait.json"
-    assert cli.main([str(tmp_path / "outputs" / "wandb"), "--format", "json", "--out", str(out), "-q"]) == 0
+    assert OmegaConf.create(runs[0].config).model.name == "deit_small_patch16_224"
+    wandb_dir, out = str(tmp_path / "outputs" / "wandb"), tmp_path / "cait.json"
+    assert cli.main([wandb_dir, "--format", "json", "--out", str(out), "-q"]) == 0  # only the study's runs
     table = json.loads(out.read_text())
     assert table["rows_key"] == "cait" and table["paper"]["table"] == "cait"
     present = [r["key"] for r in table["rows"] if r["cells"]["pretrain"]["n"]]
     assert present == ["depth12_rezero", "ca_10_2"]  # Table 1 before Table 2, as in the paper
-    assert OmegaConf.create(runs[0].config).model.name == "deit_small_patch16_224"
+    # Among other runs (a Table 8 run here), Table 8 by default; `--paper cait` picks the study's runs.
+    run_train(["train.max_steps=1"] + TINY, tmp_path, data_cache)
+    assert cli.main([wandb_dir, "--format", "json", "--out", str(out), "-q"]) == 0
+    assert json.loads(out.read_text())["paper"]["table"] == "table8"
+    assert cli.main([wandb_dir, "--paper", "cait", "--format", "json", "--out", str(out)]) == 0
+    table = json.loads(out.read_text())
+    assert [r["key"] for r in table["rows"] if r["cells"]["pretrain"]["n"]] == present
+    assert "1 run(s) that are not rows of the cait study left out" in capsys.readouterr().err

@@ -214,13 +214,17 @@ def _report(table: Table, warn: Warn) -> None:
         warn(table.paper_note)
 
 
+def studies() -> list[str]:
+    """Config groups whose options are the rows of a paper table other than Table 8 (`cait`)."""
+    return [key for key in load_numbers()["defaults"] if "." not in key and key != "ablation"]
+
+
 def default_rows(args: argparse.Namespace, runs: list[RunInfo]) -> str:
     """--rows when not given: the rows of the --paper table named, else the study (a config group with a paper
     table, such as `cait`) every run was launched with, else `ablation` (Table 8)."""
     if args.paper not in (None, "auto", "none") and args.paper in table_names():
         return paper_table(args.paper).rows_key
-    studies = [key for key in load_numbers()["defaults"] if "." not in key and key != "ablation"]
-    for study in studies:
+    for study in studies():
         if runs and all(choices_of(run.config).get(study) for run in runs):
             return study
     return "ablation"
@@ -240,6 +244,11 @@ def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
     if not runs and run_filter.api_filters() and any(is_api_source(s) for s in args.sources):
         raise UsageError(f"no run left: the W&B API returned no run for the query {run_filter.api_filters()}")
     unique, dropped = dedup(kept)
+    if args.rows in studies():
+        others = [r for r in unique if not choices_of(r.config).get(args.rows)]
+        if others:
+            warn(f"{len(others)} run(s) that are not rows of the {args.rows} study left out")
+            unique = [r for r in unique if choices_of(r.config).get(args.rows)]
     table = build_table(
         unique,
         rows=args.rows,
