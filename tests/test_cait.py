@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import fields
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from deit_ablate.aggregate import cli
@@ -18,9 +20,10 @@ from deit_ablate.aggregate.plot import draw_deltas
 from deit_ablate.aggregate.reader import RunInfo, read_offline
 from deit_ablate.aggregate.render import render
 from deit_ablate.aggregate.table import build_table
+from deit_ablate.config import Config
 from deit_ablate.deeper import ClassAttentionViT, ScalarScale, drop_path_rates
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import run_identity
+from deit_ablate.identity import experiment, run_identity
 from deit_ablate.models import build_model, resize_pos_embed_state
 from deit_ablate.validate import validate_config
 from tests.conftest import CONF, REPO, TINY, compose_config, run_train
@@ -90,12 +93,15 @@ def test_row_differs_from_its_own_baseline_only_in_its_ingredient(row, preset):
 
 
 def test_table_8_is_unchanged_by_the_study():
-    # No `cait` choice is the default: Table 8's runs keep their configs, names and wandb ids.
-    plain = compose_config(["ablation=no_mixup"])
-    assert "cait" not in plain and _flat(plain)["model.kwargs.depth"] == 6
+    # No `cait` choice is the default, and the study adds no key: a Table 8 run's experiment (what its name and
+    # wandb id hash) and its logged choices are what they were before the study existed.
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        plain = compose("config", overrides=["ablation=no_mixup"], return_hydra_config=True)
+    assert plain.hydra.runtime.choices.cait is None  # left out of the logged choices (tracking.hydra_choices)
+    assert set(experiment(plain)) == {f.name for f in fields(Config)} - {"runtime"}
+    assert dict(plain.model.kwargs) == {"patch_size": 8, "embed_dim": 128, "depth": 6, "num_heads": 4}
     assert run_identity(plain, ["ablation=no_mixup"]).name.startswith("ablation=no_mixup-")
-    cait = compose_config(["cait=depth24"])
-    assert run_identity(cait, ["cait=depth24"]).name.startswith("cait=depth24-")
+    assert run_identity(compose_config(["cait=depth24"]), ["cait=depth24"]).name.startswith("cait=depth24-")
 
 
 def _build(row: str, **extra) -> torch.nn.Module:
