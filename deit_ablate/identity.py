@@ -160,7 +160,14 @@ def _run_name_resolver(*, _root_: DictConfig) -> str:
     return folder_name(run_identity(_root_, overrides), Path(_root_.runtime.output_root) / "runs")
 
 
+def _at_scale_resolver(paper: Any, demo: Any, *, _root_: DictConfig) -> Any:
+    return demo if _root_.get("preset") == "demo" else paper
+
+
 def register_resolvers() -> None:
-    """Make `${run_name:}` (the run's folder name, from the whole config) available to the Hydra configs."""
+    """Make `${run_name:}` (the run's folder name, from the whole config) and `${at_scale:PAPER,DEMO}` (the first
+    value, or the second under `preset=demo`: how a study's rows give a number at both scales) available."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver("run_name", _run_name_resolver)
+    if not OmegaConf.has_resolver("at_scale"):
+        OmegaConf.register_new_resolver("at_scale", _at_scale_resolver)

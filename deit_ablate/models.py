@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from timm.layers import resample_abs_pos_embed
 from timm.models import model_entrypoint
 
+from deit_ablate.deeper import OPTIONS, apply_options, split_options
 from deit_ablate.errors import ConfigError
 from deit_ablate.losses import TOKEN_KINDS
 
@@ -26,11 +27,22 @@ def has_distillation_token(name: str) -> bool:
     return "_distilled_" in name
 
 
+def model_family(name: str) -> str | None:
+    """`vit` (timm's VisionTransformer without a distillation token), `cait` (timm's Cait), else None: which of
+    the options of `deit_ablate.deeper` the model takes."""
+    if not is_vision_transformer(name) or has_distillation_token(name):
+        return None
+    return "cait" if model_entrypoint(name).__module__.endswith(".cait") else "vit"
+
+
 def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: str | None = None) -> torch.nn.Module:
     """A freshly initialised timm model (`name`, else model.name); never loads weights from a hub."""
     name = name or model_cfg.name
     kwargs = dict(OmegaConf.to_container(model_cfg.kwargs, resolve=True))
+    options, kwargs = split_options(kwargs, model_family(name))
     head_drop = model_cfg.dropout
+    if options["class_attn_depth"]:
+        kwargs.update(class_token=False, global_pool="avg")  # the trunk of CaiT's class-attention model
     if is_vision_transformer(name):
         kwargs["img_size"] = img_size
         # DeiT's --drop went through timm 0.3.2's ViT: after the position embedding, in the attention projection
@@ -38,7 +50,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
         # drop_rate is a dropout before the head, which DeiT did not have.
         kwargs.update(pos_drop_rate=model_cfg.dropout, proj_drop_rate=model_cfg.dropout)
         head_drop = 0.0
-    return timm.create_model(
+    model = timm.create_model(
         name,
         pretrained=False,
         num_classes=num_classes,
@@ -46,6 +58,9 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
         drop_path_rate=model_cfg.drop_path,
         **kwargs,
     )
+    if options == OPTIONS:
+        return model
+    return apply_options(model, options, model_cfg.drop_path, kwargs.get("init_values"))
 
 
 def student_model_name(cfg) -> str:
@@ -111,7 +126,8 @@ def resize_pos_embed_state(
     dst_shape = model.pos_embed.shape
     if src.shape == dst_shape:
         return out
-    n_prefix = 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens", 1))
+    # the position rows that are not patches (class/distillation tokens; none in CaiT, whose class token enters late)
+    n_prefix = dst_shape[1] - model.patch_embed.num_patches
     if src.ndim != 3 or src.shape[-1] != dst_shape[-1]:
         raise ValueError(
             f"pos_embed of shape {tuple(src.shape)} cannot be resized to {tuple(dst_shape)}: the embedding "

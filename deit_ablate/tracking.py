@@ -22,6 +22,9 @@ _PRIVATE_KEYS = ("runtime.tracking.entity",)
 METRICS_CSV = METRICS
 
 
+# Config groups that hold the rows of a study other than Table 8 (one `# @package _global_` option per row).
+STUDIES = ("cait",)
+
 def loggable_config(cfg: DictConfig) -> dict[str, Any]:
     """The resolved config as a plain dict, without private keys."""
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -89,8 +92,11 @@ class Tracker:
         wandb_dir = Path(cfg.runtime.output_root).resolve()
         wandb_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("WANDB_SILENT", "true")
+        choices = hydra_choices()
         config = {**loggable_config(cfg), "run_id": identity.run_id, "run_name": identity.name,
-                  "experiment_digest": identity.digest, "data_fingerprint": data, "choices": hydra_choices()}
+                  "experiment_digest": identity.digest, "data_fingerprint": data, "choices": choices}
+        # Table 8's row, the stage and the scale; a run of another study (conf/cait) also its row there.
+        tags = [cfg.ablation, str(cfg.stage), cfg.preset] + [f"{g}={choices[g]}" for g in STUDIES if g in choices]
         self.run = wandb.init(
             project=cfg.runtime.tracking.project,
             entity=cfg.runtime.tracking.entity,
@@ -99,7 +105,7 @@ class Tracker:
             id=identity.run_id,
             name=identity.name,
             group=identity.group,
-            tags=[cfg.ablation, str(cfg.stage), cfg.preset],
+            tags=tags,
             config=config,
             resume="allow",
             settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True, save_code=False),

@@ -158,6 +158,14 @@ def check_known_keys(cfg: DictConfig) -> None:
     walk(cfg, schema, "")
 
 
+def check_model_options(cfg: DictConfig) -> None:
+    """The options of deit_ablate.deeper in model.kwargs: known values, on a model that takes them."""
+    from deit_ablate.deeper import split_options
+    from deit_ablate.models import model_family, student_model_name
+
+    split_options(dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True)), model_family(student_model_name(cfg)))
+
+
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
     check_known_keys(cfg)
@@ -191,6 +199,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             close = timm.list_models(f"*{name.split('_')[0]}*")[:8]
             raise ConfigError(f"timm has no model named '{name}'. Close names: {', '.join(close) or 'none'}. "
                               "Pick a `model=` option (see conf/model/) or a timm model name in model.name.")
+    check_model_options(cfg)
     optimizers = {cfg.optimizer.name, cfg.finetune.optimizer}
     for name in optimizers:
         if name not in list_optimizers():

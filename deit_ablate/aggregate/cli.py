@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .paper import table_names
+from .paper import load_numbers, paper_table, table_names
 from .reader import API_PREFIX, RunInfo, Warn, is_api_source, read_api, read_offline, stderr_warn
 from .render import FORMATS, STAGE_NAMES, render, split_text
 from .select import MISSING, ROW_ALIASES, RunFilter, dedup, format_value, get_key, matches, parse_when
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="write the table to this file instead of stdout")
     p.add_argument("--plot", type=Path, help="also draw the Δ-to-baseline bar chart into this PNG")
     p.add_argument("--curves", type=Path, help="also draw validation top-1 by epoch per row into this PNG")
-    p.add_argument("--rows", default="ablation", help="config key (dotted) or alias to group rows by")
+    p.add_argument("--rows", help="config key (dotted) or alias to group rows by (default: ablation, or the study "
+                                  "the runs or --paper belong to, e.g. cait)")
     p.add_argument("--metric", default="top1", help="which summary top-1: " + ", ".join(METRICS))
     p.add_argument("--baseline", help="row that Δ is measured against (default: the paper table's baseline)")
     p.add_argument("--paper", default="auto", help=f"paper table beside ours: auto, none, {', '.join(table_names())}")
@@ -213,11 +214,29 @@ def _report(table: Table, warn: Warn) -> None:
         warn(table.paper_note)
 
 
+def studies() -> list[str]:
+    """Config groups whose options are the rows of a paper table other than Table 8 (`cait`)."""
+    return [key for key in load_numbers()["defaults"] if "." not in key and key != "ablation"]
+
+
+def default_rows(args: argparse.Namespace, runs: list[RunInfo]) -> str:
+    """--rows when not given: the rows of the --paper table named, else the study (a config group with a paper
+    table, such as `cait`) every run was launched with, else `ablation` (Table 8)."""
+    if args.paper not in (None, "auto", "none") and args.paper in table_names():
+        return paper_table(args.paper).rows_key
+    for study in studies():
+        if runs and all(choices_of(run.config).get(study) for run in runs):
+            return study
+    return "ablation"
+
+
 def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
     """Read, filter, de-duplicate and tabulate, as the command line asks."""
     run_filter = make_filter(args)
     curves = bool(args.curves) or args.format == "html"
     runs = collect_runs(args.sources, run_filter, args.jobs, warn, history=curves)
+    if args.rows is None:
+        args.rows = default_rows(args, [r for r in runs if run_filter.matches(r)])
     check_names(args, runs)
     kept = [r for r in runs if run_filter.matches(r)]
     if runs and not kept:
@@ -225,6 +244,11 @@ def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
     if not runs and run_filter.api_filters() and any(is_api_source(s) for s in args.sources):
         raise UsageError(f"no run left: the W&B API returned no run for the query {run_filter.api_filters()}")
     unique, dropped = dedup(kept)
+    if args.rows in studies():
+        others = [r for r in unique if not choices_of(r.config).get(args.rows)]
+        if others:
+            warn(f"{len(others)} run(s) that are not rows of the {args.rows} study left out")
+            unique = [r for r in unique if choices_of(r.config).get(args.rows)]
     table = build_table(
         unique,
         rows=args.rows,

@@ -41,7 +41,10 @@ def draw_deltas(table: Table, title: str | None = None) -> Any:
     """The Δ-to-baseline bar chart as a matplotlib Figure (no pyplot state)."""
     from matplotlib.figure import Figure
 
-    rows = [r for r in table.rows if r.key != table.baseline]
+    if table.per_row_baselines:  # each row against the row it extends; the roots have none
+        rows = [r for r in table.rows if r.delta_to and r.delta_to != r.key]
+    else:
+        rows = [r for r in table.rows if r.key != table.baseline]
     series = []  # (label, color, values, why a value is missing)
     for stage in table.stages:
         dark, light = COLORS.get(stage, ("#444444", "#bbbbbb"))
@@ -90,7 +93,8 @@ def draw_deltas(table: Table, title: str | None = None) -> Any:
     ax.set_xticklabels(
         [f"{r.key}†" if r.note == "did not train well" else r.key for r in rows], rotation=35, ha="right"
     )
-    ax.set_ylabel(f"Δ top-1 to {table.baseline or 'baseline'} (points)")
+    reference = "the row's own baseline" if table.per_row_baselines else table.baseline or "baseline"
+    ax.set_ylabel(f"Δ top-1 to {reference} (points)")
     ax.set_title(title or (table.paper.title if table.paper else f"Δ by {table.rows_key}"), fontsize=10)
     ax.legend(fontsize=8, ncols=2)
     ax.grid(axis="y", alpha=0.3)

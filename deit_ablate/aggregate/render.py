@@ -69,6 +69,7 @@ def to_json_dict(table: Table) -> dict[str, Any]:
                 "label": row.label,
                 "note": row.note,
                 "in_paper": row.in_paper,
+                "delta_to": row.delta_to or None,
                 "cells": {s: cell_record(row.cells[s]) for s in table.stages},
             }
             for row in table.rows
@@ -149,12 +150,12 @@ def ours_text(cell: Cell, digits: int) -> str:
 def paper_text(cell: Cell) -> str:
     """The paper's number for a cell, with its ± where it has one."""
     if cell.paper is None:
-        return ""
+        return cell.paper_absent
     return _num(cell.paper, 1) + (" ± " + _num(cell.paper_std, 1) if cell.paper_std is not None else "")
 
 
 def _headers(table: Table) -> list[str]:
-    heads = [table.rows_key]
+    heads = [table.rows_key] + (["Δ to"] if table.per_row_baselines else [])
     for stage in table.stages:
         sizes = table.stage_sizes.get(stage) or []
         at = f" @{'/'.join(map(str, sizes))}" if sizes else ""
@@ -173,7 +174,7 @@ def _row_label(row: Row) -> str:
 
 
 def _cells(table: Table, row: Row, digits: int) -> list[str]:
-    out = [_row_label(row)]
+    out = [_row_label(row)] + ([row.delta_to if row.delta_to != row.key else ""] if table.per_row_baselines else [])
     for stage in table.stages:
         cell = row.cells[stage]
         out.append(ours_text(cell, digits))
@@ -188,7 +189,9 @@ def _cells(table: Table, row: Row, digits: int) -> list[str]:
 def _caption(table: Table) -> str:
     title = table.paper.title if table.paper else f"Runs grouped by {table.rows_key}"
     text = f"{title}. Ours: summary `{table.metric_key}` (--metric {table.metric}), mean ± std over seeds (n)"
-    if table.baseline is not None:
+    if table.per_row_baselines:
+        text += "; Δ = difference to the row's own baseline (`Δ to`: the row it extends by its one ingredient)"
+    elif table.baseline is not None:
         text += f"; Δ = difference to `{table.baseline}`"
     return text + "."
 
@@ -232,12 +235,13 @@ def to_markdown(table: Table, digits: int = 2) -> str:
 
 def to_csv(table: Table) -> str:
     """One line per row; numbers at full precision, empty where there is none."""
-    fields = ["row", "base", "label", "note"] + [f"{s}_{f}" for s in table.stages for f in CELL_FIELDS]
+    fields = ["row", "base", "delta_to", "label", "note"] + [f"{s}_{f}" for s in table.stages for f in CELL_FIELDS]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for row in table.rows:
-        line: dict[str, Any] = {"row": row.key, "base": row.base or row.key, "label": row.label, "note": row.note}
+        line: dict[str, Any] = {"row": row.key, "base": row.base or row.key, "delta_to": row.delta_to,
+                                "label": row.label, "note": row.note}
         for stage in table.stages:
             rec = cell_record(row.cells[stage])
             for f in CELL_FIELDS:

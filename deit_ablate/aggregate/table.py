@@ -59,6 +59,7 @@ class Cell:
     paper: float | None = None
     paper_std: float | None = None
     paper_delta: float | None = None
+    paper_absent: str = ""  # what the paper column says where the paper's row has no number
 
     @property
     def n(self) -> int:
@@ -125,6 +126,7 @@ class Row:
     note: str = ""
     in_paper: bool = False
     base: str = ""  # the row key's value; == key except on sub-rows
+    delta_to: str = ""  # the row its Δ is measured against, where the paper table gives each row its own
 
     @property
     def has_runs(self) -> bool:
@@ -150,6 +152,7 @@ class Table:
     splits: list[Split] = field(default_factory=list)
     left_out: list[RunInfo] = field(default_factory=list)  # runs not matching the baseline (match_baseline)
     paper_note: str = ""  # why a paper table was left out
+    per_row_baselines: bool = False  # Δ to each row's own baseline (Row.delta_to), as the paper table defines them
     meta: dict[str, Any] = field(default_factory=dict)  # run counts and warnings, filled in by the caller
 
     def row(self, key: str) -> Row | None:
@@ -397,6 +400,7 @@ def build_table(
     order_by = ptable or (paper_table("table8") if rows_key == "ablation" else None)  # Table 8 order always
     order = [r.key for r in order_by.rows] if order_by else []
     order += sorted((k for k in bases if k not in order), key=_natural)
+    per_row = baseline is None and ptable is not None and any(r.baseline for r in ptable.rows)
     if baseline is None:
         default = order_by.baseline if order_by else DEFAULT_BASELINES.get(rows_key)
         baseline = default if default in order else None
@@ -407,7 +411,7 @@ def build_table(
         for s in STAGES
         if rows_key == "ablation" or any(c[1] == s for c in filled.counted) or (ptable and s in ptable.columns)
     ]
-    _fill_deltas(table_rows, stages, baseline, ptable)
+    _fill_deltas(table_rows, stages, baseline, ptable, per_row)
     return Table(
         rows_key=rows_key,
         metric=metric,
@@ -423,6 +427,7 @@ def build_table(
         splits=filled.splits,
         left_out=filled.left_out,
         paper_note=paper_note,
+        per_row_baselines=per_row,
     )
 
 
@@ -432,11 +437,19 @@ def _diff(a: float | None, b: float | None) -> float | None:
     return a - b
 
 
-def _fill_deltas(rows: list[Row], stages: list[str], baseline: str | None, ptable: PaperTable | None) -> None:
-    base = next((r for r in rows if r.key == baseline), None)
-    pbase = ptable.row(baseline) if ptable and baseline else None
+def _fill_deltas(
+    rows: list[Row], stages: list[str], baseline: str | None, ptable: PaperTable | None, per_row: bool = False
+) -> None:
+    """Δ of every cell to the baseline row's (with `per_row`: to the row the paper table names for each row)."""
+    by_key = {r.key: r for r in rows}
     for row in rows:
         prow = ptable.row(row.key) if ptable else None
+        own = ptable.row(row.base or row.key) if per_row and ptable else None
+        ref = own.baseline if own is not None and own.baseline else baseline
+        base = by_key.get(ref) if ref else None
+        pbase = ptable.row(ref) if ptable and ref else None
+        if per_row:
+            row.delta_to = ref or ""
         for stage in stages:
             cell = row.cells[stage]
             if base is not None:
@@ -444,6 +457,7 @@ def _fill_deltas(rows: list[Row], stages: list[str], baseline: str | None, ptabl
             if prow is not None:
                 cell.paper = prow.values.get(stage)
                 cell.paper_std = prow.stds.get(stage)
+                cell.paper_absent = ptable.absent if cell.paper is None else ""
                 if pbase is not None:
                     delta = _diff(cell.paper, pbase.values.get(stage))
                     cell.paper_delta = None if delta is None else round(delta, 6)
