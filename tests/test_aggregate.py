@@ -518,3 +518,30 @@ def test_rows_distill_keep_the_cnn_the_paper_preset_and_other_sizes_apart() -> N
         "none · preset=paper, data=imagenet, model=deit_base +1 more": {"pretrain": ["paper"]},
         "none · resolution=24px": {"finetune": ["ft24"]},
     }
+
+
+def test_the_plain_run_keeps_the_row_name_over_smoke_runs_and_the_cnn_teacher() -> None:
+    """A folder with the demo run, five `train.max_steps=3` smoke runs and the CNN teacher: the plain run is the
+    row's main setting however many smoke runs there are; the others are sub-rows named by what they change."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from tests.conftest import CONF
+
+    def run(rid: str, overrides: list[str], seed: int = 0, top1: float = 60.0) -> RunInfo:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
+        config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+        config = {**config, "seed": seed, "run_id": rid, "choices": choices}
+        return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": top1})
+
+    smoke = [run(f"smoke{i}", ["train.max_steps=3", f"seed={i}"], seed=i, top1=10.0) for i in range(5)]
+    runs = [run("demo", [], top1=63.9), *smoke, run("cnn", ["model=cnn_demo"], top1=70.0)]
+    table = build_table(runs, rows="ablation", paper="none")
+    cells = {r.key: sorted(r.cells["pretrain"].run_ids) for r in table.rows if r.cells["pretrain"].run_ids}
+    assert cells == {
+        "baseline": ["demo"],
+        "baseline · model=cnn_demo": ["cnn"],
+        "baseline · train.max_steps=3": [f"smoke{i}" for i in range(5)],
+    }

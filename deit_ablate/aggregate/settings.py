@@ -38,8 +38,10 @@ RUN_KEYS = ("seed", "run_id", "run_name", "experiment_digest", "choices", "stage
 # What makes a setting a row's main one when its runs differ: Table 8's baseline, no distillation, and the
 # recipe's default group options (the resolution group's default is `<preset>_<stage>`).
 PREFERRED = {"ablation": "baseline", "distill.type": "none"}
-DEFAULT_CHOICES = {"ablation": "baseline", "distill": "none", "mix": "mixup_cutmix", "augment": "randaugment",
-                   "optimizer": "adamw"}
+DEFAULT_CHOICES = {"preset": "demo", "ablation": "baseline", "distill": "none", "mix": "mixup_cutmix",
+                   "augment": "randaugment", "optimizer": "adamw"}
+# Each preset's own model (conf/preset/*.yaml): the demo's ViT, not the CNN teacher trained beside it.
+PRESET_MODELS = {"demo": "vit_demo", "paper": "deit_base"}
 # Groups that set many others (`@package _global_`): named first in a sub-row label.
 LEADING_GROUPS = ("preset", "ablation", "stage")
 LABEL_ITEMS = 3  # settings named in a sub-row label before `+k more`
@@ -122,8 +124,12 @@ def describe_difference(
 
 
 def default_options(settings: dict[str, Any], choices: dict[str, str]) -> int:
-    """How many of a setting's group options are the recipe's defaults (Table 8's baseline, no distillation...)."""
-    defaults = {**DEFAULT_CHOICES, "resolution": f"{settings.get('preset')}_{choices.get('stage', 'pretrain')}"}
+    """How many of a setting's group options are the recipe's defaults (Table 8's baseline, no distillation, the
+    preset's model...)."""
+    preset = settings.get("preset")
+    defaults = {**DEFAULT_CHOICES, "resolution": f"{preset}_{choices.get('stage', 'pretrain')}"}
+    if preset in PRESET_MODELS:
+        defaults["model"] = PRESET_MODELS[preset]
     by_choice = sum(1 for g, v in defaults.items() if choices.get(g) == v)
     return by_choice + sum(1 for k, v in PREFERRED.items() if settings.get(k) == v)
 
@@ -133,15 +139,17 @@ def pick_main(
     population: list[dict[str, Any]],
     baseline: dict[str, Any] | None,
 ) -> int:
-    """Index of a row's main (settings, choices): most default options, closest to the baseline row's, most common."""
+    """Index of a row's main (settings, choices): most default options, closest to the baseline row's, fewest
+    keys set that others leave unset (a plain run over its `train.max_steps=3` smoke tests), most common."""
     keys = varied_keys(s for s, _ in candidates)
     counts = value_counts(population, keys)
 
-    def rank(i: int) -> tuple[int, int, int]:
+    def rank(i: int) -> tuple[int, int, int, int]:
         s, choices = candidates[i]
         distance = sum(1 for k in keys if baseline is not None and s.get(k, _MISSING) != baseline.get(k, _MISSING))
+        given = sum(1 for k in keys if s.get(k) is not None and any(o.get(k) is None for o, _ in candidates))
         common = sum(counts.get(k, Counter())[_hashable(s.get(k))] for k in keys)
-        return (-default_options(s, choices), distance, -common)
+        return (-default_options(s, choices), distance, given, -common)
 
     return min(range(len(candidates)), key=rank)
 
