@@ -162,13 +162,17 @@ def discard_empty_run_dir() -> None:
 
 
 def agree(info: DistInfo, decide: Callable[[], Any]) -> Any:
-    """Rank 0 decides; every rank gets its answer, or raises the same ConfigError/RunError it raised."""
+    """Rank 0 decides; every rank gets its answer, or raises the same ConfigError/RunError it raised (any other
+    error of rank 0 stops the others with a RunError, instead of leaving them waiting for its answer)."""
     outcome: tuple = ("ok", None)
     if info.is_main:
         try:
             outcome = ("ok", decide())
         except (ConfigError, RunError) as error:
             outcome = ("error", type(error), str(error))
+        except Exception as error:
+            broadcast_object(("error", RunError, f"rank 0 failed ({type(error).__name__}: {error}); see its log"), info)
+            raise
     outcome = broadcast_object(outcome, info)
     if outcome[0] == "error":
         raise outcome[1](outcome[2])

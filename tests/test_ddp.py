@@ -48,3 +48,38 @@ def test_eval_mode_finetune_of_a_distilled_student_runs_two_ddp_steps(tmp_path, 
     results = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")]
     assert len(results) == 2  # the pre-training and its fine-tune
     assert all(r["status"] == "finished" and r["steps_done"] == 2 and "top1_dist" in r for r in results)
+
+
+def _agree_when_rank_0_fails(rank: int, store: str, results: str) -> None:
+    import torch.distributed as dist
+
+    from deit_ablate.distributed import DistInfo
+    from deit_ablate.errors import RunError
+    from deit_ablate.run import agree
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+
+    def decide() -> None:
+        raise PermissionError("cannot read /data/x")
+
+    try:
+        agree(DistInfo(rank=rank, world_size=2), decide)
+        outcome = "returned"
+    except RunError as error:
+        outcome = f"RunError: {error}"
+    except PermissionError:
+        outcome = "PermissionError"
+    finally:
+        dist.destroy_process_group()
+    with open(f"{results}.{rank}", "w") as f:
+        f.write(outcome)
+
+
+def test_an_unexpected_error_of_rank_0_stops_the_other_ranks_instead_of_leaving_them_waiting(tmp_path):
+    import torch.multiprocessing as mp
+
+    results = str(tmp_path / "outcome")
+    mp.spawn(_agree_when_rank_0_fails, args=(str(tmp_path / "store"), results), nprocs=2, join=True)
+    assert (tmp_path / "outcome.0").read_text() == "PermissionError"
+    assert (tmp_path / "outcome.1").read_text() == ("RunError: rank 0 failed (PermissionError: cannot read /data/x); "
+                                                    "see its log")
