@@ -179,6 +179,17 @@ def agree(info: DistInfo, decide: Callable[[], Any]) -> Any:
     return outcome[1]
 
 
+def peer_lost(error: RuntimeError) -> str | None:
+    """How a collective failed if it failed because another rank is gone (it crashed or stopped on an error of its
+    own), else None."""
+    import torch.distributed as dist
+
+    for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"):
+        if sign in str(error):
+            return sign
+    return type(error).__name__ if isinstance(error, dist.DistError) else None
+
+
 def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 5.0) -> RunLock | None:
     """The main rank takes the run folder's lock (the others follow its outcome): a RunError naming the holder
     when another launch trains this run, or a wait for it to end with `wait`."""
@@ -226,6 +237,16 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         if handler is not None:
             file_only.error(f"error: {error}")
         raise
+    except RuntimeError as error:
+        sign = peer_lost(error) if info.enabled else None
+        if sign is None:
+            raise
+        lost = RunError(f"rank {info.rank} stopped because another rank left the process group mid-run ({sign}). "
+                        "The rank that stopped first says why in its own output; the run's checkpoints are intact, "
+                        "and relaunching the same command resumes it.")
+        if handler is not None:
+            file_only.error(f"error: {lost}")
+        raise lost from None
     finally:
         if handler is not None:
             detach_run_log(handler)

@@ -212,6 +212,24 @@ def test_unreadable_image_is_replaced_named_once_and_counted(tmp_path, data_cach
     assert f"{bad} cannot be read as an image" in proc.stderr and "runtime.on_bad_image=skip" in proc.stderr
 
 
+def test_an_unreadable_image_under_ddp_stops_every_rank_with_one_line_each(tmp_path, data_cache):
+    # runtime.on_bad_image=fail stops the rank that read the file; the other rank's collective then fails, and it
+    # says so in one line instead of Gloo's traceback (torchrun's own summary of the failed children stays).
+    root = _image_folder(data_cache, tmp_path / "folder")
+    bad = root / "train" / "disc" / "garbage.JPEG"
+    bad.write_bytes(b"this is not a JPEG" * 50)
+    args = ["data=imagefolder", f"data.root={root}", "data.num_classes=10", "runtime.on_bad_image=fail"] + TINY
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29535",
+                str(REPO / "train.py")]
+    proc = run_train(args, tmp_path, data_cache, module=torchrun, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"error: {bad} cannot be read as an image" in output
+    assert "stopped because another rank left the process group mid-run (Connection closed by peer)" in output
+    for ours in (REPO / "deit_ablate", REPO / "train.py"):  # no traceback through our code
+        assert f'File "{ours}' not in output, output[-3000:]
+
+
 def _lock_record(pid: int, host: str | None = None, **extra) -> str:
     record = {**this_process(), "pid": pid, "proc_start": None, "token": "theirs", **extra}
     if host is not None:
