@@ -1,7 +1,8 @@
 """One launch at a time per run folder: a lock file saying who trains the run, safe on shared file systems.
 
-The lock (`run.lock` in the run folder) is created with O_CREAT | O_EXCL, which is atomic on local disks and on
-NFS v3+ and Lustre, and holds the holder's host, pid, process start, start time and SLURM job. Its holder
+The lock (`run.lock` in the run folder) is written to a private file and hard-linked into place, which is atomic
+(and fails if the lock exists) on local disks, NFS and Lustre, so it never exists half-written. It holds the
+holder's host, pid, process start, start time and SLURM job. Its holder
 refreshes its modification time every minute. A lock counts as stale, and is taken over, when
 - it was left by an earlier attempt of the same SLURM job (a requeued job: same SLURM_JOB_ID, another
   SLURM_RESTART_COUNT; SLURM ends an attempt before it starts the next),
@@ -108,7 +109,25 @@ class RunLock:
         return text, holder if isinstance(holder, dict) else None, age
 
     def _create(self) -> bool:
-        """Create the lock with our record; False if it exists."""
+        """Create the lock with our record; False if it exists. The record is written to a private file first
+        and hard-linked into place (atomic, and fails if the lock exists), so a kill never leaves an empty lock."""
+        staged = self.path.with_name(f".{LOCK_NAME}.{self.me['token']}.tmp")
+        try:
+            with open(staged, "x") as handle:
+                handle.write(json.dumps(self.me))
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(staged, self.path)
+            except FileExistsError:
+                return False
+            except OSError:  # a file system without hard links: exclusive create, then write (the old window)
+                return self._create_in_place()
+            return True
+        finally:
+            staged.unlink(missing_ok=True)
+
+    def _create_in_place(self) -> bool:
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:

@@ -291,6 +291,32 @@ def test_run_lock_release_leaves_a_lock_that_is_not_ours(tmp_path):
     assert (tmp_path / LOCK_NAME).exists()
 
 
+def test_run_lock_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    # A launch killed while writing its lock record must not leave an empty lock (which would block the run for
+    # STALE_AFTER_S): the record is written aside and linked into place, so the lock is complete when it exists.
+    real_link = os.link
+    seen = []
+
+    def link(src, dst):
+        real_link(src, dst)
+        seen.append(json.loads(Path(dst).read_text()))
+
+    monkeypatch.setattr(os, "link", link)
+    lock = RunLock(tmp_path)
+    assert lock.try_acquire() is None
+    assert seen == [lock.me]  # complete at the instant it appeared
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK_NAME]  # no staged file left beside it
+    lock.release()
+
+    def killed_while_writing(*args, **kwargs):
+        raise KeyboardInterrupt  # stands in for the kill: the process dies inside the write
+
+    monkeypatch.setattr(json, "dumps", killed_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        RunLock(tmp_path).try_acquire()
+    assert not list(tmp_path.iterdir())  # no lock, empty or not
+
+
 def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper):
     run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache)
     run_dir = _run_dir(tmp_path)
