@@ -58,3 +58,23 @@ def run_train(args: list[str], cwd: Path, cache: Path, extra_env: dict | None = 
         raise AssertionError(f"{' '.join(command)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def train_straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path) -> tuple[dict, dict, dict]:
+    """Train two epochs straight, and one epoch (8 steps) + a resume + one; the checkpoints of the straight run,
+    the resumed run and the first half."""
+    import torch
+
+    straight, resumed = cwd / "straight", cwd / "resumed"
+    run_train(two_epochs + [f"hydra.run.dir={straight}"], cwd, cache)
+    run_train(two_epochs + ["train.max_steps=8", f"hydra.run.dir={resumed}"], cwd, cache)
+    first_half = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
+    (resumed / "result.json").unlink()  # as if the job had been stopped after its first epoch
+    proc = run_train(two_epochs + [f"hydra.run.dir={resumed}"], cwd, cache)
+    assert "resuming" in proc.stdout
+    a = torch.load(straight / "checkpoint-last.pt", weights_only=True)
+    b = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
+    assert a["step"] == b["step"] == 16
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    return a, b, first_half
