@@ -25,6 +25,7 @@ METRICS_CSV = METRICS
 # Config groups that hold the rows of a study other than Table 8 (one `# @package _global_` option per row).
 STUDIES = ("cait",)
 
+
 def loggable_config(cfg: DictConfig) -> dict[str, Any]:
     """The resolved config as a plain dict, without private keys."""
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

@@ -235,10 +235,10 @@ def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
     run_filter = make_filter(args)
     curves = bool(args.curves) or args.format == "html"
     runs = collect_runs(args.sources, run_filter, args.jobs, warn, history=curves)
-    if args.rows is None:
-        args.rows = default_rows(args, [r for r in runs if run_filter.matches(r)])
-    check_names(args, runs)
     kept = [r for r in runs if run_filter.matches(r)]
+    if args.rows is None:
+        args.rows = default_rows(args, kept)
+    check_names(args, runs)
     if runs and not kept:
         raise UsageError("no run left: " + explain_empty(args, runs, run_filter))
     if not runs and run_filter.api_filters() and any(is_api_source(s) for s in args.sources):

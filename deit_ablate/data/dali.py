@@ -110,16 +110,6 @@ class DaliTrainLoader:
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size
 
-    def with_sampler(self, sampler: Sampler) -> DaliTrainLoader:
-        """The same loader over another sampler (the rest of an interrupted epoch)."""
-        other = object.__new__(DaliTrainLoader)
-        other.__dict__.update(self.__dict__, sampler=sampler)
-        return other
-
-    def decode_error(self, indices: list[int], index: int, error: Exception) -> str:
-        """What to say when batch `index` of this epoch cannot be decoded."""
-        return _decode_error_text(self.dataset.samples, indices, self.batch_size, index, error)
-
     def build_pipeline(self, indices: list[int], seed: int):
         """A DALI pipeline that yields this epoch's batches, then stops."""
         from nvidia.dali import fn, pipeline_def, types
@@ -153,7 +143,8 @@ class DaliTrainLoader:
                 try:
                     images, labels = pipe.run()
                 except RuntimeError as error:
-                    raise ConfigError(self.decode_error(indices, index, error)) from None
+                    raise ConfigError(_decode_error_text(self.dataset.samples, indices, self.batch_size, index,
+                                                         error)) from None
                 batch = torch.empty((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
                 feed_ndarray(images.as_tensor(), batch, cuda_stream=stream)
                 yield batch, torch.from_numpy(np.array(labels.as_tensor()).reshape(-1))
