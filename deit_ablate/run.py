@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
@@ -24,7 +22,7 @@ from deit_ablate.data.loader import (
     build_loader,
     build_train_loader,
     build_train_sampler,
-    set_sampler_epoch,
+    seed_epoch_data,
 )
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
 from deit_ablate.distributed import (
@@ -47,16 +45,10 @@ from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
 from deit_ablate.rundir import RunDir
 from deit_ablate.runlock import LOCK_NAME, RunLock
 from deit_ablate.stages import StageRecipe, load_pretrained, pretrain_run_dir, pretrain_status, stage_recipe
+from deit_ablate.streams import RunStreams
 from deit_ablate.teacher import build_teacher, teacher_forward
 from deit_ablate.tracking import Tracker
 from deit_ablate.validate import BatchPlan, plan_batch, validate_config
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (the CPU and every GPU)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
@@ -83,6 +75,7 @@ class Pieces:
     steps_per_epoch: int
     recipe: StageRecipe
     plan: BatchPlan
+    streams: RunStreams
 
 
 def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
@@ -96,7 +89,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     train_transform, batch_transform = build_train_pipeline(cfg)
     train_set = build_dataset(cfg, "train", train_transform, root)
     val_set = build_dataset(cfg, "val", build_eval_transform(cfg), root)
-    train_sampler = build_train_sampler(train_set, cfg.augment.repeated_aug, info.world_size, info.rank, cfg.seed)
+    train_sampler = build_train_sampler(train_set, cfg.augment.repeated_aug, info.world_size, info.rank)
     train_loader = build_train_loader(train_set, train_sampler, plan.per_rank_batch, cfg, info.device)
     val_sampler = ShardSampler(len(val_set), info.world_size, info.rank)
     val_loader = build_loader(val_set, val_sampler, cfg.runtime.eval_batch, cfg, train=False)
@@ -133,7 +126,8 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
                       train_mode=recipe.train_mode,
                       amp_dtype=amp_dtype(cfg.train.amp, info.device),
                       clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.runtime.log_interval)
-    return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan)
+    return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan,
+                  RunStreams(cfg.seed, info.rank))
 
 
 def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps_per_epoch: int):
@@ -402,7 +396,7 @@ def bad_image_error(pieces: Pieces) -> ConfigError:
 
 def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir,
            data: dict[str, Any]) -> dict[str, Any]:
-    seed_everything(cfg.seed)
+    RunStreams(cfg.seed, info.rank).seed_init()  # the same initial weights on every rank
     set_cpu_threads(cfg.runtime.cpu_threads, info.device)
     plan = plan_batch(cfg, info.world_size)
     pieces = build_pieces(cfg, info, plan)  # every input error is raised by now, before anything is logged
@@ -470,14 +464,13 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
         for epoch in range(start_epoch, pieces.recipe.epochs):
             if max_steps is not None and trainer.step >= max_steps:
                 break
-            seed_everything(cfg.seed * 10_007 + epoch * 101 + info.rank)  # exact resume at epoch boundaries
-            set_sampler_epoch(pieces.train_sampler, epoch, cfg.seed)
+            pieces.streams.seed_epoch(epoch)  # this rank's Mixup/CutMix, erasing and drop path (streams.py)
             loader = pieces.train_loader
             if epoch == start_epoch and skip_batches:  # resumed mid-epoch (preemption): skip what was done
                 loader = build_train_loader(pieces.train_loader.dataset,
                                             SkipFirst(pieces.train_sampler, skip_batches * plan.per_rank_batch),
                                             plan.per_rank_batch, cfg, info.device)
-            loader.generator = torch.Generator().manual_seed(cfg.seed * 10_007 + epoch)
+            seed_epoch_data(pieces.train_sampler, loader, pieces.streams, epoch)  # shared permutation, own augmentation
             skipped = skip_batches if epoch == start_epoch else 0
             saver.start_epoch(epoch, best_top1, skipped)
             steps_before = trainer.step

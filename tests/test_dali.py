@@ -26,7 +26,7 @@ from deit_ablate.data.dali_augment import (
     parse_rand_augment,
 )
 from deit_ablate.data.datasets import build_dataset, dataset_root
-from deit_ablate.data.loader import SkipFirst, build_train_sampler, set_sampler_epoch
+from deit_ablate.data.loader import SkipFirst, build_train_sampler
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import experiment, experiment_digest
 from deit_ablate.validate import validate_config
@@ -138,7 +138,7 @@ def monkeypatch_module():
 
 
 def _epoch(loader: DaliTrainLoader, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    torch.manual_seed(seed)
+    loader.generator = torch.Generator().manual_seed(seed)  # as data.loader.seed_epoch_data seeds it
     return [(images.clone(), labels.clone()) for images, labels in loader]
 
 
@@ -146,9 +146,9 @@ def test_loader_follows_each_ranks_sampler_and_hands_uint8_hwc_batches(tiny_trai
     cfg, dataset = tiny_train_set
     batch = 16
     for rank in range(2):
-        sampler = build_train_sampler(dataset, 3, world_size=2, rank=rank, seed=0)
+        sampler = build_train_sampler(dataset, 3, world_size=2, rank=rank)
         assert isinstance(sampler, RepeatAugSampler)
-        set_sampler_epoch(sampler, 1, seed=0)
+        sampler.set_epoch(1)
         loader = DaliTrainLoader(dataset, sampler, batch, cfg, torch.device("cpu"), threads=1)
         expected = [dataset.targets[i] for i in sampler]
         batches = _epoch(loader, seed=5)
@@ -163,7 +163,7 @@ def test_loader_follows_each_ranks_sampler_and_hands_uint8_hwc_batches(tiny_trai
 
 def test_same_seed_same_batches_other_seed_other_augmentation(tiny_train_set):
     cfg, dataset = tiny_train_set
-    sampler = build_train_sampler(dataset, 3, world_size=1, rank=0, seed=0)
+    sampler = build_train_sampler(dataset, 3, world_size=1, rank=0)
     loader = DaliTrainLoader(dataset, sampler, 32, cfg, torch.device("cpu"), threads=2)
     first, again, other = _epoch(loader, 7), _epoch(loader, 7), _epoch(loader, 8)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))

@@ -168,7 +168,7 @@ class _Sized:
 
 def test_repeated_augmentation_single_process_sees_each_image_three_times_cut_to_the_dataset():
     dataset = _Sized(600)
-    sampler = build_train_sampler(dataset, repeats=3, world_size=1, rank=0, seed=0)
+    sampler = build_train_sampler(dataset, repeats=3, world_size=1, rank=0)
     sampler.set_epoch(0)
     indices = list(sampler)
     assert len(indices) == 512  # DeiT: an epoch is cut back to the dataset size, rounded down to 256s
@@ -181,7 +181,7 @@ def test_repeated_augmentation_sends_each_copy_to_a_different_rank():
     world = 4
     per_rank = []
     for rank in range(world):
-        sampler = build_train_sampler(dataset, repeats=3, world_size=world, rank=rank, seed=0)
+        sampler = build_train_sampler(dataset, repeats=3, world_size=world, rank=rank)
         sampler.set_epoch(0)
         per_rank.append(list(sampler))
     assert all(len(ids) == 1024 // world for ids in per_rank)  # the epoch is |dataset| images in total
@@ -201,7 +201,7 @@ def test_without_repeats_ranks_partition_the_data():
     dataset = _Sized(100)
     shards = []
     for rank in range(4):
-        sampler = build_train_sampler(dataset, repeats=1, world_size=4, rank=rank, seed=0)
+        sampler = build_train_sampler(dataset, repeats=1, world_size=4, rank=rank)
         sampler.set_epoch(3)
         shards.append(list(sampler))
     assert sorted(i for shard in shards for i in shard) == list(range(100))

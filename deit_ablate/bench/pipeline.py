@@ -19,8 +19,9 @@ from deit_ablate.bench.env import synchronize, torch_threads
 from deit_ablate.data.builtin import CLASSES, draw_image
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
-from deit_ablate.data.loader import build_loader, build_train_loader, build_train_sampler, set_sampler_epoch
+from deit_ablate.data.loader import build_loader, build_train_loader, build_train_sampler, seed_epoch_data
 from deit_ablate.data.transforms import build_train_pipeline, build_train_transform
+from deit_ablate.streams import RunStreams
 
 JPEG_WIDTH, JPEG_HEIGHT, JPEG_QUALITY = 500, 375, 90  # about the mean ImageNet training image
 
@@ -88,10 +89,11 @@ def our_loader(cfg, dataset: Dataset, batch: int, batch_step: Callable | None = 
     """Our training loader (data.loader.build_train_loader: a DataLoader, or DALI's with data.backend=dali) over our
     training sampler, as run.py builds it; each batch is moved to `device` and given the trainer's per-batch step,
     as train_epoch does (this counts as pipeline time)."""
-    sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0, cfg.seed)
-    set_sampler_epoch(sampler, 0, cfg.seed)
+    sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0)
     device = device or torch.device("cpu")
-    return Loader(build_train_loader(dataset, sampler, batch, cfg, device), batch_step, device)
+    loader = build_train_loader(dataset, sampler, batch, cfg, device)
+    seed_epoch_data(sampler, loader, RunStreams(cfg.seed), 0)
+    return Loader(loader, batch_step, device)
 
 
 class Loader:
@@ -149,15 +151,14 @@ def alternate_loaders(loaders: dict[str, Any], repeats: int, max_batches: int | 
 
 def worker_startup(cfg, dataset: Dataset, batch: int, epochs: int, persistent: bool) -> list[dict[str, float]]:
     """Per-epoch first-batch latency and epoch time, reseeding like run.py, with persistent workers on or off."""
-    sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0, cfg.seed)
+    sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0)
     base = build_loader(dataset, sampler, batch, cfg, train=True)
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=base.num_workers, drop_last=True,
                         persistent_workers=persistent and base.num_workers > 0, pin_memory=base.pin_memory,
                         prefetch_factor=base.prefetch_factor)
     rows = []
     for epoch in range(epochs):
-        set_sampler_epoch(sampler, epoch, cfg.seed)
-        loader.generator = torch.Generator().manual_seed(cfg.seed * 10_007 + epoch)  # as run.py does
+        seed_epoch_data(sampler, loader, RunStreams(cfg.seed), epoch)  # as run.py does
         rows.append(epoch_rate(loader))
     return rows
 

@@ -16,7 +16,8 @@ from deit_ablate.bench.env import synchronize, torch_threads
 from deit_ablate.distributed import DistInfo
 from deit_ablate.engine import Trainer
 from deit_ablate.models import compile_in_place
-from deit_ablate.run import build_pieces, seed_everything
+from deit_ablate.run import build_pieces
+from deit_ablate.streams import RunStreams
 from deit_ablate.validate import plan_batch
 
 # Optimizer implementations torch.optim.AdamW/SGD can take, set on the param groups before the first step.
@@ -39,7 +40,7 @@ class StepSetup:
 def build_trainer(cfg, device: torch.device, optimizer_impl: str = "default", compile_model: bool = False,
                   threads: int | None = None) -> StepSetup:
     """build_pieces() on `cfg` (data loaders are built but never iterated), then a synthetic batch on device."""
-    seed_everything(cfg.seed)
+    RunStreams(cfg.seed).seed_init()
     info = DistInfo(device=device)
     pieces = build_pieces(cfg, info, plan_batch(cfg, info.world_size))
     trainer = pieces.trainer

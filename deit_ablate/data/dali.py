@@ -5,8 +5,8 @@ DALI gets the project's own sampler order (the repeated-augmentation sampler: co
 epoch cut to the dataset's size, per-epoch reseeding, a shard per rank) through an external source of file
 bytes, and hands the trainer the batch the PIL path hands it: B x H x W x 3 uint8 pixels (on the GPU here) and
 int64 labels. Normalization, random erasing and Mixup/CutMix stay per batch in the trainer (data/batch.py).
-A pipeline is built per epoch, seeded from torch's generator, which run.py reseeds per epoch and rank, so a run
-resumed at an epoch boundary draws the same augmentations.
+A pipeline is built per epoch, its seed drawn from the loader's `generator`, which run.py seeds per epoch and rank
+(streams.py), so the ranks augment differently and a run resumed at an epoch boundary draws the same augmentations.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class DaliTrainLoader:
         self.graph = {"size": cfg.resolution.train_size, "scale": tuple(aug.scale), "ratio": (3 / 4, 4 / 3),
                       "hflip": aug.hflip, "rand_spec": parse_rand_augment(aug.auto_augment),
                       "fill_value": fill_value(cfg.data.mean), "interpolation": aug.interpolation}
-        self.generator = None  # set by run.py per epoch, as on a DataLoader; the seed comes from torch's state
+        self.generator: torch.Generator | None = None  # set per epoch by loader.seed_epoch_data
 
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size
@@ -133,7 +133,7 @@ class DaliTrainLoader:
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
         indices = [int(i) for i in self.sampler]
-        seed = int(torch.randint(0, 2**31 - 1, ()).item())  # torch's state: reseeded per epoch and rank by run.py
+        seed = int(torch.randint(0, 2**31 - 1, (), generator=self.generator).item())
         pipe = self.build_pipeline(indices, seed)
         size = self.graph["size"]
         device = torch.device("cuda", self.device_id) if self.device_id is not None else torch.device("cpu")

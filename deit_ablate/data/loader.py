@@ -11,21 +11,23 @@ from omegaconf import DictConfig
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from deit_ablate.streams import RunStreams, Stream
 
-def build_train_sampler(dataset: Dataset, repeats: int, world_size: int, rank: int, seed: int) -> Sampler:
-    """DeiT's sampler: each image `repeats` times per epoch, copies on different ranks, epoch cut to |data|."""
+
+def build_train_sampler(dataset: Dataset, repeats: int, world_size: int, rank: int) -> Sampler:
+    """DeiT's sampler: each image `repeats` times per epoch, copies on different ranks, epoch cut to |data|.
+    Its permutation is seeded per epoch by `seed_epoch_data` (seed 0 here: the run's seed comes in with the epoch)."""
     if repeats > 1:
         # Explicit replicas and rank, so one process runs the same recipe as many (timm's train.py refuses).
         return RepeatAugSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, num_repeats=repeats)
-    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True)
 
 
-def set_sampler_epoch(sampler: Sampler, epoch: int, seed: int) -> None:
-    """Reshuffle for a new epoch; RepeatAugSampler seeds from the epoch alone, so the seed is folded in."""
-    if isinstance(sampler, RepeatAugSampler):
-        sampler.set_epoch(seed * 1_000_003 + epoch)
-    else:
-        sampler.set_epoch(epoch)
+def seed_epoch_data(sampler: Sampler, loader, streams: RunStreams, epoch: int) -> None:
+    """Seed one epoch's data: the permutation every rank shares, and this rank's augmentation stream (the loader
+    workers', or DALI's pipeline seed), both functions of the epoch (exact resume at an epoch boundary)."""
+    sampler.set_epoch(streams.seed_of(Stream.SAMPLER, epoch))  # both samplers seed their permutation with it
+    loader.generator = streams.generator(Stream.LOADER, epoch)
 
 
 class ShardSampler(Sampler):
