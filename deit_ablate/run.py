@@ -45,7 +45,7 @@ from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
 from deit_ablate.rundir import RunDir
 from deit_ablate.runlock import LOCK_NAME, RunLock
 from deit_ablate.stages import StageRecipe, load_pretrained, pretrain_run_dir, pretrain_status, stage_recipe
-from deit_ablate.streams import RunStreams
+from deit_ablate.streams import STREAMS_VERSION, RunStreams, copies_augmented_alike
 from deit_ablate.teacher import build_teacher, teacher_forward
 from deit_ablate.tracking import Tracker
 from deit_ablate.validate import BatchPlan, plan_batch, validate_config
@@ -310,6 +310,10 @@ def _run_locked(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir:
             top1 = result.get("top1", float("nan"))
             log.info(f"[run] {identity.name}: already {result['status']} (top-1 {top1:.2f}); skipping."
                      f" Delete {run_dir.result} to run it again.")
+            if copies_augmented_alike(result, cfg.augment.repeated_aug):
+                log.warning(f"[run] {identity.name} was trained on several ranks before the per-rank random streams "
+                            "(README, 'Random streams across ranks'): its repeated-augmentation copies were augmented "
+                            f"alike. Delete {run_dir.path} to train it again as the recipe means.")
         return result
     if cfg.stage == "finetune":
         upstream = pretrain_status(cfg)
@@ -511,6 +515,7 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     final = summarize(status, metrics, ema_metrics, best_top1, epochs_done, trainer.step, clock())
     final["model_name"] = student_model_name(cfg)
     final["nodes"] = nodes
+    final["streams"] = STREAMS_VERSION
     if bad_images or image_folders(pieces):
         final["data/bad_images"] = len(bad_images)
     return final

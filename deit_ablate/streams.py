@@ -44,6 +44,8 @@ class Stream(str, Enum):
     TORCH = "torch"
 
 
+# 2: the streams of this module. Results without it were trained when every rank's loader workers drew alike.
+STREAMS_VERSION = 2
 SHARED = frozenset({Stream.INIT, Stream.SAMPLER})  # the same on every rank: the ranks must agree on these
 _SEED_BITS = 63  # torch.Generator.manual_seed takes a signed 64-bit integer
 
@@ -86,3 +88,10 @@ def _seed_globals(python: int, numpy: int, torch_seed: int) -> None:
     random.seed(python)
     np.random.seed(numpy % 2**32)
     torch.manual_seed(torch_seed)
+
+
+def copies_augmented_alike(result: dict, repeats: int) -> bool:
+    """Whether a run's result comes from before STREAMS_VERSION 2 with repeated augmentation over several ranks,
+    whose copies of an image were augmented alike (their loader workers shared one stream)."""
+    ranks = sum(len(on_host) for on_host in (result.get("nodes") or {}).values())
+    return result.get("streams") is None and repeats > 1 and ranks > 1

@@ -30,7 +30,7 @@ from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.loader import build_train_loader, build_train_sampler, seed_epoch_data
 from deit_ablate.data.transforms import build_train_pipeline
 from deit_ablate.mixing import build_mixup
-from deit_ablate.streams import SHARED, RunStreams, Stream
+from deit_ablate.streams import SHARED, STREAMS_VERSION, RunStreams, Stream, copies_augmented_alike
 from deit_ablate.teacher import teacher_forward
 from tests.conftest import REPO, compose_config, run_train
 
@@ -235,6 +235,21 @@ def test_the_teacher_draws_nothing():
     assert torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1]) and before[2] == after[2]
 
 
+def test_a_multi_rank_result_from_before_the_per_rank_streams_is_named_when_skipped(tmp_path, data_cache):
+    old = {"status": "finished", "top1": 50.0, "nodes": {"gpu1": list(range(8))}}
+    assert copies_augmented_alike(old, repeats=3)
+    assert not copies_augmented_alike({**old, "streams": STREAMS_VERSION}, repeats=3)
+    assert not copies_augmented_alike(old, repeats=1)  # no copies to share anything
+    assert not copies_augmented_alike({**old, "nodes": {"cpu": [0]}}, repeats=3)  # one rank: never affected
+    folder = tmp_path / "old_run"
+    folder.mkdir()
+    (folder / "result.json").write_text(json.dumps(old))
+    proc = run_train(["data.builtin.train_per_class=30", "data.builtin.val_per_class=10", f"hydra.run.dir={folder}"],
+                     tmp_path, data_cache)
+    assert "already finished (top-1 50.00); skipping" in proc.stdout
+    assert "its repeated-augmentation copies were augmented alike" in proc.stdout + proc.stderr
+
+
 # --- for real: train.py under torchrun, 4 Gloo ranks, each recording what it drew -----------------------------
 
 
@@ -310,6 +325,8 @@ def test_four_torchrun_ranks_augment_each_copy_differently_and_share_one_permuta
                  "runtime.num_workers=1", "runtime.eval_batch=8", "runtime.log_interval=2"]
     run_train(overrides, tmp_path, data_cache, module=torchrun,
               extra_env={"DEIT_STREAM_AUDIT": str(audit), "PYTHONPATH": str(REPO)})
+    (result,) = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")]
+    assert result["streams"] == STREAMS_VERSION and not copies_augmented_alike(result, repeats=3)
     records = _audit_records(audit)
     images = [(r["index"], (r["rank"], r["sha"], r["ops"])) for r in records["image"] if r["split"] == "train"]
     copies = defaultdict(list)
