@@ -4,18 +4,21 @@ timm already has LayerScale (`init_values`), average pooling without a class tok
 global_pool='avg'`) and CaiT's class-attention blocks (`timm.models.cait`); this module adds the rest, applied to
 a timm VisionTransformer after it is built: a uniform stochastic-depth rate (section 4.1), a ReZero-style scalar
 per residual branch with LayerNorm and warm-up kept (section 4.1, "adapted" Fixup/T-Fixup), LayerScale
-initialised at 0 or U[0, 2ε], or fixed (appendix A), and the class-attention stage on top of a ViT trunk
-(section 3). They are read from `model.kwargs` under the names of `OPTIONS`, before timm sees the rest.
+initialised at 0 or U[0, 2ε], or fixed, at ε or at the values another run learned (appendix A), talking-heads
+attention in every block (section 4.3), and the class-attention stage on top of a ViT trunk (section 3). They are
+read from `model.kwargs` under the names of `OPTIONS`, before timm sees the rest.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from functools import partial
 from typing import Any
 
 import torch
-from timm.layers import DropPath, LayerScale
-from timm.models.cait import Cait, ClassAttn, LayerScaleBlockClassAttn
+from timm.layers import Attention, DropPath, LayerScale
+from timm.models.cait import Cait, ClassAttn, LayerScaleBlockClassAttn, TalkingHeadAttn
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -28,6 +31,8 @@ OPTIONS: dict[str, Any] = {
     "branch_scale_init": 0.0,  # α at initialisation (ReZero: 0)
     "layer_scale_init": "const",  # LayerScale diagonal at init: const ε (timm), zero, uniform U[0, 2ε]
     "layer_scale_learned": True,  # False: the LayerScale diagonal stays at its initial values
+    "layer_scale_from": None,  # a `cait` row: start from the diagonal its run learned (deit_ablate.stages)
+    "talking_heads": False,  # True: talking-heads attention (heads mixed before and after the softmax)
     "class_attn_depth": 0,  # CaiT's class-attention stage: this many CA+FFN blocks after the trunk (0: none)
     "class_attn_layer_scale": True,  # False: no LayerScale in the class-attention blocks (CaiT appendix B)
 }
@@ -36,6 +41,8 @@ CAIT_OPTIONS = ("class_attn_layer_scale",)
 SCHEDULES = ("linear", "uniform")
 BRANCH_SCALES = ("none", "scalar")
 LAYER_SCALE_INITS = ("const", "zero", "uniform")
+# timm's names of the LayerScale diagonals of a ViT's blocks (their attention and MLP branch).
+LAYER_SCALE_KEY = re.compile(r"blocks\.(\d+)\.ls[12]\.gamma")
 
 
 class ScalarScale(nn.Module):
@@ -47,6 +54,16 @@ class ScalarScale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.alpha
+
+
+class TalkingHeadsAttention(TalkingHeadAttn):
+    """timm's talking-heads attention (Shazeer et al. 2020, as CaiT uses it) in place of a ViT block's `attn`,
+    which timm's `Block` calls with a mask argument that this attention does not take."""
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        if attn_mask is not None or is_causal:
+            raise ValueError("talking-heads attention takes no attention mask")
+        return super().forward(x)
 
 
 class ClassAttentionViT(nn.Module):
@@ -135,9 +152,19 @@ def split_options(kwargs: dict[str, Any], family: str | None = "vit") -> tuple[d
     if options["branch_scale"] == "scalar" and kwargs.get("init_values"):
         raise ConfigError("model.kwargs.branch_scale=scalar and model.kwargs.init_values (LayerScale) both scale "
                           "the residual branches; choose one (set init_values to null for the scalar α).")
-    if (options["layer_scale_init"] != "const" or not options["layer_scale_learned"]) and not kwargs.get("init_values"):
-        raise ConfigError("model.kwargs.layer_scale_init / layer_scale_learned change LayerScale, which is off: set "
-                          "model.kwargs.init_values (ε) too.")
+    source = options["layer_scale_from"]
+    if (options["layer_scale_init"] != "const" or not options["layer_scale_learned"] or source) \
+            and not kwargs.get("init_values"):
+        raise ConfigError("model.kwargs.layer_scale_init / layer_scale_learned / layer_scale_from change LayerScale, "
+                          "which is off: set model.kwargs.init_values (ε) too.")
+    if source is not None and (not isinstance(source, str) or not source):
+        raise ConfigError(f"model.kwargs.layer_scale_from={source} must name a row of the cait study whose run "
+                          "learns LayerScale (e.g. depth18_layerscale), or be null.")
+    if source and options["layer_scale_init"] != "const":
+        raise ConfigError(f"model.kwargs.layer_scale_from={source} and model.kwargs.layer_scale_init="
+                          f"{options['layer_scale_init']} both set the initial LayerScale diagonal; choose one.")
+    if not isinstance(options["talking_heads"], bool):
+        raise ConfigError(f"model.kwargs.talking_heads={options['talking_heads']} must be true or false.")
     return options, kwargs
 
 
@@ -165,6 +192,9 @@ def apply_options(model: VisionTransformer, options: dict[str, Any], drop_path: 
         for block in model.blocks:
             block.ls1 = ScalarScale(options["branch_scale_init"])
             block.ls2 = ScalarScale(options["branch_scale_init"])
+    if options["talking_heads"]:
+        for block in model.blocks:
+            block.attn = talking_heads_like(block.attn)
     if init_values:
         for block in model.blocks:
             for layer_scale in (block.ls1, block.ls2):
@@ -180,6 +210,58 @@ def apply_options(model: VisionTransformer, options: dict[str, Any], drop_path: 
         ca_init = init_values if options["class_attn_layer_scale"] else None
         return ClassAttentionViT(model, options["class_attn_depth"], ca_init, bool(options["layer_scale_learned"]))
     return model
+
+
+def talking_heads_like(attn: nn.Module) -> TalkingHeadsAttention:
+    """A freshly initialised talking-heads attention with the width, heads, qkv bias and dropout of timm's `attn`."""
+    plain = isinstance(attn, Attention) and attn.attn_dim == attn.qkv.in_features
+    extras = [getattr(attn, name, None) for name in ("q_norm", "k_norm", "norm", "gate")]
+    if not plain or not all(extra is None or isinstance(extra, nn.Identity) for extra in extras):
+        raise ConfigError("model.kwargs.talking_heads: this model's attention is not timm's plain multi-head attention "
+                          "(no qk_norm, scale_norm or gate; head width = width / heads), which talking heads replace.")
+    heads = TalkingHeadsAttention(attn.qkv.in_features, attn.num_heads, qkv_bias=attn.qkv.bias is not None,
+                                  attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p)
+    heads.apply(_init_linear)  # as timm's Cait initialises every linear layer, the head-mixing ones included
+    return heads
+
+
+def layer_scale_values(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The LayerScale diagonals among a ViT's weights (timm's `blocks.N.ls1.gamma`, `blocks.N.ls2.gamma`)."""
+    return {key: value for key, value in weights.items() if LAYER_SCALE_KEY.fullmatch(key)}
+
+
+def layer_scale_digest(values: dict[str, torch.Tensor]) -> str:
+    """A short hash of LayerScale diagonals, by name and value: which values a run fixed."""
+    digest = hashlib.sha1()
+    for key in sorted(values):
+        digest.update(key.encode())
+        digest.update(values[key].detach().to(torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _describe_layer_scale(values: dict[str, torch.Tensor]) -> str:
+    blocks = {int(LAYER_SCALE_KEY.fullmatch(key)[1]) for key in values}
+    widths = sorted({value.shape[-1] for value in values.values()})
+    return f"{len(blocks)} blocks of width {', '.join(map(str, widths))}"
+
+
+def set_layer_scale(model: nn.Module, values: dict[str, torch.Tensor], source: str) -> None:
+    """Copy the LayerScale diagonals `values` (those of a model of the same depth and width, read from `source`)
+    into `model`'s, leaving whether they are learned as it is."""
+    own = layer_scale_values(dict(model.named_parameters()))
+    if not values:
+        raise ConfigError(f"{source} holds no LayerScale diagonals of a ViT's blocks (blocks.N.ls1.gamma): its model "
+                          "had no LayerScale (model.kwargs.init_values unset) or was no ViT. Name a run that learns "
+                          "LayerScale, e.g. depth18_layerscale.")
+    if not own:
+        raise ConfigError("model.kwargs.layer_scale_from: this model has no LayerScale diagonals to set.")
+    if {k: v.shape for k, v in values.items()} != {k: v.shape for k, v in own.items()}:
+        raise ConfigError(f"{source} holds LayerScale diagonals of {_describe_layer_scale(values)}, this model has "
+                          f"{_describe_layer_scale(own)}: it is another architecture. Name a run of the same depth "
+                          "and width (model.kwargs.depth, model.kwargs.embed_dim).")
+    with torch.no_grad():
+        for key, gamma in own.items():
+            gamma.copy_(values[key])
 
 
 def _without_layer_scale(blocks: nn.ModuleList) -> None:

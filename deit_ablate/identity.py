@@ -135,6 +135,12 @@ def pretrain_overrides(overrides: list[str]) -> list[str]:
             if _override_key(item) not in STAGE_OVERRIDES and _override_key(item).split(".", 1)[0] != "finetune"]
 
 
+def swap_overrides(overrides: list[str], choice: str, drop_keys: tuple[str, ...] = ()) -> list[str]:
+    """`overrides` with `choice` (`group=option`) in place of that group's own, and without those of `drop_keys`."""
+    group = _override_key(choice)
+    return [choice, *(item for item in overrides if _override_key(item) not in (group, *drop_keys))]
+
+
 def task_overrides() -> list[str]:
     """The running Hydra job's overrides (empty outside Hydra)."""
     from hydra.core.hydra_config import HydraConfig

@@ -44,7 +44,15 @@ from deit_ablate.models import build_model, compile_in_place, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
 from deit_ablate.rundir import RunDir
 from deit_ablate.runlock import LOCK_NAME, RunLock
-from deit_ablate.stages import StageRecipe, load_pretrained, pretrain_run_dir, pretrain_status, stage_recipe
+from deit_ablate.stages import (
+    StageRecipe,
+    fix_layer_scale,
+    layer_scale_run_dir,
+    load_pretrained,
+    pretrain_run_dir,
+    pretrain_status,
+    stage_recipe,
+)
 from deit_ablate.streams import STREAMS_VERSION, RunStreams, copies_augmented_alike
 from deit_ablate.teacher import build_teacher, teacher_forward
 from deit_ablate.tracking import Tracker
@@ -76,6 +84,7 @@ class Pieces:
     recipe: StageRecipe
     plan: BatchPlan
     streams: RunStreams
+    layer_scale_from: dict[str, str] | None = None  # the run whose learned LayerScale diagonal it fixes
 
 
 def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
@@ -104,6 +113,10 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
         load_pretrained(model, recipe.init_checkpoint)
         if info.is_main:
             log.info(f"[run] fine-tuning from {recipe.init_checkpoint}")
+    layer_scale = fix_layer_scale(model, cfg)
+    if layer_scale is not None and info.is_main:
+        log.info(f"[run] LayerScale diagonal fixed at the values the run {layer_scale['run']} learned "
+                 f"(digest {layer_scale['digest']})")
     if info.enabled:
         ddp_device = [info.device.index] if info.device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ddp_device)
@@ -127,7 +140,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
                       amp_dtype=amp_dtype(cfg.train.amp, info.device),
                       clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.runtime.log_interval)
     return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan,
-                  RunStreams(cfg.seed, info.rank))
+                  RunStreams(cfg.seed, info.rank), layer_scale)
 
 
 def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps_per_epoch: int):
@@ -285,10 +298,17 @@ def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
             return f"wait for its pre-training {upstream.name}"
         if upstream_result["status"] != "finished":
             return f"record as {upstream_result['status']} without training (its pre-training {upstream.name})"
+    source = layer_scale_run_dir(cfg)
+    source_result = previous_result(source, is_main=False) if source is not None else None
+    if source is not None and source_result is None:
+        return f"wait for its LayerScale run {source.name}"
+    if source_result is not None and source_result["status"] != "finished":
+        return f"refuse (its LayerScale run {source.name} ended as {source_result['status']})"
     point = ckpt.find_resume_point(run_dir.path)
     if point is not None:
         return f"resume from step {point.state['step']} ({point.path.name})"
-    return "train from step 0" + (f", starting from {upstream.name}" if upstream is not None else "")
+    return ("train from step 0" + (f", starting from {upstream.name}" if upstream is not None else "")
+            + (f", LayerScale diagonal fixed at the values of {source.name}" if source is not None else ""))
 
 
 def record_identity(run_dir: RunDir, identity: RunIdentity, data: dict[str, Any]) -> None:
@@ -516,6 +536,8 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     final["model_name"] = student_model_name(cfg)
     final["nodes"] = nodes
     final["streams"] = STREAMS_VERSION
+    if pieces.layer_scale_from is not None:
+        final["layer_scale_from"] = pieces.layer_scale_from
     if bad_images or image_folders(pieces):
         final["data/bad_images"] = len(bad_images)
     return final

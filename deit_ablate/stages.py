@@ -1,7 +1,9 @@
-"""The two stages of Table 8: pre-training from scratch, then fine-tuning at a higher resolution."""
+"""The two stages of Table 8: pre-training from scratch, then fine-tuning at a higher resolution; and the runs a run
+starts from: a fine-tune's pre-training, or the LayerScale run whose learned diagonal CaiT's control fixes."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,9 +11,11 @@ import torch
 from omegaconf import DictConfig
 
 from deit_ablate import checkpoint as ckpt
-from deit_ablate.config import compose_run_config
+from deit_ablate.config import CONF_DIR, compose_run_config
+from deit_ablate.data.datasets import data_fingerprint
+from deit_ablate.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import folder_name, pretrain_overrides, run_identity, task_overrides
+from deit_ablate.identity import folder_name, pretrain_overrides, run_identity, swap_overrides, task_overrides
 from deit_ablate.models import resize_pos_embed_state
 from deit_ablate.rundir import RunDir
 
@@ -101,3 +105,95 @@ def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:
 def load_pretrained(model: torch.nn.Module, path: str | Path) -> None:
     """Load pre-trained weights into `model`, resizing the position embeddings to its grid."""
     model.load_state_dict(resize_pos_embed_state(pretrained_weights(path), model))
+
+
+# The study whose rows model.kwargs.layer_scale_from names, and the keys of the row that fixes a learned diagonal
+# (left out of the overrides of the run it takes the diagonal from).
+LAYER_SCALE_GROUP = "cait"
+LAYER_SCALE_KEYS = ("model.kwargs.layer_scale_from", "model.kwargs.layer_scale_learned")
+
+
+def layer_scale_row(cfg: DictConfig) -> str | None:
+    """The row of the cait study named by model.kwargs.layer_scale_from (None when unset); a ConfigError if there
+    is no such row."""
+    row = cfg.model.kwargs.get("layer_scale_from")
+    if row is None:
+        return None
+    if not (CONF_DIR / LAYER_SCALE_GROUP / f"{row}.yaml").is_file():
+        rows = sorted(p.stem for p in (CONF_DIR / LAYER_SCALE_GROUP).glob("depth*_layerscale.yaml"))
+        raise ConfigError(f"model.kwargs.layer_scale_from={row} is not a row of the {LAYER_SCALE_GROUP} study "
+                          f"(conf/{LAYER_SCALE_GROUP}/). Name a row that learns LayerScale: {', '.join(rows)}.")
+    return str(row)
+
+
+def layer_scale_source_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
+    """The overrides of the LayerScale run this run takes its diagonal from (None when it takes none). A
+    fine-tune takes none: its pre-trained weights hold the diagonal its pre-training fixed."""
+    row = layer_scale_row(cfg)
+    if row is None or cfg.stage != "pretrain":
+        return None
+    # the same overrides with cait=<row>, without the fixing row's own keys
+    return swap_overrides(task_overrides() if overrides is None else overrides, f"{LAYER_SCALE_GROUP}={row}",
+                          LAYER_SCALE_KEYS)
+
+
+def upstream_overrides(cfg: DictConfig, overrides: list[str]) -> list[str] | None:
+    """The overrides of the run that a run launched with `overrides` starts from, which a sweep must train first: a
+    fine-tune's pre-training, or the LayerScale run whose diagonal a pre-training fixes (None: no such run)."""
+    if cfg.stage == "finetune":
+        return pretrain_overrides(overrides)
+    return layer_scale_source_overrides(cfg, overrides)
+
+
+def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the LayerScale run whose learned diagonal this run fixes (CaiT appendix A's control): the run
+    of the same overrides with `cait=<model.kwargs.layer_scale_from>`, composed as Hydra would; None when unset."""
+    source_overrides = layer_scale_source_overrides(cfg, overrides)
+    if source_overrides is None:
+        return None
+    upstream = compose_run_config(source_overrides)
+    kwargs = upstream.model.kwargs
+    if not kwargs.get("init_values") or kwargs.get("layer_scale_from") or kwargs.get("layer_scale_learned") is False:
+        raise ConfigError(f"model.kwargs.layer_scale_from={cfg.model.kwargs.layer_scale_from}: that row does not learn "
+                          "LayerScale from ε (its model.kwargs.init_values is unset, or its diagonal is fixed). Name a "
+                          "row that learns it, e.g. depth18_layerscale.")
+    runs_root = Path(cfg.runtime.output_root) / "runs"
+    return RunDir(runs_root / folder_name(run_identity(upstream, source_overrides), runs_root))
+
+
+def _train_command(overrides: list[str]) -> str:
+    return " ".join(["python train.py", *(shlex.quote(item) for item in overrides)])
+
+
+def finished_layer_scale_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The finished LayerScale run whose diagonal this run fixes (None when it fixes none); a ConfigError naming
+    it and the command that trains it when it has not finished."""
+    source = layer_scale_run_dir(cfg, overrides)
+    if source is None:
+        return None
+    result = source.read_result()
+    if result is None or result["status"] != "finished":
+        state = "has not finished" if result is None else f"ended as {result['status']}"
+        raise ConfigError(
+            f"this run fixes the LayerScale diagonal at the values the run '{source.name}' learned (model.kwargs."
+            f"layer_scale_from={layer_scale_row(cfg)}, CaiT appendix A), which {state} ({source.result}). Train it "
+            f"first: {_train_command(layer_scale_source_overrides(cfg, overrides) or [])}; or sweep both in one "
+            "command, that row listed first (on SLURM the run waits for it).")
+    return source
+
+
+def fix_layer_scale(model: torch.nn.Module, cfg: DictConfig, overrides: list[str] | None = None
+                    ) -> dict[str, str] | None:
+    """Set `model`'s LayerScale diagonal to the one its LayerScale run ended with (model.kwargs.layer_scale_from);
+    returns that run's name and the diagonal's digest (None when the option is unset). A ConfigError, before
+    anything trains, when that run has not finished, trained on other data or is another architecture."""
+    source = finished_layer_scale_run(cfg, overrides)
+    if source is None:
+        return None
+    recorded = (source.read_identity() or {}).get("data", {}).get("digest")
+    if recorded is not None and recorded != data_fingerprint(cfg).get("digest"):
+        raise ConfigError(f"the LayerScale run '{source.name}' was trained on other data than this run's; train it on "
+                          "this data first, under another output folder (runtime.output_root=...).")
+    values = layer_scale_values(pretrained_weights(source.last_checkpoint))
+    set_layer_scale(model, values, f"the checkpoint of the LayerScale run '{source.name}' ({source.last_checkpoint})")
+    return {"run": source.name, "digest": layer_scale_digest(values)}

@@ -14,7 +14,7 @@ from deit_ablate.config import Config
 from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
-from deit_ablate.stages import stage_global_batch
+from deit_ablate.stages import layer_scale_row, stage_global_batch
 from deit_ablate.teacher import check_distill_config
 
 # Keys that must be at least a bound (None, where the schema allows it, means a default and is not checked).
@@ -164,6 +164,7 @@ def check_model_options(cfg: DictConfig) -> None:
     from deit_ablate.models import model_family, student_model_name
 
     split_options(dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True)), model_family(student_model_name(cfg)))
+    layer_scale_row(cfg)
 
 
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:

@@ -1,6 +1,6 @@
 """CaiT's "going deeper" ablations as a second study: the rows compose like Table 8's, the model options match
-their definitions (Touvron et al. 2021b, sections 2, 3, 4.1 and appendix A), a row trains, and the aggregator
-rebuilds the study's table in the paper's order."""
+their definitions (Touvron et al. 2021b, sections 2, 3, 4.1, 4.3 and appendix A), a row trains, appendix A's control
+takes the diagonal its LayerScale run learned, and the aggregator rebuilds the study's table in the paper's order."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from timm.layers import Attention
 
 from deit_ablate.aggregate import cli
 from deit_ablate.aggregate.html import to_html
@@ -21,11 +22,21 @@ from deit_ablate.aggregate.reader import RunInfo, read_offline
 from deit_ablate.aggregate.render import render
 from deit_ablate.aggregate.table import build_table
 from deit_ablate.config import Config
-from deit_ablate.deeper import ClassAttentionViT, ScalarScale, drop_path_rates
+from deit_ablate.deeper import (
+    ClassAttentionViT,
+    ScalarScale,
+    TalkingHeadsAttention,
+    drop_path_rates,
+    layer_scale_digest,
+    layer_scale_values,
+    set_layer_scale,
+)
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import experiment, run_identity
 from deit_ablate.models import build_model, resize_pos_embed_state
+from deit_ablate.stages import fix_layer_scale, layer_scale_run_dir
 from deit_ablate.validate import validate_config
+from hydra_plugins.deit_ablate_launcher.slurm import submission_order, upstream_jobs
 from tests.conftest import CONF, REPO, TINY, compose_config, run_train
 from tests.test_ablation import _flat
 
@@ -50,7 +61,11 @@ ROWS.update({
     "ca_12_2": ("depth12", {"model.kwargs.class_attn_depth": 2}, {"model.kwargs.class_attn_depth": 1}),
     "ls_init_zero": ("depth18_layerscale", *[{"model.kwargs.layer_scale_init": "zero"}] * 2),
     "ls_init_uniform": ("depth18_layerscale", *[{"model.kwargs.layer_scale_init": "uniform"}] * 2),
-    "ls_fixed": ("depth18_layerscale", *[{"model.kwargs.layer_scale_learned": False}] * 2),
+    "ls_fixed": ("depth18_layerscale", *[{"model.kwargs.layer_scale_learned": False,
+                                          "model.kwargs.layer_scale_from": "depth18_layerscale"}] * 2),
+    "depth48_uniform": ("depth36_uniform", {"model.kwargs.depth": 48, "model.drop_path": 0.4},
+                        {"model.kwargs.depth": 16, "model.drop_path": 0.4}),
+    "talking_heads": ("depth12", *[{"model.kwargs.talking_heads": True}] * 2),
     "heads8": ("depth12", *[{"model.kwargs.num_heads": 8}] * 2),
     "crop_1_0": ("depth12", *[{"resolution.crop_pct": 1.0}] * 2),
     "cait_s36_no_ca_layerscale": ("cait_s36", *[{"model.kwargs.class_attn_layer_scale": False}] * 2),
@@ -65,9 +80,12 @@ def test_every_row_has_an_option_and_a_paper_row_in_order():
     assert [r.key for r in table.rows][:4] == ["depth12", "depth12_uniform", "depth12_rezero", "depth12_layerscale"]
     assert {r.key for r in table.rows} == {*ROOTS, *ROWS}
     assert {r.key: r.baseline for r in table.rows if r.key in ROWS} == {k: v[0] for k, v in ROWS.items()}
-    # Only where the seed text states a number: DeiT-S's 79.9 (section 4.3), CaiT-S36's (section 4.5.4, appendix B).
+    assert len(table.rows) == 29
+    # Only where the text states a number: DeiT-S's 79.9 and 80.3 with talking heads (section 4.3), 80.7 at 48 blocks
+    # with d_r raised (section 4.1), CaiT-S36's (section 4.5.4, appendix B).
     assert {r.key: r.values["pretrain"] for r in table.rows if r.values["pretrain"] is not None} == {
-        "depth12": 79.9, "cait_s36": 83.44, "cait_s36_no_ca_layerscale": 83.36, "cait_s36_500ep": 83.42}
+        "depth12": 79.9, "talking_heads": 80.3, "depth48_uniform": 80.7, "cait_s36": 83.44,
+        "cait_s36_no_ca_layerscale": 83.36, "cait_s36_500ep": 83.42}
 
 
 @pytest.mark.parametrize("preset", ["demo", "paper"])
@@ -130,8 +148,8 @@ def test_layer_scale_initialisations_of_appendix_a():
     uniform = torch.stack(_gammas(_build("ls_init_uniform")))
     assert uniform.min() >= 0 and uniform.max() <= 0.2 and uniform.std() > 0.03  # U[0, 0.2] per channel
     assert abs(uniform.mean().item() - 0.1) < 0.01  # the same mean as epsilon (1536 draws: sd of mean 0.0015)
-    fixed = _gammas(_build("ls_fixed"))
-    assert all(torch.equal(g, torch.full((128,), 0.1)) and not g.requires_grad for g in fixed)
+    # The control's diagonal is not learned; its values come from its LayerScale run when the run starts (below).
+    assert not any(g.requires_grad for g in _gammas(_build("ls_fixed")))
     assert _gammas(_build("depth24_layerscale"))[0][0].item() == pytest.approx(1e-5)
 
 
@@ -205,6 +223,42 @@ def test_cait_without_layer_scale_in_class_attention_fixes_its_diagonal_at_one()
     assert drop == [0.2] * 12  # timm's Cait: uniform stochastic depth
 
 
+def test_talking_heads_mix_the_heads_attention_before_and_after_the_softmax():
+    attn = _build("talking_heads").blocks[0].attn.eval()
+    assert isinstance(attn, TalkingHeadsAttention) and attn.proj_l.weight.shape == attn.proj_w.weight.shape == (4, 4)
+    plain = Attention(128, 4, qkv_bias=True).eval()  # timm's ViT attention with the same q, k, v and projection
+    plain.load_state_dict({k: v for k, v in attn.state_dict().items() if k.split(".")[0] in ("qkv", "proj")})
+    x = torch.randn(2, 17, 128)
+
+    def mixed(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:  # the heads x heads mixing matrices
+        with torch.no_grad():
+            for linear, weight in ((attn.proj_l, before), (attn.proj_w, after)):
+                linear.weight.copy_(weight)
+                linear.bias.zero_()
+            return attn(x)
+
+    eye = torch.eye(4)
+    assert torch.allclose(mixed(eye, eye), plain(x), atol=1e-5)  # no mixing: plain multi-head attention
+    # A permutation, before or after the softmax, gives head h the attention map of head perm[h] (its own values).
+    perm = torch.tensor([2, 0, 3, 1])
+    with torch.no_grad():
+        q, k, v = plain.qkv(x).reshape(2, 17, 3, 4, 32).permute(2, 0, 3, 1, 4)
+        maps = (q @ k.transpose(-2, -1) * 32**-0.5).softmax(dim=-1)
+        by_hand = plain.proj((maps[:, perm] @ v).transpose(1, 2).reshape(2, 17, 128))
+    assert not torch.allclose(by_hand, plain(x), atol=1e-3)
+    assert torch.allclose(mixed(eye[perm], eye), by_hand, atol=1e-5)
+    assert torch.allclose(mixed(eye, eye[perm]), by_hand, atol=1e-5)
+
+
+def test_talking_heads_give_every_parameter_a_gradient():
+    # What DDP needs (it stops at the second step on a trainable parameter without a gradient).
+    model = _build("talking_heads")
+    model(torch.randn(2, 3, 32, 32)).logsumexp(dim=-1).sum().backward()
+    assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
+    mixing = [p.grad for n, p in model.named_parameters() if n.endswith(("proj_l.weight", "proj_w.weight"))]
+    assert len(mixing) == 2 * 4 and all(g.abs().sum() > 0 for g in mixing)
+
+
 def test_class_attention_model_fine_tunes_at_another_resolution():
     cfg = compose_config(["cait=ca_10_2"])
     small, large = build_model(cfg.model, 10, 32), build_model(cfg.model, 10, 48)
@@ -226,9 +280,69 @@ def test_bad_model_options_are_clear_errors():
     cfg = compose_config(["model=cnn_demo", "++model.kwargs.class_attn_depth=2"])
     with pytest.raises(ConfigError, match="class_attn_depth: options of timm's VisionTransformer"):
         build_model(cfg.model, 10, 32)
+    cfg = compose_config(["cait=cait_s36", "++model.kwargs.talking_heads=true"])  # timm's Cait has them already
+    with pytest.raises(ConfigError, match="talking_heads: options of timm's VisionTransformer"):
+        build_model(cfg.model, 10, 32)
+    cfg = compose_config(["cait=depth18", "++model.kwargs.layer_scale_from=depth18_layerscale"])
+    with pytest.raises(ConfigError, match="LayerScale, which is off"):
+        build_model(cfg.model, 10, 32)
+    cfg = compose_config(["cait=ls_fixed", "++model.kwargs.layer_scale_init=zero"])
+    with pytest.raises(ConfigError, match="both set the initial LayerScale diagonal"):
+        build_model(cfg.model, 10, 32)
     # Checked with the rest of the config before a run starts; a distilled student takes none of them.
     with pytest.raises(ConfigError, match="class_attn_depth: options of timm's VisionTransformer"):
         validate_config(compose_config(["cait=ca_12_2", "distill=hard_token", "distill.teacher.checkpoint=x.pt"]))
+    with pytest.raises(ConfigError, match="layer_scale_from=depth18_layerscal is not a row of the cait study"):
+        validate_config(compose_config(["cait=ls_fixed", "model.kwargs.layer_scale_from=depth18_layerscal"]))
+
+
+def test_ls_fixed_refuses_to_start_before_its_layerscale_run_has_finished(tmp_path):
+    overrides = ["cait=ls_fixed", f"runtime.output_root={tmp_path}"]
+    cfg = compose_config(overrides)
+    model = build_model(cfg.model, 10, 32)
+    with pytest.raises(ConfigError, match=r"the run 'cait=depth18_layerscale-\w+' learned .* which has not finished "
+                                          rf".* Train it first: python train.py cait=depth18_layerscale "
+                                          rf"runtime.output_root={tmp_path};"):
+        fix_layer_scale(model, cfg, overrides)
+    source = layer_scale_run_dir(cfg, overrides).path
+    source.mkdir(parents=True)
+    (source / "result.json").write_text(json.dumps({"status": "diverged"}))
+    with pytest.raises(ConfigError, match="which ended as diverged"):
+        fix_layer_scale(model, cfg, overrides)
+    # Only a row that learns LayerScale from epsilon can be the source.
+    cfg = compose_config(["cait=ls_fixed", "model.kwargs.layer_scale_from=depth18_uniform"])
+    with pytest.raises(ConfigError, match="layer_scale_from=depth18_uniform: that row does not learn LayerScale"):
+        fix_layer_scale(model, cfg, ["cait=ls_fixed", "model.kwargs.layer_scale_from=depth18_uniform"])
+
+
+def test_layer_scale_values_of_another_architecture_are_refused():
+    model = _build("ls_fixed")  # 6 demo blocks of width 128
+    for other, shape in (("depth12_layerscale", "4 blocks of width 128"), ("ls_init_zero", "6 blocks of width 64")):
+        values = layer_scale_values(_build(other, embed_dim=64 if other == "ls_init_zero" else 128).state_dict())
+        with pytest.raises(ConfigError, match=f"the checkpoint c.pt holds LayerScale diagonals of {shape}, this model "
+                                              "has 6 blocks of width 128"):
+            set_layer_scale(model, values, "the checkpoint c.pt")
+    with pytest.raises(ConfigError, match="the checkpoint c.pt holds no LayerScale diagonals"):
+        set_layer_scale(model, layer_scale_values(_build("depth18_uniform").state_dict()), "the checkpoint c.pt")
+
+
+def _hydra_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def test_a_slurm_sweep_chains_ls_fixed_after_its_layerscale_run(tmp_path):
+    # As a fine-tune waits for its pre-training (afterok), ls_fixed waits for depth18_layerscale of the same sweep.
+    common = [f"runtime.output_root={tmp_path}"] + TINY
+    jobs = [[f"cait={row}", f"stage={stage}", *common] for row in ("depth18_layerscale", "ls_fixed")
+            for stage in ("pretrain", "finetune")]
+    configs = [_hydra_config(job) for job in jobs]
+    upstream = upstream_jobs(configs, jobs, lambda job: _hydra_config(job).hydra.sweep.subdir)
+    assert upstream == {1: 0, 2: 0, 3: 2}  # ls_fixed's fine-tune waits for ls_fixed's pre-training
+    assert submission_order({3: 2, 2: 0, 1: 0}) == [(2, 0), (1, 0), (3, 2)]
+    # Alone in its sweep and with its LayerScale run untrained, ls_fixed is refused before anything is submitted.
+    with pytest.raises(ConfigError, match="has not finished"):
+        upstream_jobs(configs[2:3], jobs[2:3], lambda job: _hydra_config(job).hydra.sweep.subdir)
 
 
 def _info(rid: str, row: str, top1: float, seed: int = 0) -> RunInfo:
@@ -255,6 +369,49 @@ def test_study_table_has_the_papers_order_and_each_rows_own_baseline():
     assert [t.get_text() for t in axes.get_xticklabels()] == ["depth24", "depth24_uniform", "depth24_layerscale",
                                                               "ca_12_2"]
     assert axes.get_ylabel() == "Δ top-1 to the row's own baseline (points)"
+
+
+def test_the_table_shows_the_texts_numbers_for_48_blocks_and_talking_heads():
+    runs = [_info("a", "depth12", 60.0), _info("b", "talking_heads", 61.0), _info("c", "depth36_uniform", 58.0),
+            _info("d", "depth48_uniform", 57.5)]
+    text = render(build_table(runs, rows="cait", only_present=True), "markdown")
+    assert "| talking_heads | depth12 | 61.00 (n=1) | +1.00 | 80.3 | +0.4 |" in text  # section 4.3: 79.9 -> 80.3
+    assert "| depth48_uniform | depth36_uniform | 57.50 (n=1) | -0.50 | 80.7 |  |" in text  # section 4.1
+
+
+def _dry_run(proc) -> dict[str, tuple[str, str]]:
+    """Each row's run name and plan, from the lines of a dry run."""
+    lines = [line.removeprefix("[dry run] ") for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
+    runs = [(line.split(" ", 1)[0], line.split("): ", 1)[1]) for line in lines]
+    return {name.split(",")[0].removeprefix("cait="): (name, plan) for name, plan in runs}
+
+
+def test_ls_fixed_trains_with_the_diagonal_its_layerscale_run_learned(tmp_path, data_cache):
+    tiny = TINY + ["train.max_steps=2"]
+    plan = _dry_run(run_train(["-m", "cait=glob(*)", "runtime.dry_run=true"] + tiny, tmp_path, data_cache))
+    assert len(plan) == 29 and plan["depth48_uniform"][1] == plan["talking_heads"][1] == "train from step 0"
+    source_name = plan["depth18_layerscale"][0]
+    assert plan["ls_fixed"][1] == f"wait for its LayerScale run {source_name}"
+    run_train(["cait=depth18_layerscale"] + tiny, tmp_path, data_cache)
+    source = tmp_path / "outputs" / "runs" / source_name
+    state = torch.load(source / "checkpoint-last.pt", weights_only=True)
+    learned = layer_scale_values(state["model"])
+    assert sorted(learned) == ["blocks.0.ls1.gamma", "blocks.0.ls2.gamma"]
+    assert all(not torch.equal(g, torch.full_like(g, 0.1)) for g in learned.values())  # two steps moved them
+    learned = {key: torch.rand_like(g) + 1.0 for key, g in learned.items()}  # far from epsilon, unlike each other
+    torch.save({**state, "model": {**state["model"], **learned}}, source / "checkpoint-last.pt")
+    plan = _dry_run(run_train(["cait=ls_fixed", "runtime.dry_run=true"] + tiny, tmp_path, data_cache))
+    assert plan["ls_fixed"][1] == f"train from step 0, LayerScale diagonal fixed at the values of {source_name}"
+    run_train(["cait=ls_fixed"] + tiny, tmp_path, data_cache)
+    run = tmp_path / "outputs" / "runs" / plan["ls_fixed"][0]
+    fixed = layer_scale_values(torch.load(run / "checkpoint-last.pt", weights_only=True)["model"])
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "finished" and result["steps_done"] == 2  # two steps later, still the source's values
+    assert fixed.keys() == learned.keys() and all(torch.equal(fixed[key], g) for key, g in learned.items())
+    assert all(g.min() >= 1.0 for g in fixed.values())  # not epsilon (0.1)
+    assert result["layer_scale_from"] == {"run": source_name, "digest": layer_scale_digest(learned)}
+    assert f"fixed at the values the run {source_name} learned (digest {layer_scale_digest(learned)})" in \
+        (run / "train.log").read_text()
 
 
 def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_finds_the_study(tmp_path, data_cache,

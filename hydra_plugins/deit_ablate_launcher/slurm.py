@@ -3,8 +3,9 @@
 1. Every run's config is composed and validated on the submitting machine (bad option, missing data root,
    a global batch that does not split over nodes x tasks_per_node, a missing teacher): one error, nothing
    submitted.
-2. A fine-tune run whose pre-training is in the same sweep waits for it with a SLURM dependency
-   (afterok), so both columns of Table 8 are one submission.
+2. A run that starts from another run of the same sweep waits for it with a SLURM dependency (afterok): a
+   fine-tune for its pre-training, so both columns of Table 8 are one submission, and CaiT's LayerScale control
+   (model.kwargs.layer_scale_from) for the LayerScale run whose learned diagonal it fixes.
 
 Hydra only loads launchers from the `hydra_plugins` package, hence this module's home. It stays light to
 import: Hydra imports every plugin module at startup.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, filter_overrides
@@ -72,22 +73,21 @@ class DeitSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Validate all runs, submit them, wait, and return their results in sweep order."""
-        from deit_ablate.identity import pretrain_overrides
+        from deit_ablate.errors import ConfigError
 
         assert self.config is not None and self.hydra_context is not None
         configs = self._validated_configs(job_overrides)
         if configs and configs[0].runtime.dry_run:  # plan only: each run prints what it would do, here
             return self._run_locally(job_overrides, initial_job_idx)
-        names = [cfg.hydra.sweep.subdir for cfg in configs]
-        pretrain_index = {name: i for i, (name, cfg) in enumerate(zip(names, configs, strict=True))
-                          if cfg.stage == "pretrain"}
-        upstream = {}
-        for i, (cfg, overrides) in enumerate(zip(configs, job_overrides, strict=True)):
-            if cfg.stage == "finetune":
-                parent_overrides = pretrain_overrides(list(overrides))
-                parent = self.hydra_context.config_loader.load_sweep_config(self.config, parent_overrides)
-                if parent.hydra.sweep.subdir in pretrain_index:
-                    upstream[i] = pretrain_index[parent.hydra.sweep.subdir]
+
+        def subdir_of(overrides: list[str]) -> str:
+            return self.hydra_context.config_loader.load_sweep_config(self.config, overrides).hydra.sweep.subdir
+
+        try:
+            upstream = upstream_jobs(configs, job_overrides, subdir_of)
+        except ConfigError as error:
+            print(f"\nerror: {error}\nNothing was submitted.\n", file=sys.stderr)
+            sys.exit(2)
         params = [(list(overrides), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
                    Singleton.get_state()) for i, overrides in enumerate(job_overrides)]
         for i, overrides in enumerate(job_overrides):
@@ -98,14 +98,50 @@ class DeitSlurmLauncher(SlurmLauncher):
         jobs = dict(zip(first, executor.map_array(self, *zip(*(params[i] for i in first), strict=True)),
                         strict=True))
         extra = dict(self.params.get("additional_parameters") or {})
-        for i, parent in upstream.items():
+        for i, parent in submission_order(upstream):
             executor.update_parameters(slurm_additional_parameters={
                 **extra, "dependency": f"afterok:{jobs[parent].job_id}", "kill-on-invalid-dep": "yes"})
             jobs[i] = executor.submit(self, *params[i])
-            log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} (its pre-training)")
+            what = "its pre-training" if configs[i].stage == "finetune" else "its LayerScale run"
+            log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} ({what})")
         # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
         # which resumes from its own latest checkpoint (deit_ablate/run.py).
         return [jobs[i].results()[0] for i in range(len(params))]
+
+
+def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],
+                  subdir_of: Callable[[list[str]], str]) -> dict[int, int]:
+    """For each run of the sweep that starts from another of its runs (deit_ablate.stages.upstream_overrides), the
+    index of that run; `subdir_of` names a run's folder from its overrides. A LayerScale control whose LayerScale
+    run is neither in the sweep nor finished is a ConfigError (the run would stop on it once queued)."""
+    from deit_ablate.stages import finished_layer_scale_run, upstream_overrides
+
+    pretrain_index = {cfg.hydra.sweep.subdir: i for i, cfg in enumerate(configs) if cfg.stage == "pretrain"}
+    upstream = {}
+    for i, (cfg, overrides) in enumerate(zip(configs, job_overrides, strict=True)):
+        parent_overrides = upstream_overrides(cfg, list(overrides))
+        if parent_overrides is None:
+            continue
+        parent = subdir_of(parent_overrides)
+        if parent in pretrain_index:
+            upstream[i] = pretrain_index[parent]
+        elif cfg.stage == "pretrain":
+            finished_layer_scale_run(cfg, list(overrides))
+    return upstream
+
+
+def submission_order(upstream: dict[int, int]) -> list[tuple[int, int]]:
+    """The (run, the run it waits for) pairs, each after the pair that submits the run it waits for."""
+    order, pending, waiting = [], dict(upstream), set(upstream)
+    while pending:
+        ready = [(i, parent) for i, parent in pending.items() if parent not in waiting]
+        if not ready:
+            raise ValueError(f"runs {sorted(pending)} of the sweep wait for each other")
+        for i, parent in ready:
+            order.append((i, parent))
+            del pending[i]
+            waiting.discard(i)
+    return order
 
 
 def one_writer_overrides(rank: int) -> list[str]:
