@@ -25,7 +25,7 @@ MixMode = Choice("MixMode", {name: name for name in ("batch", "pair", "elem")}) 
 DistillKind = Choice("DistillKind", {name: name for name in ("none", "soft", "hard", "hard_token", "soft_token")})
 KLNormalization = Choice("KLNormalization", {name: name for name in ("elements", "batch")})
 FusionRule = Choice("FusionRule", {name: name for name in ("prob", "logit")})
-Precision = Choice("Precision", {name: name for name in ("auto", "bf16", "fp32")})
+Precision = Choice("Precision", {name: name for name in ("auto", "bf16", "fp16", "fp32")})
 BadImagePolicy = Choice("BadImagePolicy", {name: name for name in ("skip", "fail")})
 TrackingMode = Choice("TrackingMode", {name: name for name in ("offline", "online", "disabled")})
 DataBackend = Choice("DataBackend", {name: name for name in ("pil", "dali")})  # data/transforms.py, data/dali.py
@@ -182,7 +182,9 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many optimizer steps (smoke tests: another experiment)
     ema: bool = False
     ema_decay: float = 0.99996
-    amp: Precision = Precision.auto  # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32
+    # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32, or fp16 (autocast + a loss scaler, as the
+    # released DeiT code trained)
+    amp: Precision = Precision.auto
     eval_max_batches: int | None = None
 
 

@@ -42,15 +42,32 @@ class Trainer:
     mixup: Mixup | None = None
     ema: ModelEmaV3 | None = None
     amp_dtype: torch.dtype | None = None
+    scaler: torch.amp.GradScaler | None = None  # fp16 only: scales the loss, skips steps with inf/NaN gradients
     clip_grad: float | None = None
     batch_transform: Callable[..., torch.Tensor] | None = None  # (images, out=) on the device, before Mixup
     log_interval: int = 10
     train_mode: bool = True  # False: eval mode while training (DeiT's fine-tune), see models.set_training_mode
     step: int = 0
     on_log: Callable[[dict, int], None] = field(default=lambda metrics, step: None)
+    _skipped: torch.Tensor | None = field(default=None, init=False, repr=False)  # on the device: no host sync
+
+    def __post_init__(self) -> None:
+        if self.scaler is not None:
+            self._skipped = torch.zeros((), dtype=torch.long, device=self.info.device)
+
+    @property
+    def amp_skipped_steps(self) -> int:
+        """Optimizer steps the fp16 loss scaler skipped (inf/NaN gradients) over the whole run."""
+        return 0 if self._skipped is None else int(self._skipped.item())
+
+    def amp_metrics(self) -> dict[str, float]:
+        """The loss scaler's scale and skipped steps for a log row; empty without a scaler."""
+        if self.scaler is None:
+            return {}
+        return {"train/loss_scale": self.scaler.get_scale(), "train/amp_skipped_steps": self.amp_skipped_steps}
 
     def autocast(self):
-        """bf16 autocast where configured (GPU), a no-op context elsewhere."""
+        """Autocast to the configured dtype (bf16 or fp16), a no-op context without one."""
         if self.amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.info.device.type, dtype=self.amp_dtype)
@@ -61,11 +78,14 @@ class Trainer:
         return getattr(self.model, "module", self.model)
 
     def state_dict(self) -> dict:
-        """Weights, optimizer, schedule, EMA and step count: what a resume needs of the trainer."""
+        """Weights, optimizer, schedule, EMA, loss scaler and step count: what a resume needs of the trainer."""
         state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "step": self.step}
         if self.ema is not None:
             state["ema"] = self.ema.module.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+            state["amp_skipped_steps"] = self.amp_skipped_steps
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -75,6 +95,9 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.ema is not None and "ema" in state:
             self.ema.module.load_state_dict(state["ema"])
+        if self.scaler is not None and "scaler" in state:  # a checkpoint without one starts a fresh scaler
+            self.scaler.load_state_dict(state["scaler"])
+            self._skipped.fill_(int(state.get("amp_skipped_steps", 0)))
         self.step = int(state["step"])
 
     def train_step(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -94,16 +117,42 @@ class Trainer:
                 with self.autocast():
                     outputs = self.model(chunk_images)
                     loss = self.loss_fn(chunk_images, outputs, chunk_targets)
-                (loss / len(chunks)).backward()
+                self._backward(loss / len(chunks))
             total += loss.detach() / len(chunks)
-        if self.clip_grad:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
-        self.optimizer.step()
+        self._optimizer_step()
+        # A step the fp16 scaler skipped still advances the step counter, the schedule and the EMA, so step counts,
+        # checkpoints and resumes never depend on skips; the released code likewise stepped its schedule per epoch
+        # and updated its EMA after every iteration, skipped or not.
         self.step += 1
         self.scheduler.step_update(num_updates=self.step)
         if self.ema is not None:
             self.ema.update(getattr(self.model, "module", self.model), step=self.step)
         return total
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward of one chunk's share of the loss, scaled first under fp16."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def _optimizer_step(self) -> None:
+        """Clip (when set) and step; under fp16 through the scaler, which skips a step with inf/NaN gradients and
+        halves its scale, so a skip shows as a lower scale."""
+        if self.scaler is None:
+            self._clip()
+            self.optimizer.step()
+            return
+        if self.clip_grad:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        self._clip()
+        # the scale tensor itself: get_scale() would stop the host at every step to read it
+        before = self.scaler._get_scale_async().clone()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self._skipped += self.scaler._get_scale_async() < before
+
+    def _clip(self) -> None:
+        """Clip the gradients' global norm to optimizer.clip_grad when it is set."""
+        if self.clip_grad:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
 
     def train_epoch(self, loader, epoch: int, max_steps: int | None = None,
                     step_hook: Callable[[int], None] | None = None) -> float:
@@ -136,8 +185,8 @@ class Trainer:
                 rate = window_images / (time.perf_counter() - window_start)
                 lr = self.optimizer.param_groups[0]["lr"]
                 bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}")
-                self.on_log({"train/loss": mean_loss, "train/lr": lr, "train/img_per_s": rate, "epoch": epoch},
-                            self.step)
+                self.on_log({"train/loss": mean_loss, "train/lr": lr, "train/img_per_s": rate, "epoch": epoch,
+                             **self.amp_metrics()}, self.step)
                 if not math.isfinite(mean_loss):
                     raise Diverged(self.step, mean_loss)
                 window_loss.zero_()

@@ -60,10 +60,18 @@ from deit_ablate.validate import BatchPlan, plan_batch, validate_config
 
 
 def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on GPU under `auto`, full precision on CPU."""
+    """bf16 autocast on GPU under `auto`, full precision on CPU; fp16 under `fp16` (with grad_scaler's scaler)."""
+    if setting == "fp16":
+        return torch.float16
     if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
+
+
+def grad_scaler(setting: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """The dynamic loss scaler of `fp16` (torch's defaults: 2**16, halved on a skipped step, doubled after 2000
+    good ones); None for every other precision."""
+    return torch.amp.GradScaler(device.type) if setting == "fp16" else None
 
 
 def set_cpu_threads(threads: int | None, device: torch.device) -> None:
@@ -137,7 +145,7 @@ def build_pieces(cfg: DictConfig, info: DistInfo, plan: BatchPlan) -> Pieces:
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
                       accum_steps=plan.accum_steps, mixup=mixup, ema=ema, batch_transform=batch_transform,
                       train_mode=recipe.train_mode,
-                      amp_dtype=amp_dtype(cfg.train.amp, info.device),
+                      amp_dtype=amp_dtype(cfg.train.amp, info.device), scaler=grad_scaler(cfg.train.amp, info.device),
                       clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.runtime.log_interval)
     return Pieces(trainer, train_loader, train_sampler, val_loader, steps_per_epoch, recipe, plan,
                   RunStreams(cfg.seed, info.rank), layer_scale)
@@ -538,6 +546,8 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     final["streams"] = STREAMS_VERSION
     if pieces.layer_scale_from is not None:
         final["layer_scale_from"] = pieces.layer_scale_from
+    if trainer.scaler is not None:
+        final["amp_skipped_steps"] = trainer.amp_skipped_steps
     if bad_images or image_folders(pieces):
         final["data/bad_images"] = len(bad_images)
     return final
@@ -583,6 +593,8 @@ def print_summary(identity: RunIdentity, final: dict[str, Any], run_dir: Path) -
     if "top1_cls" in final:
         lines.append(f"heads     class {final['top1_cls']:.2f}%  distillation {final['top1_dist']:.2f}%  "
                      f"fused {final['top1_fused']:.2f}% (other rule {final['top1_fused_alt']:.2f}%)")
+    if "amp_skipped_steps" in final:
+        lines.append(f"fp16      {final['amp_skipped_steps']} optimizer step(s) skipped by the loss scaler")
     if final.get("data/bad_images"):
         lines.append(f"data      {final['data/bad_images']} unreadable image(s) replaced (named in train.log)")
     lines += [f"outputs   {run_dir}", "=" * 72]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU check (issue #17): bash scripts/gpu_check.sh OUT.json
-# bf16 matmul rate; DeiT-B/16 bf16 train step images/s and MFU, eager and torch.compile; host syncs per step; input
-# pipeline images/s at 224 (pil on all cores, dali on the GPU); hard-token distillation step (RegNetY-16GF teacher,
-# random init, + DeiT-B distilled); peak memory. Writes OUT.json and prints a table; under 8 minutes on one H200.
+# bf16 matmul rate; DeiT-B/16 bf16 train step images/s and MFU, eager and torch.compile; host syncs per step; DeiT-B/16
+# fp16 train steps (train.amp=fp16: images/s, steps the loss scaler skipped, final scale); input pipeline images/s
+# at 224 (pil on all cores, dali on the GPU); hard-token distillation step (RegNetY-16GF teacher, random init,
+# + DeiT-B distilled); peak memory. Writes OUT.json and prints a table; under 8 minutes on one H200.
 # Installs nothing and downloads nothing (it draws its own JPEGs); stops at once, exit 3, where there is no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -4,9 +4,11 @@
     python -m deit_ablate.bench.gpu_check OUT.json --dry    # the same flow on the CPU at toy sizes (schema check)
 
 bf16 matmul rate; DeiT-B/16 bf16 train step (Trainer.train_step on synthetic batches), eager and torch.compile,
-images/s and MFU; host syncs per step; input pipeline images/s at 224 (pil: DataLoader on all cores, dali: the
-DALI pipeline on the GPU) on JPEGs it draws; the hard-token distillation step (RegNetY-16GF teacher, random init,
-+ DeiT-B distilled); peak GPU memory. Nothing is installed or downloaded. Without a GPU it stops at once.
+images/s and MFU; host syncs per step; the released code's precision (train.amp=fp16: fp16 autocast + loss scaler),
+images/s, the steps the scaler skipped and its final scale; input pipeline images/s at 224 (pil: DataLoader on all
+cores, dali: the DALI pipeline on the GPU) on JPEGs it draws; the hard-token distillation step (RegNetY-16GF
+teacher, random init, + DeiT-B distilled); peak GPU memory. Nothing is installed or downloaded. Without a GPU it
+stops at once.
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ def _log(message: str) -> None:
     print(f"[gpu_check] {message}", flush=True)
 
 
-def _step_overrides(sizes: dict[str, Any], data_root: str, device: str, model: str) -> list[str]:
+def _step_overrides(sizes: dict[str, Any], data_root: str, device: str, model: str, amp: str = "bf16") -> list[str]:
     return [f"model={model}", f"resolution.train_size={sizes['size']}", f"resolution.eval_size={sizes['size']}",
             f"train.global_batch={sizes['batch']}", f"runtime.max_batch_per_device={sizes['batch']}",
             "runtime.num_workers=0", f"data.root={data_root}", "data.builtin.train_per_class=30",
-            "data.builtin.val_per_class=10", f"runtime.device={device}", "train.amp=bf16"]
+            "data.builtin.val_per_class=10", f"runtime.device={device}", f"train.amp={amp}"]
 
 
 def _peak_memory_gib(device: torch.device) -> float | None:
@@ -95,6 +97,34 @@ def measure_train_steps(sizes: dict[str, Any], device: torch.device, data_root: 
         del setup
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def measure_fp16(sizes: dict[str, Any], device: torch.device, data_root: str, results: dict[str, Any]) -> None:
+    """DeiT-B/16 train steps under train.amp=fp16, the released code's precision: images/s, the steps the loss
+    scaler skipped (inf/NaN gradients) and its scale at the end, and the loss before and after."""
+    from deit_ablate.bench import step
+    from deit_ablate.bench.compose import compose_run
+    from deit_ablate.bench.report import median
+
+    cfg = compose_run(_step_overrides(sizes, data_root, device.type, sizes["model"], amp="fp16"))
+    _reset_peak(device)
+    start = time.perf_counter()
+    setup = step.build_trainer(cfg, device)
+    trainer = setup.trainer
+    loss_first = trainer.train_step(setup.images.clone(), setup.targets).item()
+    rates = step.alternate({"fp16": setup}, sizes["steps"], sizes["repeats"], sizes["warmup"])["fp16"]
+    loss_last = trainer.train_step(setup.images.clone(), setup.targets).item()
+    results["train_step_fp16"] = {
+        "images_per_s": median(rates), "samples": rates, "amp": "fp16", "model": cfg.model.name,
+        "batch": sizes["batch"], "size": sizes["size"], "steps": trainer.step,
+        "amp_skipped_steps": trainer.amp_skipped_steps, "loss_scale": trainer.scaler.get_scale(),
+        "loss_first": loss_first, "loss_last": loss_last, "peak_memory_gib": _peak_memory_gib(device),
+        "seconds": time.perf_counter() - start}
+    _log(f"train step fp16: {median(rates):.0f} images/s, {trainer.amp_skipped_steps} of {trainer.step} steps "
+         f"skipped, loss scale {trainer.scaler.get_scale():.0f}")
+    del setup, trainer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def measure_distillation(sizes: dict[str, Any], device: torch.device, data_root: str, workdir: Path,
@@ -181,6 +211,11 @@ def table(report: dict[str, Any]) -> str:
             TARGETS["train_step_eager_images_per_s"] if name == "eager" else None)
         add(f"  MFU {name}", 100 * step["mfu"] if "mfu" in step else None, "%")
     add("host syncs per step", r.get("host_syncs_per_step"))
+    fp16 = r.get("train_step_fp16", {})
+    add("train step fp16 (loss scaler)", fp16.get("images_per_s"), "images/s")
+    if "amp_skipped_steps" in fp16:
+        add("  fp16 skipped steps / final loss scale", f"{fp16['amp_skipped_steps']} of {fp16['steps']} / "
+            f"{fp16['loss_scale']:,.0f}")
     add("pipeline pil (all cores)", r.get("pipeline_pil", {}).get("images_per_s"), "images/s")
     add("pipeline dali", r.get("pipeline_dali", {}).get("images_per_s", r.get("pipeline_dali", {}).get("error")),
         "images/s", TARGETS["pipeline_dali_images_per_s"])
@@ -214,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         results["matmul_dtype"] = rate["dtype"]
         _log(f"matmul {rate['dtype']}: {rate['flops_per_s'] / 1e12:.1f} TFLOP/s")
         measure_train_steps(sizes, device, data_root, rate["flops_per_s"], results)
+        measure_fp16(sizes, device, data_root, results)
         measure_distillation(sizes, device, data_root, workdir, results)
         measure_pipelines(sizes, device, data_root, jpegs, workdir, results)
     results["peak_memory_gib"] = max((v.get("peak_memory_gib") or 0.0 for v in results.values()

@@ -59,7 +59,8 @@ def timm_args(cfg: DictConfig, data_dir: Path, out_dir: Path, workers: int, devi
     if train.ema:
         args += ["--model-ema", "--model-ema-decay", str(train.ema_decay)]
     if device.startswith("cuda") and train.amp != "fp32":
-        args += ["--amp", "--amp-dtype", "bfloat16"]  # what our train.amp=auto does on a GPU
+        # what our train.amp=auto/bf16 does on a GPU; fp16 takes timm's loss scaler there, as ours does
+        args += ["--amp", "--amp-dtype", "float16" if train.amp == "fp16" else "bfloat16"]
     return args
 
 
