@@ -545,3 +545,100 @@ def test_the_plain_run_keeps_the_row_name_over_smoke_runs_and_the_cnn_teacher() 
         "baseline · model=cnn_demo": ["cnn"],
         "baseline · train.max_steps=3": [f"smoke{i}" for i in range(5)],
     }
+
+
+# --- #26 point 11: seed noise beside every Δ -------------------------------------------------------------------
+
+
+def _seeded(row: str, values: list[float], stage: str = "pretrain") -> list[RunInfo]:
+    """One finished run per value (seeds 0, 1, ...) of an ablation row at a stage."""
+    return [
+        RunInfo(
+            run_id=f"{row}-{stage}-{seed}",
+            config={"ablation": row, "stage": stage, "seed": seed, "preset": "demo"},
+            summary={"status": "finished", "top1": value},
+        )
+        for seed, value in enumerate(values)
+    ]
+
+
+# baseline [12, 14, 16, 18]: mean 15, s² = (9 + 1 + 1 + 9) / 3 = 20/3, n = 4
+# no_mixup [11, 12, 13]: mean 12, s² = 1, n = 3; no_cutmix [5, 6, 7]: mean 6, s² = 1; ema [20]: n = 1
+# dropout has fine-tune runs and the baseline none: no baseline to compare with
+NOISY = [
+    *_seeded("baseline", [12.0, 14.0, 16.0, 18.0]),
+    *_seeded("no_mixup", [11.0, 12.0, 13.0]),
+    *_seeded("no_cutmix", [5.0, 6.0, 7.0]),
+    *_seeded("ema", [20.0]),
+    *_seeded("dropout", [30.0, 31.0], stage="finetune"),
+]
+# Welch, no_mixup vs baseline (the same for no_cutmix; only the mean differs):
+#   v1 = 1/3, v2 = (20/3)/4 = 5/3, se = sqrt(1/3 + 5/3) = sqrt(2) = 1.414214
+#   ν = (v1 + v2)² / (v1²/(3-1) + v2²/(4-1)) = 4 / (1/18 + 25/27) = 4 / (53/54) = 216/53 = 4.075472
+#   t_{0.975, 4.075472} = 2.756285 (between t_{0.975,5} = 2.571 and t_{0.975,4} = 2.776)
+#   half width = 2.756285 * 1.414214 = 3.898020
+#   no_mixup:  Δ = 12 - 15 = -3, CI [-6.898, +0.898]: contains 0
+#   no_cutmix: Δ = 6 - 15 = -9,  CI [-12.898, -5.102]: does not
+# Seeds per arm for the paper's Δ, n = 2 (z_0.975 + z_0.8)² s² / Δ_paper², 2 (1.959964 + 0.841621)² = 15.697759:
+#   pooled s² = ((3-1)·1 + (4-1)·20/3) / (3 + 4 - 2) = 22/5 = 4.4
+#   no_mixup:  paper Δ 78.7 - 81.8 = -3.1: 15.697759 · 4.4 / 9.61 = 7.19  -> 8
+#   no_cutmix: paper Δ 80.0 - 81.8 = -1.8: 15.697759 · 4.4 / 3.24 = 21.32 -> 22
+#   ema (n=1): pooled s² = (0 + 3 · 20/3) / 3 = 20/3; paper Δ +0.1: 15.697759 · (20/3) / 0.01 = 10465.2 -> 10466
+T_WELCH = 2.756285
+HALF = T_WELCH * math.sqrt(2.0)
+
+
+def test_t_quantile_matches_the_tables() -> None:
+    from deit_ablate.aggregate.stats import t_cdf, t_quantile
+
+    tabulated = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042, 100: 1.984}
+    for df, t in tabulated.items():
+        assert t_quantile(0.975, df) == pytest.approx(t, abs=5e-4), df
+    assert t_quantile(0.9, 10) == pytest.approx(1.372, abs=5e-4)
+    assert t_quantile(0.995, 2) == pytest.approx(9.925, abs=5e-4)
+    assert t_quantile(0.025, 5) == pytest.approx(-2.571, abs=5e-4)  # symmetric
+    assert t_quantile(0.975, 216 / 53) == pytest.approx(T_WELCH, abs=1e-5)  # Welch's fractional ν
+    assert t_quantile(0.975, 1.5) == pytest.approx(6.016663, abs=1e-5)
+    # the cdf against a plain numerical integral of the t density (Simpson, 2000 panels) at a fractional ν
+    df, x = 2.5, 1.7
+    density = lambda u: math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2)) * (  # noqa: E731
+        1 + u * u / df
+    ) ** (-(df + 1) / 2)
+    h = x / 2000
+    simpson = h / 3 * sum((1 if i in (0, 2000) else 4 if i % 2 else 2) * density(i * h) for i in range(2001))
+    assert t_cdf(x, df) == pytest.approx(0.5 + simpson, abs=1e-9)
+
+
+def test_welch_interval_by_hand() -> None:
+    from deit_ablate.aggregate.stats import pooled_std, seeds_needed, welch
+
+    ci = welch([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0])
+    # Δ = 2 - 5 = -3; s1² = 1, s2² = (9 + 1 + 1 + 9)/3 = 20/3; v1 = 1/3, v2 = 5/3; se = sqrt(2)
+    # ν = 4 / ((1/3)²/2 + (5/3)²/3) = 216/53 = 4.0755; CI = -3 ± 2.756285 · 1.414214 = [-6.898, +0.898]
+    assert ci.delta == pytest.approx(-3.0) and ci.se == pytest.approx(math.sqrt(2.0))
+    assert ci.df == pytest.approx(216 / 53)
+    assert (ci.low, ci.high) == (pytest.approx(-3.0 - HALF, abs=1e-5), pytest.approx(-3.0 + HALF, abs=1e-5))
+    assert ci.contains_zero is True and ci.why == ""
+    assert welch([10.0, 11.0, 12.0], [2.0, 4.0, 6.0, 8.0]).contains_zero is False  # Δ = +6 > 3.898
+    # pooled s² = (2·1 + 3·20/3) / 5 = 4.4; for a paper Δ of 2.2: 15.697759 · 4.4 / 4.84 = 14.27 seeds per arm
+    assert pooled_std([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0]) == pytest.approx(math.sqrt(4.4))
+    assert seeds_needed(math.sqrt(4.4), -2.2) == pytest.approx(14.2707, abs=1e-3)
+    assert seeds_needed(2.0, 2.0) == pytest.approx(15.6978, abs=1e-3)  # 2 (z_.975 + z_.8)²
+
+
+def test_welch_edge_cases() -> None:
+    from deit_ablate.aggregate.stats import pooled_std, seeds_needed, welch
+
+    one = welch([5.0], [2.0, 4.0, 6.0, 8.0])  # n=1: a difference, no interval
+    assert one.delta == pytest.approx(0.0) and one.low is None and one.high is None
+    assert one.why == "n=1, no spread" and one.contains_zero is None
+    assert welch([5.0, 6.0], [5.0]).why == "n=1, no spread"
+    flat = welch([3.0, 3.0], [1.0, 1.0, 1.0])  # equal values in both arms: s = 0, ν undefined
+    assert flat.delta == pytest.approx(2.0) and flat.low is None and flat.why == "s=0, no spread"
+    # one arm without spread: ν = n - 1 of the other arm; v2 = (20/3)/4 = 5/3, se = sqrt(5/3)
+    half = 3.182446 * math.sqrt(5 / 3)  # t_{0.975, 3}
+    ci = welch([5.0, 5.0], [2.0, 4.0, 6.0, 8.0])
+    assert ci.df == pytest.approx(3.0) and ci.high == pytest.approx(half, abs=1e-5)
+    assert welch([5.0], []) is None and welch([], [1.0, 2.0]) is None  # a missing arm: nothing to compare
+    assert pooled_std([1.0], [2.0]) is None and pooled_std([3.0, 3.0], [3.0]) == 0.0
+    assert seeds_needed(0.0, 1.0) == 0.0 and seeds_needed(1.0, 0.0) is None
