@@ -642,3 +642,35 @@ def test_welch_edge_cases() -> None:
     assert welch([5.0], []) is None and welch([], [1.0, 2.0]) is None  # a missing arm: nothing to compare
     assert pooled_std([1.0], [2.0]) is None and pooled_std([3.0, 3.0], [3.0]) == 0.0
     assert seeds_needed(0.0, 1.0) == 0.0 and seeds_needed(1.0, 0.0) is None
+
+
+# --- #26 point 12: every output says what was run --------------------------------------------------------------
+
+
+def _described(rid: str, seed: int, depth: int = 1, digest: str = "4a7852e162e65685", stage: str = "pretrain"):
+    config = {"ablation": "baseline", "stage": stage, "seed": seed, "preset": "demo",
+              "model": {"name": "deit_tiny_patch16_224", "kwargs": {"patch_size": 8, "depth": depth}},
+              "data": {"name": "builtin", "num_classes": 10}, "data_fingerprint": {"digest": digest},
+              "train": {"epochs": 2}, "finetune": {"epochs": 3},
+              "resolution": {"train_size": 32 if stage == "pretrain" else 48, "eval_size": 32 if stage == "pretrain"
+                             else 48}}
+    return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": 50.0 + seed})
+
+
+def test_reader_reads_the_commit_of_a_run_logged_in_a_repository(tmp_path: Path) -> None:
+    """wandb records `git.commit` in the run record when a run is not started with disable_git (ours are)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    from deit_ablate.aggregate.about import facts
+
+    record = Record()
+    record.run.run_id = "c0"
+    record.run.git.commit = "0123456789abcdef0123456789abcdef01234567"
+    (tmp_path / "run-c0.wandb").write_bytes(encode_log([record.SerializeToString()]))
+    info, _ = read_run_file(tmp_path / "run-c0.wandb")
+    assert info is not None and info.commit == "0123456789abcdef0123456789abcdef01234567"
+    run = _described("c0", 0)
+    run.commit = info.commit
+    assert dict(facts(build_table([run, _described("c1", 1)])))["commit"] == (
+        "differs: 0123456789ab (1 run) | not recorded (1 run)"
+    )
