@@ -23,7 +23,10 @@ import pytest
 
 from deit_ablate.aggregate import cli
 from deit_ablate.aggregate.curves import plot_curves
+from deit_ablate.aggregate.html import to_html
+from deit_ablate.aggregate.plot import draw_deltas
 from deit_ablate.aggregate.reader import RunInfo, read_run_file
+from deit_ablate.aggregate.render import render
 from deit_ablate.aggregate.select import dedup, row_keys
 from deit_ablate.aggregate.table import build_table, row_spec
 from deit_ablate.aggregate.wandb_log import encode_log, read_log
@@ -217,8 +220,11 @@ def test_markdown_cells(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> N
     lines = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()}
     assert lines["baseline"].startswith("| baseline | 51.00 ± 1.41 (n=2) | +0.00 | 81.8 ± 0.2 | +0.0 |")
     assert "| 60.50 ± 0.71 (n=2) | +0.00 | 83.1 ± 0.1 | +0.0 |" in lines["baseline"]
-    assert "| 42.00 ± 2.83 (n=2; +1 diverged) | -9.00 | 74.5 | -7.3 |" in lines["sgd"]
-    assert "| 50.00 (n=1) | -10.50 | 77.3 | -5.8 |" in lines["sgd"]
+    # sgd [40, 44] vs baseline [50, 52]: v = 8/2 + 2/2 = 5, ν = 25 / (16 + 1) = 1.47, t_{0.975, 1.47} = 6.188,
+    # Δ -9 ± 6.188 · sqrt(5) = [-22.84, +4.84] (holds 0: ○); pooled s² = (8 + 2) / 2 = 5, paper Δ -7.3:
+    # 15.698 · 5 / 53.29 = 1.5 -> 2 seeds per arm
+    assert "| 42.00 ± 2.83 (n=2; +1 diverged) | -9.00 ○ | 74.5 | -7.3 | [-22.84, +4.84] | 2 |" in lines["sgd"]
+    assert "| 50.00 (n=1) | -10.50 | 77.3 | -5.8 | n=1, no spread | 2 |" in lines["sgd"]
     assert "| diverged (2) |" in lines["no_erasing †"]
     assert "| unfinished (1) |" in lines["no_mixup"] and "| failed (1) |" in lines["autoaugment"]
     assert lines["dropout"].startswith("| dropout | missing |")
@@ -457,7 +463,7 @@ def test_api_source_with_stand_in(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     table = cli.aggregate(cli.build_parser().parse_args(["wandb://me/deit", "--curves", "x.png"]), lambda m: None)
     fig = plot_curves(table, None)  # the history through Run.scan_history, as offline logs have none here
     lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].lines}
-    assert lines == {"baseline (n=2)": [79.5, 80.5, 81.5], "no_mixup (n=1)": [76.0, 77.0, 78.0]}
+    assert lines == {"baseline (n=2)": [79.5, 80.5, 81.5], "no_mixup (n=1, no spread)": [76.0, 77.0, 78.0]}
 
 
 def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -644,6 +650,64 @@ def test_welch_edge_cases() -> None:
     assert seeds_needed(0.0, 1.0) == 0.0 and seeds_needed(1.0, 0.0) is None
 
 
+def _noisy_table():
+    return build_table(list(NOISY), rows="ablation", paper="table8")
+
+
+def test_table_gives_each_delta_an_interval_a_marker_and_the_seeds_needed() -> None:
+    table = _noisy_table()
+    cells = {r.key: r.cells for r in table.rows}
+    mix = cells["no_mixup"]["pretrain"]
+    assert (mix.ci.low, mix.ci.high) == (pytest.approx(-3 - HALF, abs=1e-5), pytest.approx(-3 + HALF, abs=1e-5))
+    assert mix.seeds_needed == 8 and cells["no_cutmix"]["pretrain"].seeds_needed == 22
+    assert cells["ema"]["pretrain"].seeds_needed == 10466
+    lines = {line.split(" | ")[0].strip("| "): line for line in render(table, "markdown").splitlines()}
+    head = next(line for line in lines.values() if line.startswith("| ablation"))
+    assert "| ours pre-train | Δ | paper @224 | paper Δ | Δ 95% CI | seeds/arm |" in head
+    assert "| 12.00 ± 1.00 (n=3) | -3.00 ○ | 78.7 | -3.1 | [-6.90, +0.90] | 8 |" in lines["no_mixup"]
+    assert "| 6.00 ± 1.00 (n=3) | -9.00 | 80.0 | -1.8 | [-12.90, -5.10] | 22 |" in lines["no_cutmix"]
+    assert "| 20.00 (n=1) | +5.00 | 81.9 | +0.1 | n=1, no spread | 10466 |" in lines["ema"]
+    assert "| 30.50 ± 0.71 (n=2) |  | 83.1 | +0.0 | no baseline |" in lines["dropout"]
+    assert lines["baseline"].startswith("| baseline | 15.00 ± 2.58 (n=4) | +0.00 | 81.8 ± 0.2 | +0.0 |  |  |")
+    text = render(table, "markdown")
+    assert "○ the 95% interval contains 0: this Δ cannot be told from zero" in text
+    assert "n ≈ 2·(z_0.975 + z_0.8)²·s²/Δ_paper²" in text
+    page = to_html(table, 2, [])
+    assert "<td>-3.00 ○</td>" in page and "<td>[-6.90, +0.90]</td>" in page and "<td>n=1, no spread</td>" in page
+    assert "cannot be told from zero" in page
+    rows = {r["key"]: r["cells"] for r in json.loads(render(table, "json"))["rows"]}
+    rec = rows["no_mixup"]["pretrain"]
+    assert rec["ci_low"] == pytest.approx(-3 - HALF, abs=1e-5) and rec["ci_contains_zero"] is True
+    assert rec["ci_df"] == pytest.approx(216 / 53) and rec["seeds_needed"] == 8
+    csv_row = next(r for r in csv.DictReader(io.StringIO(render(table, "csv"))) if r["row"] == "ema")
+    assert csv_row["pretrain_ci_note"] == "n=1, no spread" and csv_row["pretrain_ci_low"] == ""
+
+
+def test_delta_plot_carries_error_bars_markers_and_n() -> None:
+    from matplotlib.container import BarContainer, ErrorbarContainer
+
+    table = _noisy_table()
+    ax = draw_deltas(table).axes[0]
+    keys = [t.get_text() for t in ax.get_xticklabels()]
+    ours = next(c for c in ax.containers if isinstance(c, BarContainer) and c.get_label() == "ours, pre-train")
+    x = {key: bar.get_x() + bar.get_width() / 2 for key, bar in zip(keys, ours.patches, strict=True)}
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert bars and "95% CI" in bars[0].get_label()
+    lines = [s for c in bars for s in c.lines[2][0].get_segments()]  # one vertical segment per error bar
+    segments = {round(float(s[0][0]), 6): (float(s[0][1]), float(s[1][1])) for s in lines}
+    for key, delta in (("no_mixup", -3.0), ("no_cutmix", -9.0)):
+        want = (pytest.approx(delta - HALF, abs=1e-5), pytest.approx(delta + HALF, abs=1e-5))
+        assert segments[round(x[key], 6)] == want, key
+    assert round(x["ema"], 6) not in segments  # n=1: no error bar
+    zero = next(line for line in ax.lines if "cannot be told from zero" in line.get_label())
+    assert [round(float(v), 6) for v in zero.get_xdata()] == [round(x["no_mixup"], 6)]
+    assert list(zero.get_ydata()) == [pytest.approx(-3.0)]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("95% CI" in t for t in legend) and any("cannot be told from zero" in t for t in legend)
+    texts = {t.get_text() for t in ax.texts}
+    assert "n=3 vs 4" in texts and "n=1, no spread" in texts
+
+
 # --- #26 point 12: every output says what was run --------------------------------------------------------------
 
 
@@ -655,6 +719,24 @@ def _described(rid: str, seed: int, depth: int = 1, digest: str = "4a7852e162e65
               "resolution": {"train_size": 32 if stage == "pretrain" else 48, "eval_size": 32 if stage == "pretrain"
                              else 48}}
     return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": 50.0 + seed})
+
+
+def test_what_was_run_names_each_setting_and_lists_values_that_differ() -> None:
+    from deit_ablate.aggregate.about import facts
+
+    same = build_table([_described("a", 0), _described("b", 1), _described("f", 0, stage="finetune")])
+    got = dict(facts(same))
+    assert got["data"] == "builtin (digest 4a7852e1, 10 classes)"
+    assert got["model"] == "deit_tiny_patch16_224 (patch_size=8, depth=1)"
+    assert got["epochs"] == "pre-train 2; fine-tune 3" and got["resolution"] == "pre-train 32 px; fine-tune 48 px"
+    assert got["preset"] == "demo" and got["commit"] == "not recorded"
+    mixed = build_table([_described("a", 0), _described("b", 1, depth=2, digest="ffffffff00000000")])
+    got = dict(facts(mixed))
+    assert got["model"] == ("differs: deit_tiny_patch16_224 (patch_size=8, depth=1) (1 run) | "
+                            "deit_tiny_patch16_224 (patch_size=8, depth=2) (1 run)")
+    assert got["data"].startswith("differs: builtin (digest 4a7852e1, 10 classes) (1 run) | builtin (digest ffffffff")
+    text = render(mixed, "markdown")
+    assert "model: differs: deit_tiny_patch16_224 (patch_size=8, depth=1) (1 run)" in text
 
 
 def test_reader_reads_the_commit_of_a_run_logged_in_a_repository(tmp_path: Path) -> None:
@@ -674,3 +756,14 @@ def test_reader_reads_the_commit_of_a_run_logged_in_a_repository(tmp_path: Path)
     assert dict(facts(build_table([run, _described("c1", 1)])))["commit"] == (
         "differs: 0123456789ab (1 run) | not recorded (1 run)"
     )
+
+
+def test_only_present_keeps_the_fine_tune_column_when_fine_tunes_ran(
+    runs_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data, _ = _json([str(runs_dir / "main" / "wandb"), *TABLE8, "--only-present"], capsys)
+    assert data["stages"] == ["pretrain", "finetune"]
+    assert [r["key"] for r in data["rows"]] == ["baseline", "sgd", "autoaugment", "no_mixup", "no_cutmix",
+                                                "no_erasing", "ema"]
+    table = build_table([_described("a", 0)], only_present=True)  # no fine-tune run: its column goes
+    assert table.stages == ["pretrain"] and "fine-tune" not in render(table, "markdown")
