@@ -23,7 +23,10 @@ import pytest
 
 from deit_ablate.aggregate import cli
 from deit_ablate.aggregate.curves import plot_curves
+from deit_ablate.aggregate.html import to_html
+from deit_ablate.aggregate.plot import draw_deltas
 from deit_ablate.aggregate.reader import RunInfo, read_run_file
+from deit_ablate.aggregate.render import render
 from deit_ablate.aggregate.select import dedup, row_keys
 from deit_ablate.aggregate.table import build_table, row_spec
 from deit_ablate.aggregate.wandb_log import encode_log, read_log
@@ -217,8 +220,11 @@ def test_markdown_cells(runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> N
     lines = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()}
     assert lines["baseline"].startswith("| baseline | 51.00 ± 1.41 (n=2) | +0.00 | 81.8 ± 0.2 | +0.0 |")
     assert "| 60.50 ± 0.71 (n=2) | +0.00 | 83.1 ± 0.1 | +0.0 |" in lines["baseline"]
-    assert "| 42.00 ± 2.83 (n=2; +1 diverged) | -9.00 | 74.5 | -7.3 |" in lines["sgd"]
-    assert "| 50.00 (n=1) | -10.50 | 77.3 | -5.8 |" in lines["sgd"]
+    # sgd [40, 44] vs baseline [50, 52]: v = 8/2 + 2/2 = 5, ν = 25 / (16 + 1) = 1.47, t_{0.975, 1.47} = 6.188,
+    # Δ -9 ± 6.188 · sqrt(5) = [-22.84, +4.84] (holds 0: ○); pooled s² = (8 + 2) / 2 = 5, paper Δ -7.3:
+    # 15.698 · 5 / 53.29 = 1.5 -> 2 seeds per arm
+    assert "| 42.00 ± 2.83 (n=2; +1 diverged) | -9.00 ○ | 74.5 | -7.3 | [-22.84, +4.84] | 2 |" in lines["sgd"]
+    assert "| 50.00 (n=1) | -10.50 | 77.3 | -5.8 | n=1, no spread | 2 |" in lines["sgd"]
     assert "| diverged (2) |" in lines["no_erasing †"]
     assert "| unfinished (1) |" in lines["no_mixup"] and "| failed (1) |" in lines["autoaugment"]
     assert lines["dropout"].startswith("| dropout | missing |")
@@ -457,7 +463,7 @@ def test_api_source_with_stand_in(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     table = cli.aggregate(cli.build_parser().parse_args(["wandb://me/deit", "--curves", "x.png"]), lambda m: None)
     fig = plot_curves(table, None)  # the history through Run.scan_history, as offline logs have none here
     lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].lines}
-    assert lines == {"baseline (n=2)": [79.5, 80.5, 81.5], "no_mixup (n=1)": [76.0, 77.0, 78.0]}
+    assert lines == {"baseline (n=2)": [79.5, 80.5, 81.5], "no_mixup (n=1, no spread)": [76.0, 77.0, 78.0]}
 
 
 def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -545,3 +551,219 @@ def test_the_plain_run_keeps_the_row_name_over_smoke_runs_and_the_cnn_teacher() 
         "baseline · model=cnn_demo": ["cnn"],
         "baseline · train.max_steps=3": [f"smoke{i}" for i in range(5)],
     }
+
+
+# --- #26 point 11: seed noise beside every Δ -------------------------------------------------------------------
+
+
+def _seeded(row: str, values: list[float], stage: str = "pretrain") -> list[RunInfo]:
+    """One finished run per value (seeds 0, 1, ...) of an ablation row at a stage."""
+    return [
+        RunInfo(
+            run_id=f"{row}-{stage}-{seed}",
+            config={"ablation": row, "stage": stage, "seed": seed, "preset": "demo"},
+            summary={"status": "finished", "top1": value},
+        )
+        for seed, value in enumerate(values)
+    ]
+
+
+# baseline [12, 14, 16, 18]: mean 15, s² = (9 + 1 + 1 + 9) / 3 = 20/3, n = 4
+# no_mixup [11, 12, 13]: mean 12, s² = 1, n = 3; no_cutmix [5, 6, 7]: mean 6, s² = 1; ema [20]: n = 1
+# dropout has fine-tune runs and the baseline none: no baseline to compare with
+NOISY = [
+    *_seeded("baseline", [12.0, 14.0, 16.0, 18.0]),
+    *_seeded("no_mixup", [11.0, 12.0, 13.0]),
+    *_seeded("no_cutmix", [5.0, 6.0, 7.0]),
+    *_seeded("ema", [20.0]),
+    *_seeded("dropout", [30.0, 31.0], stage="finetune"),
+]
+# Welch, no_mixup vs baseline (the same for no_cutmix; only the mean differs):
+#   v1 = 1/3, v2 = (20/3)/4 = 5/3, se = sqrt(1/3 + 5/3) = sqrt(2) = 1.414214
+#   ν = (v1 + v2)² / (v1²/(3-1) + v2²/(4-1)) = 4 / (1/18 + 25/27) = 4 / (53/54) = 216/53 = 4.075472
+#   t_{0.975, 4.075472} = 2.756285 (between t_{0.975,5} = 2.571 and t_{0.975,4} = 2.776)
+#   half width = 2.756285 * 1.414214 = 3.898020
+#   no_mixup:  Δ = 12 - 15 = -3, CI [-6.898, +0.898]: contains 0
+#   no_cutmix: Δ = 6 - 15 = -9,  CI [-12.898, -5.102]: does not
+# Seeds per arm for the paper's Δ, n = 2 (z_0.975 + z_0.8)² s² / Δ_paper², 2 (1.959964 + 0.841621)² = 15.697759:
+#   pooled s² = ((3-1)·1 + (4-1)·20/3) / (3 + 4 - 2) = 22/5 = 4.4
+#   no_mixup:  paper Δ 78.7 - 81.8 = -3.1: 15.697759 · 4.4 / 9.61 = 7.19  -> 8
+#   no_cutmix: paper Δ 80.0 - 81.8 = -1.8: 15.697759 · 4.4 / 3.24 = 21.32 -> 22
+#   ema (n=1): pooled s² = (0 + 3 · 20/3) / 3 = 20/3; paper Δ +0.1: 15.697759 · (20/3) / 0.01 = 10465.2 -> 10466
+T_WELCH = 2.756285
+HALF = T_WELCH * math.sqrt(2.0)
+
+
+def test_t_quantile_matches_the_tables() -> None:
+    from deit_ablate.aggregate.stats import t_cdf, t_quantile
+
+    tabulated = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042, 100: 1.984}
+    for df, t in tabulated.items():
+        assert t_quantile(0.975, df) == pytest.approx(t, abs=5e-4), df
+    assert t_quantile(0.9, 10) == pytest.approx(1.372, abs=5e-4)
+    assert t_quantile(0.995, 2) == pytest.approx(9.925, abs=5e-4)
+    assert t_quantile(0.025, 5) == pytest.approx(-2.571, abs=5e-4)  # symmetric
+    assert t_quantile(0.975, 216 / 53) == pytest.approx(T_WELCH, abs=1e-5)  # Welch's fractional ν
+    assert t_quantile(0.975, 1.5) == pytest.approx(6.016663, abs=1e-5)
+    # the cdf against a plain numerical integral of the t density (Simpson, 2000 panels) at a fractional ν
+    df, x = 2.5, 1.7
+    density = lambda u: math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2)) * (  # noqa: E731
+        1 + u * u / df
+    ) ** (-(df + 1) / 2)
+    h = x / 2000
+    simpson = h / 3 * sum((1 if i in (0, 2000) else 4 if i % 2 else 2) * density(i * h) for i in range(2001))
+    assert t_cdf(x, df) == pytest.approx(0.5 + simpson, abs=1e-9)
+
+
+def test_welch_interval_by_hand() -> None:
+    from deit_ablate.aggregate.stats import pooled_std, seeds_needed, welch
+
+    ci = welch([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0])
+    # Δ = 2 - 5 = -3; s1² = 1, s2² = (9 + 1 + 1 + 9)/3 = 20/3; v1 = 1/3, v2 = 5/3; se = sqrt(2)
+    # ν = 4 / ((1/3)²/2 + (5/3)²/3) = 216/53 = 4.0755; CI = -3 ± 2.756285 · 1.414214 = [-6.898, +0.898]
+    assert ci.delta == pytest.approx(-3.0) and ci.se == pytest.approx(math.sqrt(2.0))
+    assert ci.df == pytest.approx(216 / 53)
+    assert (ci.low, ci.high) == (pytest.approx(-3.0 - HALF, abs=1e-5), pytest.approx(-3.0 + HALF, abs=1e-5))
+    assert ci.contains_zero is True and ci.why == ""
+    assert welch([10.0, 11.0, 12.0], [2.0, 4.0, 6.0, 8.0]).contains_zero is False  # Δ = +6 > 3.898
+    # pooled s² = (2·1 + 3·20/3) / 5 = 4.4; for a paper Δ of 2.2: 15.697759 · 4.4 / 4.84 = 14.27 seeds per arm
+    assert pooled_std([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0]) == pytest.approx(math.sqrt(4.4))
+    assert seeds_needed(math.sqrt(4.4), -2.2) == pytest.approx(14.2707, abs=1e-3)
+    assert seeds_needed(2.0, 2.0) == pytest.approx(15.6978, abs=1e-3)  # 2 (z_.975 + z_.8)²
+
+
+def test_welch_edge_cases() -> None:
+    from deit_ablate.aggregate.stats import pooled_std, seeds_needed, welch
+
+    one = welch([5.0], [2.0, 4.0, 6.0, 8.0])  # n=1: a difference, no interval
+    assert one.delta == pytest.approx(0.0) and one.low is None and one.high is None
+    assert one.why == "n=1, no spread" and one.contains_zero is None
+    assert welch([5.0, 6.0], [5.0]).why == "n=1, no spread"
+    flat = welch([3.0, 3.0], [1.0, 1.0, 1.0])  # equal values in both arms: s = 0, ν undefined
+    assert flat.delta == pytest.approx(2.0) and flat.low is None and flat.why == "s=0, no spread"
+    # one arm without spread: ν = n - 1 of the other arm; v2 = (20/3)/4 = 5/3, se = sqrt(5/3)
+    half = 3.182446 * math.sqrt(5 / 3)  # t_{0.975, 3}
+    ci = welch([5.0, 5.0], [2.0, 4.0, 6.0, 8.0])
+    assert ci.df == pytest.approx(3.0) and ci.high == pytest.approx(half, abs=1e-5)
+    assert welch([5.0], []) is None and welch([], [1.0, 2.0]) is None  # a missing arm: nothing to compare
+    assert pooled_std([1.0], [2.0]) is None and pooled_std([3.0, 3.0], [3.0]) == 0.0
+    assert seeds_needed(0.0, 1.0) == 0.0 and seeds_needed(1.0, 0.0) is None
+
+
+def _noisy_table():
+    return build_table(list(NOISY), rows="ablation", paper="table8")
+
+
+def test_table_gives_each_delta_an_interval_a_marker_and_the_seeds_needed() -> None:
+    table = _noisy_table()
+    cells = {r.key: r.cells for r in table.rows}
+    mix = cells["no_mixup"]["pretrain"]
+    assert (mix.ci.low, mix.ci.high) == (pytest.approx(-3 - HALF, abs=1e-5), pytest.approx(-3 + HALF, abs=1e-5))
+    assert mix.seeds_needed == 8 and cells["no_cutmix"]["pretrain"].seeds_needed == 22
+    assert cells["ema"]["pretrain"].seeds_needed == 10466
+    lines = {line.split(" | ")[0].strip("| "): line for line in render(table, "markdown").splitlines()}
+    head = next(line for line in lines.values() if line.startswith("| ablation"))
+    assert "| ours pre-train | Δ | paper @224 | paper Δ | Δ 95% CI | seeds/arm |" in head
+    assert "| 12.00 ± 1.00 (n=3) | -3.00 ○ | 78.7 | -3.1 | [-6.90, +0.90] | 8 |" in lines["no_mixup"]
+    assert "| 6.00 ± 1.00 (n=3) | -9.00 | 80.0 | -1.8 | [-12.90, -5.10] | 22 |" in lines["no_cutmix"]
+    assert "| 20.00 (n=1) | +5.00 | 81.9 | +0.1 | n=1, no spread | 10466 |" in lines["ema"]
+    assert "| 30.50 ± 0.71 (n=2) |  | 83.1 | +0.0 | no baseline |" in lines["dropout"]
+    assert lines["baseline"].startswith("| baseline | 15.00 ± 2.58 (n=4) | +0.00 | 81.8 ± 0.2 | +0.0 |  |  |")
+    text = render(table, "markdown")
+    assert "○ the 95% interval contains 0: this Δ cannot be told from zero" in text
+    assert "n ≈ 2·(z_0.975 + z_0.8)²·s²/Δ_paper²" in text
+    page = to_html(table, 2, [])
+    assert "<td>-3.00 ○</td>" in page and "<td>[-6.90, +0.90]</td>" in page and "<td>n=1, no spread</td>" in page
+    assert "cannot be told from zero" in page
+    rows = {r["key"]: r["cells"] for r in json.loads(render(table, "json"))["rows"]}
+    rec = rows["no_mixup"]["pretrain"]
+    assert rec["ci_low"] == pytest.approx(-3 - HALF, abs=1e-5) and rec["ci_contains_zero"] is True
+    assert rec["ci_df"] == pytest.approx(216 / 53) and rec["seeds_needed"] == 8
+    csv_row = next(r for r in csv.DictReader(io.StringIO(render(table, "csv"))) if r["row"] == "ema")
+    assert csv_row["pretrain_ci_note"] == "n=1, no spread" and csv_row["pretrain_ci_low"] == ""
+
+
+def test_delta_plot_carries_error_bars_markers_and_n() -> None:
+    from matplotlib.container import BarContainer, ErrorbarContainer
+
+    table = _noisy_table()
+    ax = draw_deltas(table).axes[0]
+    keys = [t.get_text() for t in ax.get_xticklabels()]
+    ours = next(c for c in ax.containers if isinstance(c, BarContainer) and c.get_label() == "ours, pre-train")
+    x = {key: bar.get_x() + bar.get_width() / 2 for key, bar in zip(keys, ours.patches, strict=True)}
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert bars and "95% CI" in bars[0].get_label()
+    lines = [s for c in bars for s in c.lines[2][0].get_segments()]  # one vertical segment per error bar
+    segments = {round(float(s[0][0]), 6): (float(s[0][1]), float(s[1][1])) for s in lines}
+    for key, delta in (("no_mixup", -3.0), ("no_cutmix", -9.0)):
+        want = (pytest.approx(delta - HALF, abs=1e-5), pytest.approx(delta + HALF, abs=1e-5))
+        assert segments[round(x[key], 6)] == want, key
+    assert round(x["ema"], 6) not in segments  # n=1: no error bar
+    zero = next(line for line in ax.lines if "cannot be told from zero" in line.get_label())
+    assert [round(float(v), 6) for v in zero.get_xdata()] == [round(x["no_mixup"], 6)]
+    assert list(zero.get_ydata()) == [pytest.approx(-3.0)]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("95% CI" in t for t in legend) and any("cannot be told from zero" in t for t in legend)
+    texts = {t.get_text() for t in ax.texts}
+    assert "n=3 vs 4" in texts and "n=1, no spread" in texts
+
+
+# --- #26 point 12: every output says what was run --------------------------------------------------------------
+
+
+def _described(rid: str, seed: int, depth: int = 1, digest: str = "4a7852e162e65685", stage: str = "pretrain"):
+    config = {"ablation": "baseline", "stage": stage, "seed": seed, "preset": "demo",
+              "model": {"name": "deit_tiny_patch16_224", "kwargs": {"patch_size": 8, "depth": depth}},
+              "data": {"name": "builtin", "num_classes": 10}, "data_fingerprint": {"digest": digest},
+              "train": {"epochs": 2}, "finetune": {"epochs": 3},
+              "resolution": {"train_size": 32 if stage == "pretrain" else 48, "eval_size": 32 if stage == "pretrain"
+                             else 48}}
+    return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": 50.0 + seed})
+
+
+def test_what_was_run_names_each_setting_and_lists_values_that_differ() -> None:
+    from deit_ablate.aggregate.about import facts
+
+    same = build_table([_described("a", 0), _described("b", 1), _described("f", 0, stage="finetune")])
+    got = dict(facts(same))
+    assert got["data"] == "builtin (digest 4a7852e1, 10 classes)"
+    assert got["model"] == "deit_tiny_patch16_224 (patch_size=8, depth=1)"
+    assert got["epochs"] == "pre-train 2; fine-tune 3" and got["resolution"] == "pre-train 32 px; fine-tune 48 px"
+    assert got["preset"] == "demo" and got["commit"] == "not recorded"
+    mixed = build_table([_described("a", 0), _described("b", 1, depth=2, digest="ffffffff00000000")])
+    got = dict(facts(mixed))
+    assert got["model"] == ("differs: deit_tiny_patch16_224 (patch_size=8, depth=1) (1 run) | "
+                            "deit_tiny_patch16_224 (patch_size=8, depth=2) (1 run)")
+    assert got["data"].startswith("differs: builtin (digest 4a7852e1, 10 classes) (1 run) | builtin (digest ffffffff")
+    text = render(mixed, "markdown")
+    assert "model: differs: deit_tiny_patch16_224 (patch_size=8, depth=1) (1 run)" in text
+
+
+def test_reader_reads_the_commit_of_a_run_logged_in_a_repository(tmp_path: Path) -> None:
+    """wandb records `git.commit` in the run record when a run is not started with disable_git (ours are)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    from deit_ablate.aggregate.about import facts
+
+    record = Record()
+    record.run.run_id = "c0"
+    record.run.git.commit = "0123456789abcdef0123456789abcdef01234567"
+    (tmp_path / "run-c0.wandb").write_bytes(encode_log([record.SerializeToString()]))
+    info, _ = read_run_file(tmp_path / "run-c0.wandb")
+    assert info is not None and info.commit == "0123456789abcdef0123456789abcdef01234567"
+    run = _described("c0", 0)
+    run.commit = info.commit
+    assert dict(facts(build_table([run, _described("c1", 1)])))["commit"] == (
+        "differs: 0123456789ab (1 run) | not recorded (1 run)"
+    )
+
+
+def test_only_present_keeps_the_fine_tune_column_when_fine_tunes_ran(
+    runs_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data, _ = _json([str(runs_dir / "main" / "wandb"), *TABLE8, "--only-present"], capsys)
+    assert data["stages"] == ["pretrain", "finetune"]
+    assert [r["key"] for r in data["rows"]] == ["baseline", "sgd", "autoaugment", "no_mixup", "no_cutmix",
+                                                "no_erasing", "ema"]
+    table = build_table([_described("a", 0)], only_present=True)  # no fine-tune run: its column goes
+    assert table.stages == ["pretrain"] and "fine-tune" not in render(table, "markdown")

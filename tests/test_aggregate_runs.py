@@ -203,3 +203,44 @@ def test_metrics_csv_after_a_resume_holds_each_epoch_once(tmp_path: Path) -> Non
     Tracker(cfg, RunIdentity("name", "id", "group", "digest"), {}, enabled=False,
             run_dir=tmp_path / "rank1").log({"epoch": 0, "val/top1": 1}, 1)
     assert not (tmp_path / "rank1").exists()
+
+
+def _figure_texts(fig) -> list[str]:
+    """Every text a figure draws outside its data: figure texts (the suptitle and the foot), axes titles and labels."""
+    texts = [t.get_text() for t in fig.texts]
+    assert fig.get_suptitle() in texts
+    for ax in fig.axes:
+        texts += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()]
+    return [t for t in texts if t]
+
+
+def test_html_and_png_say_what_was_run(outputs: Path, tmp_path: Path) -> None:
+    """#26: the page and the figures name the data (and its digest), the model as built, epochs, resolution, preset,
+    the aggregator's filters and the commit; no Markdown backticks; the study's title once."""
+    digest = next(iter(_configs(outputs).values()))["data_fingerprint"]["digest"][:8]
+    argv = [str(outputs / "wandb"), "--preset", "demo", "--where", "optimizer.name=adamw"]
+    page, png = tmp_path / "t8.html", tmp_path / "t8.png"
+    assert cli.main([*argv, "--format", "html", "--out", str(page), "--plot", str(png), "-q"]) == 0
+    html = page.read_text()
+    args = cli.build_parser().parse_args([*argv, "--plot", str(png), "--curves", str(png)])
+    figs = cli.figures(cli.aggregate(args, warn=lambda m: None), args)
+    title = "Table 8: ablation of the DeiT-B recipe"
+    model = "deit_tiny_patch16_224 (patch_size=8, embed_dim=32, depth=1, num_heads=2)"  # TINY's overrides
+    words = ["builtin", digest, "10 classes", model, "pre-train 2", "pre-train 32 px", "demo", "--preset demo",
+             "--where optimizer.name=adamw", "commit", "not recorded"]
+    for name, text in [("html", html)] + [(k, "\n".join(_figure_texts(f))) for k, f in figs.items()]:
+        flat = " ".join(text.split())  # a figure's footer is wrapped
+        missing = [w for w in words if w not in flat]
+        assert not missing, (name, missing, text[:3000])
+        assert "`" not in text, name
+        assert flat.count(title) == 1, name  # not repeated in <title>, the header and the caption; suptitle only
+
+
+def test_only_present_drops_the_fine_tune_column_nobody_ran(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, _ = _json([str(outputs / "wandb")], capsys)
+    assert data["stages"] == ["pretrain", "finetune"]  # Table 8's two columns by default
+    data, _ = _json([str(outputs / "wandb"), "--only-present"], capsys)
+    assert data["stages"] == ["pretrain"] and len(data["rows"]) == 6
+    assert cli.main([str(outputs / "wandb"), "--only-present"]) == 0
+    head = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| ablation"))
+    assert "ours pre-train @32" in head and "fine-tune" not in head and "↑384" not in head

@@ -1,8 +1,9 @@
 """The aggregator: read wandb runs (offline logs or the W&B API) and rebuild the ablation table.
 
 `reader` turns logs into `RunInfo`, `select` filters and de-duplicates, `settings` says which runs are the
-same experiment (one cell), `table` groups rows and stages, `paper` holds the paper's numbers, `render`,
-`html`, `plot` and `curves` write the result, `cli` ties them together.
+same experiment (one cell), `table` groups rows and stages, `stats` gives each Δ its interval over seeds,
+`paper` holds the paper's numbers, `about` says what was run, `render`, `html`, `plot` and `curves` write the
+result, `cli` ties them together.
 """
 
 from .paper import PaperTable, paper_table

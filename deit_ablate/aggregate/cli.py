@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--where", action="append", default=[], metavar="KEY=VALUE", help="any config key")
     p.add_argument("--since", help="runs started on/after this date or ISO time (local time if naive)")
     p.add_argument("--until", help="runs started before this time; a bare date includes that day")
-    p.add_argument("--only-present", action="store_true", help="hide rows without runs (default with --paper none)")
+    p.add_argument(
+        "--only-present",
+        action="store_true",
+        help="hide rows and columns (stages) without runs (default with --paper none)",
+    )
     p.add_argument(
         "--match-baseline",
         action="store_true",
@@ -85,6 +89,22 @@ def where_options(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         if value is not None:
             where.append((f"{option} {value}", key, value))
     return where
+
+
+def filters_text(args: argparse.Namespace) -> str:
+    """The run filters as typed (`--preset demo --group table8`), for the outputs to name."""
+    given = [option for option, _, _ in where_options(args)]
+    given += [f"--group {g}" for g in args.group] + [f"--tag {t}" for t in args.tag]
+    given += [f"--{name} {value}" for name, value in (("since", args.since), ("until", args.until)) if value]
+    return " ".join(given) or "none (every run read)"
+
+
+def options_text(args: argparse.Namespace) -> str:
+    """How the table was shaped: rows, metric, paper, baseline and the flags given."""
+    given = [f"--rows {args.rows}", f"--metric {args.metric}", f"--paper {args.paper}"]
+    given += [f"--baseline {args.baseline}"] if args.baseline else []
+    given += [f"--{flag}" for flag in ("match-baseline", "only-present") if getattr(args, flag.replace("-", "_"))]
+    return " ".join(given)
 
 
 def make_filter(args: argparse.Namespace) -> RunFilter:
@@ -273,6 +293,8 @@ def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
         "not_matching_baseline": [r.run_id for r in table.left_out],
         "dropped_duplicates": [{"run_id": r.run_id, "status": r.status, "source": r.source} for r in dropped],
         "partial_logs": [r.source for r in runs if r.problem],
+        "filters": filters_text(args),
+        "options": options_text(args),
     }
     return table
 

@@ -1,5 +1,8 @@
 """Validation top-1 against epoch for each row of a table: mean over seeds with a min–max band, a panel per stage.
 
+Each row's legend entry gives its seed count (`n=1, no spread` where one run has no band); the title names the
+study and our runs, the foot what was run (as the Δ plot's).
+
 The per-epoch values come from the run folder's `metrics.csv` when it is found beside the wandb folder
 (`<output_root>/runs/<run name>/metrics.csv` for a log in `<output_root>/wandb/`), else from the wandb
 history: the log's history records offline, `Run.scan_history` through the W&B API.
@@ -14,8 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .about import footer, headline
+from .paper import STAGE_NAMES
+from .plot import framed_figure
 from .reader import RunInfo, is_api_source, read_histories
-from .render import STAGE_NAMES
+from .stats import NO_SPREAD
 from .table import Table
 
 METRICS_CSV = "metrics.csv"
@@ -137,18 +143,19 @@ def curve_series(table: Table, histories: dict[str, tuple[list[dict[str, Any]], 
 
 def draw_curves(table: Table, series: dict[str, list[Series]]) -> Any:
     """A matplotlib Figure: a panel per stage with data, a mean line and min–max band per row."""
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     stages = [s for s in table.stages if series.get(s)] or table.stages[:1]
-    fig = Figure(figsize=(6.4 * len(stages), 4.6), dpi=110)
+    head = f"{headline(table)}\nValidation top-1 by epoch: mean over seeds, band = min–max over seeds (n per row)"
+    fig, rect = framed_figure(6.4 * len(stages), 4.6, head, footer(table))
     axes = fig.subplots(1, len(stages), squeeze=False)[0]
     colors = _colors([r.key for r in table.rows])
     for ax, stage in zip(axes, stages, strict=True):
         for s in series.get(stage, []):
             color = colors.get(s.label, "black")
             n = max(map(len, s.values))
-            ax.plot(s.epochs, s.mean, "-", color=color, marker="o", markersize=3, label=f"{s.label} (n={n})")
+            label = f"{s.label} (n={n})" if n > 1 else f"{s.label} ({NO_SPREAD})"
+            ax.plot(s.epochs, s.mean, "-", color=color, marker="o", markersize=3, label=label)
             if n > 1:
                 low, high = [min(v) for v in s.values], [max(v) for v in s.values]
                 ax.fill_between(s.epochs, low, high, color=color, alpha=0.15, linewidth=0)
@@ -163,8 +170,7 @@ def draw_curves(table: Table, series: dict[str, list[Series]]) -> Any:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no per-epoch history", transform=ax.transAxes, ha="center")
-    fig.suptitle(f"Validation top-1 by {table.rows_key}: mean over seeds, band = min–max", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     return fig
 
 

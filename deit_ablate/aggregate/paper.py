@@ -9,6 +9,7 @@ from importlib import resources
 from typing import Any
 
 STAGES = ("pretrain", "finetune")
+STAGE_NAMES = {"pretrain": "pre-train", "finetune": "fine-tune"}
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class RunInfo:
     last_history: dict[str, Any] = field(default_factory=dict)
     exit_code: int | None = None
     problem: str | None = None  # why the log was read only in part
+    commit: str = ""  # the code's git commit, where wandb recorded it (runs started without disable_git)
     history: list[dict[str, Any]] | None = None  # per-epoch rows (`epoch`, `val/...`), when read with history
     handle: Any = field(default=None, repr=False, compare=False)  # the W&B API run, for its history
 
@@ -203,6 +204,7 @@ def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | No
         exit_code=exit_code,
         problem=log.problem,
         history=epochs,
+        commit=run.git.commit,
     )
     return info, warnings
 
@@ -325,6 +327,13 @@ def _parse_time(value: Any) -> datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
 
+def _api_commit(run: Any) -> str:
+    try:  # a public-API Run answers attribute reads from its GraphQL fields; a stand-in may have none
+        return str(getattr(run, "commit", "") or "")
+    except Exception:
+        return ""
+
+
 def api_run_info(run: Any, path: str) -> RunInfo:
     """Convert one `wandb.apis.public.Run` (or anything with its attributes) into a `RunInfo`."""
     summary = _summary_dict(getattr(run, "summary", None))
@@ -341,6 +350,7 @@ def api_run_info(run: Any, path: str) -> RunInfo:
         source=f"{API_PREFIX}{path}/{run.id}",
         last_history={},
         handle=run,
+        commit=_api_commit(run),
     )
 
 

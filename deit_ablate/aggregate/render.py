@@ -7,10 +7,12 @@ import io
 import json
 from typing import Any
 
+from .about import fact_lines, facts, headline
+from .paper import STAGE_NAMES
 from .table import Cell, Row, Split, Table
 
 FORMATS = ("markdown", "csv", "latex", "json")
-STAGE_NAMES = {"pretrain": "pre-train", "finetune": "fine-tune"}
+ZERO_MARK = "○"  # after a Δ whose 95% interval contains 0
 CELL_FIELDS = (
     "state",
     "mean",
@@ -24,11 +26,30 @@ CELL_FIELDS = (
     "paper",
     "paper_std",
     "paper_delta",
+    "ci_low",
+    "ci_high",
+    "ci_df",
+    "ci_contains_zero",
+    "ci_note",
+    "pooled_std",
+    "seeds_needed",
+    "seeds_note",
+)
+STATS_NOTES = (
+    "Δ 95% CI: Welch's t interval over seeds, the row against its baseline: Δ ± t_{0.975,ν}·sqrt(s1²/n1 + s2²/n2), "
+    "ν by Welch–Satterthwaite; \"n=1, no spread\" where an arm has one seed, \"s=0, no spread\" where no seed "
+    "differs, \"no baseline\" where the baseline has no number.",
+    f"{ZERO_MARK} the 95% interval contains 0: this Δ cannot be told from zero with these seeds.",
+)
+SEEDS_NOTE = (
+    "seeds/arm: seeds per arm to resolve the paper's Δ at our measured spread (80% power, 5% two-sided), "
+    "n ≈ 2·(z_0.975 + z_0.8)²·s²/Δ_paper² with s the pooled std of the row and its baseline (at least 2)."
 )
 
 
 def cell_record(cell: Cell) -> dict[str, Any]:
     """A cell as plain values (full precision; None where there is no number)."""
+    ci = cell.ci
     return {
         "state": cell.state,
         "mean": cell.mean,
@@ -42,6 +63,14 @@ def cell_record(cell: Cell) -> dict[str, Any]:
         "paper": cell.paper,
         "paper_std": cell.paper_std,
         "paper_delta": cell.paper_delta,
+        "ci_low": ci.low if ci else None,
+        "ci_high": ci.high if ci else None,
+        "ci_df": ci.df if ci else None,
+        "ci_contains_zero": ci.contains_zero if ci else None,
+        "ci_note": ci.why if ci else cell.ci_note,
+        "pooled_std": cell.pooled_std,
+        "seeds_needed": cell.seeds_needed,
+        "seeds_note": cell.seeds_note,
         "seeds": cell.seeds,
         "run_ids": cell.run_ids,
         "same_seed": cell.same_seed,
@@ -76,6 +105,8 @@ def to_json_dict(table: Table) -> dict[str, Any]:
         ],
         "splits": [split_record(s) for s in table.splits],
         "paper_note": table.paper_note,
+        "headline": headline(table),
+        "about": dict(facts(table)),
         "meta": table.meta,
     }
 
@@ -147,6 +178,27 @@ def ours_text(cell: Cell, digits: int) -> str:
     return f"{state} ({counts[state]}{'; ' + ', '.join(others) if others else ''})"
 
 
+def delta_text(cell: Cell, digits: int) -> str:
+    """Δ with the marker where its 95% interval contains 0."""
+    text = _num(cell.delta, digits, sign=True)
+    return f"{text} {ZERO_MARK}" if text and cell.ci is not None and cell.ci.contains_zero else text
+
+
+def interval_text(cell: Cell, digits: int) -> str:
+    """`[low, high]`, or why there is no interval (`n=1, no spread`, `s=0, no spread`, `no baseline`)."""
+    ci = cell.ci
+    if ci is None:
+        return cell.ci_note
+    if ci.low is None or ci.high is None:
+        return ci.why
+    return f"[{_num(ci.low, digits, sign=True)}, {_num(ci.high, digits, sign=True)}]"
+
+
+def seeds_text(cell: Cell) -> str:
+    """Seeds per arm the paper's Δ would need, or why there is no count."""
+    return str(cell.seeds_needed) if cell.seeds_needed is not None else cell.seeds_note
+
+
 def paper_text(cell: Cell) -> str:
     """The paper's number for a cell, with its ± where it has one."""
     if cell.paper is None:
@@ -166,6 +218,10 @@ def _headers(table: Table) -> list[str]:
             col = table.paper.columns.get(stage, "")
             heads.append(f"paper {'@' + col if col.isdigit() else col}".rstrip())
             heads.append("paper Δ")
+        if table.baseline is not None:
+            heads.append("Δ 95% CI")
+            if table.paper is not None:
+                heads.append("seeds/arm")
     return heads
 
 
@@ -179,20 +235,30 @@ def _cells(table: Table, row: Row, digits: int) -> list[str]:
         cell = row.cells[stage]
         out.append(ours_text(cell, digits))
         if table.baseline is not None:
-            out.append(_num(cell.delta, digits, sign=True))
+            out.append(delta_text(cell, digits))
         if table.paper is not None:
             out.append(paper_text(cell))
             out.append(_num(cell.paper_delta, 1, sign=True))
+        if table.baseline is not None:
+            out.append(interval_text(cell, digits))
+            if table.paper is not None:
+                out.append(seeds_text(cell))
     return out
 
 
-def _caption(table: Table) -> str:
-    title = table.paper.title if table.paper else f"Runs grouped by {table.rows_key}"
-    text = f"{title}. Ours: summary `{table.metric_key}` (--metric {table.metric}), mean ± std over seeds (n)"
+def _caption(table: Table, markdown: bool = True) -> str:
+    """What the columns hold (the study's title is the heading's, not repeated here); `markdown`: code in backticks."""
+
+    def code(text: str) -> str:
+        return f"`{text}`" if markdown else text
+
+    text = f"Ours: summary {code(table.metric_key)} (--metric {table.metric}), mean ± std over seeds (n)"
     if table.per_row_baselines:
-        text += "; Δ = difference to the row's own baseline (`Δ to`: the row it extends by its one ingredient)"
+        text += f"; Δ = difference to the row's own baseline ({code('Δ to')}: the row it extends by its one ingredient)"
     elif table.baseline is not None:
-        text += f"; Δ = difference to `{table.baseline}`"
+        text += f"; Δ = difference to {code(table.baseline)}"
+    if table.baseline is not None:
+        text += f", with its 95% interval over seeds (Δ 95% CI; {ZERO_MARK}: the interval contains 0)"
     return text + "."
 
 
@@ -215,6 +281,8 @@ def _footnotes(table: Table) -> list[str]:
             f"Runs: {meta.get('read', 0)} read, {meta.get('duplicates', 0)} duplicate(s) dropped, "
             f"{meta.get('filtered_out', 0)} filtered out, {meta.get('counted', 0)} counted."
         )
+    if table.baseline is not None:
+        notes += list(STATS_NOTES) + ([SEEDS_NOTE] if table.paper is not None else [])
     if table.paper is not None:
         notes.append(f"Paper: {table.paper.model}, {table.paper.citation}")
     return notes
@@ -223,13 +291,14 @@ def _footnotes(table: Table) -> list[str]:
 def to_markdown(table: Table, digits: int = 2) -> str:
     """A GitHub markdown table with a caption and footnotes."""
     heads = _headers(table)
-    lines = [_caption(table), "", "| " + " | ".join(heads) + " |"]
+    lines = [headline(table), "", _caption(table), "", "| " + " | ".join(heads) + " |"]
     lines.append("|" + "|".join([":--"] + ["--:"] * (len(heads) - 1)) + "|")
     for row in table.rows:
         lines.append("| " + " | ".join(_cells(table, row, digits)) + " |")
     notes = _footnotes(table)
     if notes:
         lines += [""] + notes
+    lines += ["", "What was run:"] + [f"- {line}" for line in fact_lines(table)]
     return "\n".join(lines) + "\n"
 
 
@@ -254,7 +323,9 @@ def to_csv(table: Table) -> str:
 def _tex(text: str) -> str:
     for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("%", r"\%"), ("&", r"\&"), ("#", r"\#")):
         text = text.replace(a, b)
-    for a, b in (("Δ", r"$\Delta$"), ("↑", r"$\uparrow$"), ("†", r"$^\dagger$"), ("±", r"$\pm$"), ("·", r"$\cdot$")):
+    marks = (("Δ", r"$\Delta$"), ("↑", r"$\uparrow$"), ("†", r"$^\dagger$"), ("±", r"$\pm$"), ("·", r"$\cdot$"),
+             (ZERO_MARK, r"$\circ$"))
+    for a, b in marks:
         text = text.replace(a, b)
     return text
 
@@ -263,7 +334,8 @@ def to_latex(table: Table, digits: int = 2) -> str:
     """A booktabs `tabular` (needs \\usepackage{booktabs})."""
     heads = _headers(table)
     lines = [
-        "% " + _caption(table),
+        "% " + headline(table),
+        "% " + _caption(table, markdown=False),
         r"\begin{tabular}{l" + "r" * (len(heads) - 1) + "}",
         r"\toprule",
         " & ".join(_tex(h) for h in heads) + r" \\",
@@ -273,6 +345,7 @@ def to_latex(table: Table, digits: int = 2) -> str:
         lines.append(" & ".join(_tex(c) for c in _cells(table, row, digits)) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     lines += ["% " + n for n in _footnotes(table)]
+    lines += ["% What was run: " + line for line in fact_lines(table)]
     return "\n".join(lines) + "\n"
 
 

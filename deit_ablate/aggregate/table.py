@@ -1,4 +1,4 @@
-"""Grouping runs into rows (a config key) and columns (stage), mean ± std over seeds, and deltas."""
+"""Grouping runs into rows (a config key) and columns (stage), mean ± std over seeds, deltas and their intervals."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from .paper import STAGES, PaperTable, default_table, paper_table
 from .reader import RunInfo, metric_value
 from .select import CHOICE_ROWS, PLAIN_ROWS, ROW_ALIASES, format_value, get_key, row_keys
 from .settings import choices_of, describe_difference, experiment_settings, pick_main, signature, varied_keys
+from .stats import NO_SPREAD, ZERO_SPREAD, Interval, pooled_std, seeds_needed, welch
 
 # --metric choices and the summary key each reads (any other value is taken as a summary key itself).
 METRICS = {
@@ -60,6 +61,11 @@ class Cell:
     paper_std: float | None = None
     paper_delta: float | None = None
     paper_absent: str = ""  # what the paper column says where the paper's row has no number
+    ci: Interval | None = None  # Welch's 95% interval of Δ over seeds (none: `ci.why`)
+    ci_note: str = ""  # why there is no comparison at all (`no baseline`)
+    pooled_std: float | None = None  # of the row and its baseline, for the seeds the paper's Δ needs
+    seeds_needed: int | None = None  # per arm, to resolve the paper's Δ at the pooled std (80 % power, 5 %)
+    seeds_note: str = ""  # why there is no seed count
 
     @property
     def n(self) -> int:
@@ -411,6 +417,8 @@ def build_table(
         for s in STAGES
         if rows_key == "ablation" or any(c[1] == s for c in filled.counted) or (ptable and s in ptable.columns)
     ]
+    if only_present:
+        stages = [s for s in stages if any(_has_runs(r.cells[s]) for r in table_rows)] or stages[:1]
     _fill_deltas(table_rows, stages, baseline, ptable, per_row)
     return Table(
         rows_key=rows_key,
@@ -429,6 +437,10 @@ def build_table(
         paper_note=paper_note,
         per_row_baselines=per_row,
     )
+
+
+def _has_runs(cell: Cell) -> bool:
+    return bool(cell.n_runs or cell.same_seed)
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -461,3 +473,31 @@ def _fill_deltas(
                 if pbase is not None:
                     delta = _diff(cell.paper, pbase.values.get(stage))
                     cell.paper_delta = None if delta is None else round(delta, 6)
+            if ref and base is not row:
+                _compare(cell, base.cells[stage] if base is not None else None)
+
+
+def _compare(cell: Cell, base: Cell | None) -> None:
+    """Welch's interval of a cell's Δ to its baseline's cell, and the seeds per arm the paper's Δ would need."""
+    if not cell.values:
+        return
+    if base is None or not base.values:
+        cell.ci_note = "no baseline"
+        return
+    cell.ci = welch(cell.values, base.values)
+    cell.pooled_std = pooled_std(cell.values, base.values)
+    cell.seeds_needed, cell.seeds_note = _seeds(cell.pooled_std, cell.paper_delta)
+
+
+def _seeds(std: float | None, paper_delta: float | None) -> tuple[int | None, str]:
+    """Seeds per arm (at least 2) for the paper's Δ at the pooled std, or why there is no count."""
+    if paper_delta is None:
+        return None, ""
+    if std is None:
+        return None, NO_SPREAD
+    if std == 0:
+        return None, ZERO_SPREAD
+    n = seeds_needed(std, paper_delta)
+    if n is None:
+        return None, "paper Δ 0"
+    return max(2, math.ceil(n - 1e-9)), ""
