@@ -218,7 +218,9 @@ def test_an_unreadable_image_under_ddp_stops_every_rank_with_one_line_each(tmp_p
     root = _image_folder(data_cache, tmp_path / "folder")
     bad = root / "train" / "disc" / "garbage.JPEG"
     bad.write_bytes(b"this is not a JPEG" * 50)
-    args = ["data=imagefolder", f"data.root={root}", "data.num_classes=10", "runtime.on_bad_image=fail"] + TINY
+    # One copy per image: the file is on one rank only (with repeated augmentation both ranks may read a copy)
+    args = ["data=imagefolder", f"data.root={root}", "data.num_classes=10", "runtime.on_bad_image=fail",
+            "augment.repeated_aug=1"] + TINY
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29535",
                 str(REPO / "train.py")]
     proc = run_train(args, tmp_path, data_cache, module=torchrun, check=False)
