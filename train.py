@@ -29,13 +29,24 @@ def check_group_options(argv: list[str]) -> None:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from deit_ablate.run import discard_empty_run_dir, run
+    from deit_ablate.stopping import StopRequested
 
+    speaks = os.environ.get("RANK", "0") == "0"  # one line from a torchrun/SLURM job, not one per rank
     try:
         run(cfg)
     except (ConfigError, RunError) as error:
         discard_empty_run_dir()
         print(f"\nerror: {error}\n", file=sys.stderr)
         sys.exit(2 if isinstance(error, ConfigError) else 1)
+    except StopRequested as stopped:
+        if speaks:
+            print(f"\n{stopped}\n", file=sys.stderr)
+        sys.exit(stopped.exit_code)
+    except KeyboardInterrupt:
+        if speaks:
+            print("\nstopped at once (a second Ctrl-C); the same command resumes the run from its last checkpoint\n",
+                  file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,11 @@ class MidEpochSaver:
         by_steps = self.every_steps and self.trainer.step % self.every_steps == 0
         by_time = self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds
         if by_steps or by_time:
+            self.save(batches_in_loader)
+
+    def save(self, batches_in_loader: int) -> None:
+        """Write the resumable state after `batches_in_loader` batches of this epoch's loader (rank 0 only)."""
+        if self.enabled:
             done = self.skipped + batches_in_loader
             state = training_state(self.trainer, self.epoch, self.best_top1, done, **self.extra())
             save_atomic(state, self.path, self.keep_previous)

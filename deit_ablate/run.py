@@ -53,9 +53,10 @@ from deit_ablate.stages import (
     pretrain_status,
     stage_recipe,
 )
+from deit_ablate.stopping import StopRequested, StopSignals
 from deit_ablate.streams import STREAMS_VERSION, RunStreams, copies_augmented_alike
 from deit_ablate.teacher import build_teacher, teacher_forward
-from deit_ablate.tracking import Tracker
+from deit_ablate.tracking import Tracker, read_epoch_rows, wandb_logs
 from deit_ablate.validate import BatchPlan, plan_batch, validate_config
 
 
@@ -252,6 +253,10 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         if handler is not None:
             file_only.error(f"error: {error}")
         raise
+    except StopRequested as stopped:
+        if handler is not None:
+            file_only.warning(f"[run] {stopped}")
+        raise
     except RuntimeError as error:
         sign = peer_lost(error) if info.enabled else None
         if sign is None:
@@ -338,6 +343,7 @@ def _run_locked(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir:
             top1 = result.get("top1", float("nan"))
             log.info(f"[run] {identity.name}: already {result['status']} (top-1 {top1:.2f}); skipping."
                      f" Delete {run_dir.result} to run it again.")
+            log_again_if_lost(cfg, identity, data, run_dir, "is missing")
             if copies_augmented_alike(result, cfg.augment.repeated_aug):
                 log.warning(f"[run] {identity.name} was trained on several ranks before the per-rank random streams "
                             "(README, 'Random streams across ranks'): its repeated-augmentation copies were augmented "
@@ -348,6 +354,21 @@ def _run_locked(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir:
         if upstream != "finished":
             return record_without_training(cfg, identity, run_dir, upstream, data, info.is_main)
     return _train(cfg, info, identity, run_dir, data)
+
+
+def log_again_if_lost(cfg: DictConfig, identity: RunIdentity, data: dict[str, Any], run_dir: RunDir,
+                      what_happened: str) -> None:
+    """A finished run whose wandb log is gone (the aggregator reads those logs): log its result.json and
+    metrics.csv again, under the same wandb id, and say so."""
+    if cfg.runtime.tracking.mode == "disabled" or wandb_logs(cfg.runtime.output_root, identity.run_id):
+        return
+    result = run_dir.read_result() or {}
+    summary = {k: v for k, v in result.items() if k not in ("run_id", "name", "experiment_digest", "data_fingerprint")}
+    Tracker(cfg, identity, data, enabled=True, run_dir=run_dir.path, write_csv=False).replay(
+        read_epoch_rows(run_dir.metrics), summary)
+    log.warning(f"[run] the wandb log of {identity.name} (id {identity.run_id}) under "
+                f"{Path(cfg.runtime.output_root) / 'wandb'} {what_happened}: logged its result and epochs again from "
+                f"{run_dir.result.name} and {run_dir.metrics.name}, so the aggregator sees the run.")
 
 
 def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: RunDir, upstream: str,
@@ -448,8 +469,9 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunD
         record_identity(run_dir, identity, data)
     trainer.on_log = tracker.log
     try:
-        final = _train_and_evaluate(cfg, info, identity, run_dir, pieces, tracker,
-                                    (start_epoch, best_top1, skip_batches, state))
+        with StopSignals(info, cfg.runtime.log_interval) as stop:
+            final = _train_and_evaluate(cfg, info, identity, run_dir, pieces, tracker,
+                                        (start_epoch, best_top1, skip_batches, state), stop)
     except BaseException:
         with contextlib.suppress(Exception):
             tracker.finish(exit_code=1)
@@ -459,12 +481,14 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunD
     if info.is_main:
         run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
                               "experiment_digest": identity.digest, "data_fingerprint": data})
+        log_again_if_lost(cfg, identity, data, run_dir, "was removed while the run trained")
         print_summary(identity, final, run_dir.path)
     return broadcast_object(final, info)
 
 
 def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir, pieces: Pieces,
-                        tracker: Tracker, start: tuple[int, float, int, dict[str, Any]]) -> dict[str, Any]:
+                        tracker: Tracker, start: tuple[int, float, int, dict[str, Any]],
+                        stop: StopSignals) -> dict[str, Any]:
     """The epochs left (or, when training is already complete, only the final evaluation); the run's summary."""
     trainer, plan = pieces.trainer, pieces.plan
     start_epoch, best_top1, skip_batches, state = start
@@ -492,7 +516,44 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     saver = ckpt.MidEpochSaver(trainer, last_path, cfg.runtime.checkpoint_every_steps,
                                 cfg.runtime.checkpoint_every_minutes, info.is_main, keep_previous=prev_path,
                                 extra=extra)
+
+    def stop_if_asked(step: int | None = None, batches_in_loader: int | None = None) -> None:
+        """Stop on an agreed signal: save the mid-epoch state first (the epoch-end one is written already)."""
+        signum = stop.agreed(step)
+        if signum is None:
+            return
+        if batches_in_loader is not None:
+            saver.save(batches_in_loader)
+        barrier(info)
+        raise StopRequested(signum, f"at step {trainer.step}; the same command resumes it from {last_path}")
+
+    def step_hook(batches_in_loader: int) -> None:
+        saver(batches_in_loader)
+        stop_if_asked(trainer.step, batches_in_loader)
+
+    def evaluate_epoch(epoch: int, row: dict[str, Any], epoch_state: dict[str, Any]) -> None:
+        """Evaluate the weights at an epoch's end, log the epoch, keep the best, mark the checkpoint evaluated."""
+        nonlocal metrics, ema_metrics, bad_images, best_top1
+        metrics, ema_metrics = evaluate_all(cfg, pieces)
+        bad_images = collect_bad_images(pieces, info, bad_images)
+        headline = ema_metrics["top1"] if ema_metrics else metrics["top1"]
+        best_top1 = max(best_top1, headline)
+        tracker.log({"epoch": epoch, **row, **{f"val/{k}": v for k, v in metrics.items()},
+                     **{f"val_ema/{k}": v for k, v in ema_metrics.items()}}, trainer.step)
+        if info.is_main:
+            ema_text = f", EMA top-1 {ema_metrics['top1']:.2f}" if ema_metrics else ""
+            loss_text = f"train loss {row['train/epoch_loss']:.4f} | " if row else ""
+            log.info(f"[epoch {epoch}] {loss_text}val top-1 {metrics['top1']:.2f} "
+                     f"top-5 {metrics['top5']:.2f}{ema_text} | step {trainer.step}")
+            evaluated = {**epoch_state, "best_top1": best_top1, "evaluated": True, "bad_images": sorted(bad_images)}
+            ckpt.save_atomic(evaluated, last_path)  # the epoch's state, now with its evaluation
+            if headline >= best_top1:
+                ckpt.save_atomic(evaluated, run_dir.best_checkpoint)
+        barrier(info)
+
     try:
+        if state.get("evaluated") is False and not skip_batches and start_epoch < pieces.recipe.epochs:
+            evaluate_epoch(start_epoch - 1, {}, state)  # stopped between its epoch-end checkpoint and evaluation
         for epoch in range(start_epoch, pieces.recipe.epochs):
             if max_steps is not None and trainer.step >= max_steps:
                 break
@@ -506,28 +567,19 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
             skipped = skip_batches if epoch == start_epoch else 0
             saver.start_epoch(epoch, best_top1, skipped)
             steps_before = trainer.step
-            train_loss = trainer.train_epoch(loader, epoch, max_steps, step_hook=saver)
+            train_loss = trainer.train_epoch(loader, epoch, max_steps, step_hook=step_hook)
             batches_done = skipped + trainer.step - steps_before
             complete = batches_done >= pieces.steps_per_epoch  # train.max_steps may stop an epoch part-way
             epochs_done = epoch + 1 if complete else epoch
-            metrics, ema_metrics = evaluate_all(cfg, pieces)
-            bad_images = collect_bad_images(pieces, info, bad_images)
-            headline = ema_metrics["top1"] if ema_metrics else metrics["top1"]
-            best_top1 = max(best_top1, headline)
-            row = {"epoch": epoch, "train/epoch_loss": train_loss, **{f"val/{k}": v for k, v in metrics.items()},
-                   **{f"val_ema/{k}": v for k, v in ema_metrics.items()}}
-            tracker.log(row, trainer.step)
-            if info.is_main:
-                ema_text = f", EMA top-1 {ema_metrics['top1']:.2f}" if ema_metrics else ""
-                log.info(f"[epoch {epoch}] train loss {train_loss:.4f} | val top-1 {metrics['top1']:.2f} "
-                         f"top-5 {metrics['top5']:.2f}{ema_text} | step {trainer.step}")
-                done = epochs_done >= pieces.recipe.epochs or (max_steps is not None and trainer.step >= max_steps)
+            done = epochs_done >= pieces.recipe.epochs or (max_steps is not None and trainer.step >= max_steps)
+            state = {}
+            if info.is_main:  # the epoch's end is saved before its evaluation: a stop there loses no training
                 state = ckpt.training_state(trainer, epochs_done, best_top1, 0 if complete else batches_done,
-                                            **extra(done))
+                                            evaluated=False, **extra(done))
                 ckpt.save_atomic(state, last_path, keep_previous=prev_path)
-                if headline >= best_top1:
-                    ckpt.save_atomic(state, run_dir.best_checkpoint)
-            barrier(info)
+            stop_if_asked()
+            evaluate_epoch(epoch, {"train/epoch_loss": train_loss}, state)
+            stop_if_asked()
         if not metrics:  # relaunched after the final checkpoint: training is complete, the evaluation is not
             if info.is_main:
                 log.info(f"[run] training was complete at step {trainer.step} (epoch {epochs_done}); evaluating "

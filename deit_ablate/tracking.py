@@ -7,8 +7,10 @@ wandb config carries Hydra's group choices (`choices`: `mix: cutmix_only`, ...) 
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -75,17 +77,59 @@ def write_epoch_row(path: Path, row: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+@functools.cache
+def code_commit() -> str | None:
+    """The git commit of the code running (`+dirty` with uncommitted changes), or None outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def wandb_logs(output_root: str | Path, run_id: str) -> list[Path]:
+    """The wandb folders (offline or online) holding a log of run `run_id` under `<output_root>/wandb`."""
+    root = Path(output_root) / "wandb"
+    found = sorted(root.glob(f"*-{run_id}")) if root.is_dir() else []
+    return [folder for folder in found if any(folder.glob("*.wandb"))]
+
+
+def read_epoch_rows(path: Path) -> list[dict[str, Any]]:
+    """The per-epoch rows of a metrics.csv, numbers as numbers (empty when it is missing)."""
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [{key: _number(value) for key, value in row.items() if value != ""} for row in rows]
+
+
+def _number(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 class Tracker:
     """A wandb run on rank 0 and a silent stand-in elsewhere; rank 0 also writes `metrics.csv`."""
 
     def __init__(self, cfg: DictConfig, identity: RunIdentity, data: dict[str, Any], enabled: bool,
-                 run_dir: Path | None = None) -> None:
+                 run_dir: Path | None = None, write_csv: bool = True) -> None:
         self.run = None
         self.csv_path = None
         if not enabled:
             return
         folder = run_dir if run_dir is not None else hydra_run_dir()
-        self.csv_path = folder / METRICS_CSV if folder is not None else None
+        self.csv_path = folder / METRICS_CSV if folder is not None and write_csv else None
         if cfg.runtime.tracking.mode == "disabled":
             return
         import wandb
@@ -95,7 +139,8 @@ class Tracker:
         os.environ.setdefault("WANDB_SILENT", "true")
         choices = hydra_choices()
         config = {**loggable_config(cfg), "run_id": identity.run_id, "run_name": identity.name,
-                  "experiment_digest": identity.digest, "data_fingerprint": data, "choices": choices}
+                  "experiment_digest": identity.digest, "data_fingerprint": data, "choices": choices,
+                  "git_commit": code_commit()}
         # Table 8's row, the stage and the scale; a run of another study (conf/cait) also its row there.
         tags = [cfg.ablation, str(cfg.stage), cfg.preset] + [f"{g}={choices[g]}" for g in STUDIES if g in choices]
         self.run = wandb.init(
@@ -123,6 +168,14 @@ class Tracker:
         """Set the run's summary values (the aggregator reads these)."""
         if self.run is not None:
             self.run.summary.update(values)
+
+    def replay(self, rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+        """Log a finished run's epoch rows and summary again (its wandb log was removed), then close it."""
+        if self.run is not None:
+            for row in rows:
+                self.run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        self.summary(summary)
+        self.finish()
 
     def finish(self, exit_code: int = 0) -> None:
         """Close the run and flush its files."""

@@ -167,6 +167,28 @@ def check_model_options(cfg: DictConfig) -> None:
     layer_scale_row(cfg)
 
 
+def check_image_sizes(cfg: DictConfig) -> None:
+    """A model that takes one image size (a ViT's strict patch embedding) is evaluated at the size it trains at."""
+    import torch
+    from timm.layers import PatchEmbed
+
+    from deit_ablate.models import build_model, student_model_name
+
+    size = cfg.resolution
+    if size.eval_size == size.train_size:
+        return
+    name = student_model_name(cfg)
+    with torch.device("meta"):  # the architecture only: no memory, no initialisation cost
+        model = build_model(cfg.model, cfg.data.num_classes, size.train_size, name=name)
+    embed = next((m for m in model.modules() if isinstance(m, PatchEmbed)), None)
+    if embed is not None and embed.strict_img_size and not getattr(embed, "dynamic_img_pad", False):
+        raise ConfigError(
+            f"resolution.train_size={size.train_size} but resolution.eval_size={size.eval_size}: {name} is built for "
+            f"{size.train_size}-px images and takes no other size, so its first evaluation would fail after an epoch "
+            f"of training. Set resolution.eval_size={size.train_size} (with resolution.crop_pct the eval resize is "
+            f"eval_size / crop_pct), or pick a resolution option that sets both.")
+
+
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
     check_known_keys(cfg)
@@ -201,6 +223,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"timm has no model named '{name}'. Close names: {', '.join(close) or 'none'}. "
                               "Pick a `model=` option (see conf/model/) or a timm model name in model.name.")
     check_model_options(cfg)
+    check_image_sizes(cfg)
     optimizers = {cfg.optimizer.name, cfg.finetune.optimizer}
     for name in optimizers:
         if name not in list_optimizers():

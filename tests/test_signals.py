@@ -1,0 +1,148 @@
+"""Stopping a run: SIGTERM (a scheduler's kill) and Ctrl-C on real train.py processes, and the evaluation size
+checked before training. Marked `faults` (real signals to real subprocesses; run in CI by .ci/run)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, TINY, run_train
+
+SLOW_EVAL = ["data.builtin.val_per_class=150", "runtime.eval_batch=1"]  # 1,500 single-image evaluations
+
+
+def start(args: list[str], cwd: Path, cache: Path) -> subprocess.Popen:
+    """train.py in the background, in its own session (a signal reaches it alone), outputs under `cwd`."""
+    env = {**os.environ, "DEIT_ABLATE_CACHE": str(cache), "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_for(condition, timeout: float = 300.0, every: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(every)
+
+
+def run_folder(cwd: Path) -> Path:
+    folders = list((cwd / "outputs" / "runs").glob("*-*"))
+    return folders[0] if len(folders) == 1 else None
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=600)
+    return proc.returncode, out, err
+
+
+def assert_one_line_stop(code: int, err: str, expected: int, signame: str) -> None:
+    assert code == expected, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[run] ")]
+    assert lines and lines[-1].startswith(f"stopped by {signame} at step "), err[-2000:]
+    assert "the same command resumes it from" in lines[-1]
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_mid_epoch_saves_the_step_releases_the_lock_and_the_relaunch_finishes(tmp_path, data_cache, signum,
+                                                                                       code):
+    args = TINY + ["train.epochs=30"]  # 8 steps an epoch (256 of 300 images), 240 in all: seconds of training
+    proc = start(args, tmp_path, data_cache)
+    wait_for(lambda: run_folder(tmp_path) is not None and (run_folder(tmp_path) / "metrics.csv").exists())
+    os.kill(proc.pid, signum)  # after epoch 0: mid-training
+    returned, _, err = finish(proc)
+    assert_one_line_stop(returned, err, code, signal.Signals(signum).name)
+    folder = run_folder(tmp_path)
+    state = torch.load(folder / "checkpoint-last.pt", weights_only=True)
+    stopped_at = int(err.split("at step ")[-1].split(";")[0])
+    assert state["step"] == stopped_at >= 8  # the step it stopped at, saved: nothing trained is lost
+    assert not (folder / "run.lock").exists() and not (folder / "result.json").exists()
+    relaunch = run_train(args, tmp_path, data_cache)
+    assert f"step {stopped_at}" in relaunch.stdout  # resumed there, not from the last epoch's end
+    assert torch.load(folder / "checkpoint-last.pt", weights_only=True)["step"] == 240
+
+
+@pytest.mark.faults
+def test_sigterm_during_evaluation_keeps_the_epoch_it_evaluates(tmp_path, data_cache):
+    args = TINY + SLOW_EVAL + ["train.epochs=2"]
+    proc = start(args, tmp_path, data_cache)
+    wait_for(lambda: run_folder(tmp_path) is not None and (run_folder(tmp_path) / "checkpoint-last.pt").exists())
+    os.kill(proc.pid, signal.SIGTERM)  # the epoch's end is saved; its evaluation is running
+    returned, _, err = finish(proc)
+    assert_one_line_stop(returned, err, 143, "SIGTERM")
+    state = torch.load(run_folder(tmp_path) / "checkpoint-last.pt", weights_only=True)
+    assert (state["epoch"], state["step"], state["batches_done"]) == (1, 8, 0)  # epoch 0 whole, not lost
+    relaunch = run_train(args, tmp_path, data_cache)
+    assert "resuming" in relaunch.stdout and "epoch 1 (batch 0), step 8" in relaunch.stdout
+    assert torch.load(run_folder(tmp_path) / "checkpoint-last.pt", weights_only=True)["step"] == 16
+
+
+@pytest.mark.faults
+def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, data_cache):
+    args = TINY + SLOW_EVAL + ["train.epochs=2"]
+    proc = start(args, tmp_path, data_cache)
+    wait_for(lambda: run_folder(tmp_path) is not None and (run_folder(tmp_path) / "checkpoint-last.pt").exists())
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert proc.poll() is None  # the first one waits for the evaluation to end
+    os.kill(proc.pid, signal.SIGINT)  # still evaluating: the second one does not wait for the next step
+    returned, _, err = finish(proc)
+    assert returned == 130 and "Traceback" not in err, err[-3000:]
+    assert "stopped at once (a second Ctrl-C)" in err
+    folder = run_folder(tmp_path)
+    assert not (folder / "run.lock").exists()
+    state = torch.load(folder / "checkpoint-last.pt", weights_only=True)
+    assert (state["epoch"], state["step"], state["evaluated"]) == (1, 8, False)
+    relaunch = run_train(args, tmp_path, data_cache)  # evaluates epoch 0 first, then trains epoch 1
+    assert "[epoch 0] val top-1" in relaunch.stdout + relaunch.stderr
+    assert torch.load(folder / "checkpoint-last.pt", weights_only=True)["step"] == 16
+
+
+def test_an_eval_size_a_vit_cannot_take_is_refused_before_training(tmp_path, data_cache):
+    proc = run_train(TINY + ["resolution.train_size=8"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "resolution.train_size=8 but resolution.eval_size=32" in proc.stderr
+    assert "Set resolution.eval_size=8" in proc.stderr
+    assert not list((tmp_path / "outputs").glob("runs/*"))  # nothing trained, nothing left
+    run_train(TINY + ["resolution.train_size=8", "resolution.eval_size=8", "train.max_steps=1"], tmp_path,
+              data_cache)  # the fix works
+
+
+@pytest.mark.faults
+def test_a_wandb_folder_removed_mid_run_is_noticed_and_logged_again(tmp_path, data_cache):
+    import json
+    import shutil
+
+    from deit_ablate.aggregate.reader import read_offline
+
+    args = TINY + ["train.epochs=6"]
+    proc = start(args, tmp_path, data_cache)
+    wait_for(lambda: run_folder(tmp_path) is not None and (run_folder(tmp_path) / "metrics.csv").exists())
+    shutil.rmtree(tmp_path / "outputs" / "wandb")  # while epoch 1 trains
+    returned, out, err = finish(proc)
+    assert returned == 0, err[-3000:]
+    assert "was removed while the run trained: logged its result and epochs again" in out + err
+    result = json.loads((run_folder(tmp_path) / "result.json").read_text())
+    (run,) = read_offline(tmp_path / "outputs" / "wandb", history=True)
+    assert run.run_id == result["run_id"] and run.summary["top1"] == result["top1"]
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", run.config["git_commit"])  # the code that trained it
+    assert [row["epoch"] for row in run.history] == list(range(6))  # every epoch, from metrics.csv
+
+    shutil.rmtree(tmp_path / "outputs" / "wandb")  # gone after the run: the relaunch logs it again
+    relaunch = run_train(args, tmp_path, data_cache)
+    assert "skipping" in relaunch.stdout
+    assert "is missing: logged its result and epochs again" in relaunch.stdout + relaunch.stderr
+    (again,) = read_offline(tmp_path / "outputs" / "wandb")
+    assert again.summary["top1"] == result["top1"] and again.summary["status"] == "finished"
+    third = run_train(args, tmp_path, data_cache)
+    assert "logged its result" not in third.stdout + third.stderr  # once is enough
