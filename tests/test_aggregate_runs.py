@@ -20,7 +20,7 @@ from deit_ablate.aggregate.curves import load_histories, plot_curves
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.aggregate.settings import EXECUTION_KEYS, experiment_settings, is_execution_key
 from deit_ablate.identity import RunIdentity
-from deit_ablate.tracking import METRICS_CSV, Tracker
+from deit_ablate.tracking import METRICS_CSV, Tracker, code_commit
 from tests.conftest import TINY, run_train
 
 TWO_EPOCHS = [o for o in TINY if not o.startswith("train.epochs=")] + ["train.epochs=2"]
@@ -227,7 +227,7 @@ def test_html_and_png_say_what_was_run(outputs: Path, tmp_path: Path) -> None:
     title = "Table 8: ablation of the DeiT-B recipe"
     model = "deit_tiny_patch16_224 (patch_size=8, embed_dim=32, depth=1, num_heads=2)"  # TINY's overrides
     words = ["builtin", digest, "10 classes", model, "pre-train 2", "pre-train 32 px", "demo", "--preset demo",
-             "--where optimizer.name=adamw", "commit", "not recorded"]
+             "--where optimizer.name=adamw", "commit", code_commit()[:12]]  # the runs record the code's commit
     for name, text in [("html", html)] + [(k, "\n".join(_figure_texts(f))) for k, f in figs.items()]:
         flat = " ".join(text.split())  # a figure's footer is wrapped
         missing = [w for w in words if w not in flat]
