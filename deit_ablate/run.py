@@ -36,7 +36,14 @@ from deit_ablate.distributed import (
 )
 from deit_ablate.engine import Diverged, Trainer, evaluate
 from deit_ablate.errors import ConfigError, RunError
-from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hydra, with_data
+from deit_ablate.identity import (
+    RunIdentity,
+    current_run_dir,
+    identity_from_hydra,
+    run_identity,
+    task_overrides,
+    with_data,
+)
 from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.losses import TOKEN_KINDS, DistillationLoss
 from deit_ablate.mixing import build_criterion, build_mixup
@@ -234,9 +241,8 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     validate_config(cfg)
     identity = identity_from_hydra(cfg)
     run_dir = RunDir(current_run_dir())
-    if cfg.runtime.dry_run:
-        identity = with_data(identity, data_identity(cfg, run_dir))
-        print(f"[dry run] {identity.name} (wandb id {identity.run_id}): {launch_plan(cfg, run_dir)}", flush=True)
+    if cfg.runtime.dry_run:  # train.py plans before Hydra makes a folder (preflight.py); this serves other callers
+        print(dry_run_line(cfg, run_dir, task_overrides()), flush=True)
         run_dir.discard_if_empty()
         return None
     info = init_distributed(cfg.runtime.device)
@@ -322,6 +328,12 @@ def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
         return f"resume from step {point.state['step']} ({point.path.name})"
     return ("train from step 0" + (f", starting from {upstream.name}" if upstream is not None else "")
             + (f", LayerScale diagonal fixed at the values of {source.name}" if source is not None else ""))
+
+
+def dry_run_line(cfg: DictConfig, run_dir: RunDir, overrides: list[str]) -> str:
+    """The dry run's line for one run launched with `overrides`: its folder, wandb id and what a launch would do."""
+    identity = with_data(run_identity(cfg, overrides), data_identity(cfg, run_dir))
+    return f"[dry run] {run_dir.name} (wandb id {identity.run_id}): {launch_plan(cfg, run_dir)}"
 
 
 def record_identity(run_dir: RunDir, identity: RunIdentity, data: dict[str, Any]) -> None:

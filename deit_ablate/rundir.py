@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from deit_ablate.errors import ConfigError, RunError
 LAST, PREV, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
 RESULT, IDENTITY, METRICS, LOCK, LOG = "result.json", "identity.json", "metrics.csv", "run.lock", "train.log"
 HYDRA = ".hydra"
+# The folders a launch writes under runtime.output_root: Hydra's run folders, and wandb's logs.
+RUNS, WANDB = "runs", "wandb"
 RESULT_STATUSES = ("finished", "diverged", "failed")
 
 
@@ -75,6 +78,35 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
         if is_no_space(error):
             raise no_space_error(path) from None
         raise
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why a run could not create `path` or write into it (a file in the way, a read-only folder), or None."""
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if os.access(existing, os.W_OK | os.X_OK):  # root too: access() reports a read-only mount
+        return None
+    read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+    why = "read-only file system" if read_only else f"no write permission for this user (uid {os.geteuid()})"
+    return f"{existing} is not writable ({why})"
+
+
+def check_output_root(output_root: str | Path, tracking: bool = True) -> None:
+    """runtime.output_root, its runs/ and (with tracking) its wandb/ can be made and written: else a ConfigError
+    naming the folder and the fix, raised before anything is written."""
+    root = Path(output_root)
+    for path in (root, root / RUNS):
+        problem = folder_problem(path)
+        if problem is not None:
+            raise ConfigError(f"runtime.output_root={output_root} cannot hold the run folders: {problem}. "
+                              "Point runtime.output_root at a folder this user can write, e.g. "
+                              "runtime.output_root=outputs (under the current folder).")
+    problem = folder_problem(root / WANDB) if tracking else None
+    if problem is not None:
+        raise ConfigError(f"{root / WANDB}, where wandb writes the logs of runtime.output_root={output_root}, cannot "
+                          f"be written: {problem}. Make it writable, point runtime.output_root elsewhere, or set "
+                          "runtime.tracking.mode=disabled (no wandb log; metrics.csv is still written).")
 
 
 @dataclass(frozen=True)

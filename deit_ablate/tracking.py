@@ -10,14 +10,19 @@ import csv
 import functools
 import io
 import os
+import socket
 import subprocess
+import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 
+from deit_ablate.errors import ConfigError
 from deit_ablate.identity import RunIdentity
-from deit_ablate.rundir import METRICS
+from deit_ablate.rundir import METRICS, WANDB
 
 # Keys of the resolved config that never go to wandb (they could carry credentials or host details).
 _PRIVATE_KEYS = ("runtime.tracking.entity",)
@@ -26,6 +31,80 @@ METRICS_CSV = METRICS
 
 # Config groups that hold the rows of a study other than Table 8 (one `# @package _global_` option per row).
 STUDIES = ("cait",)
+# How long an online run's start waits for the wandb server to accept a connection.
+CONNECT_TIMEOUT_S = 4.0
+
+
+def quiet_wandb() -> None:
+    """wandb prints nothing of its own; set before wandb first reads the environment, which it reads only once."""
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def wandb_server() -> str:
+    """The server an online run logs to, as wandb finds it (WANDB_BASE_URL, `wandb login --host`, its default)."""
+    quiet_wandb()
+    from wandb.sdk import wandb_setup
+
+    return wandb_setup.singleton().settings.base_url
+
+
+def has_wandb_key(server: str) -> bool:
+    """Whether wandb finds a key for `server` without asking: WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), the
+    server's entry in ~/.netrc (or $NETRC), its settings."""
+    from wandb.sdk.lib import wbauth
+
+    found = wbauth.authenticate_session(host=server, source="deit-ablate", prompt=False, update_session=False)
+    return found is not None
+
+
+def server_problem(url: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why no TCP connection to `url`'s server (or to the proxy the environment names for it) opens within `timeout`
+    seconds, name lookup included; None when one does."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        proxy_parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = proxy_parts.hostname or "", proxy_parts.port or 80
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as error:
+            outcome.append(f"{host}:{port}: {error.strerror or error}")
+
+    # a daemon thread, because the name lookup itself has no timeout
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else f"{host}:{port}: no answer within {timeout:g} s"
+
+
+def check_tracking(cfg: DictConfig) -> None:
+    """runtime.tracking.mode=online needs a wandb key and a server that answers: a ConfigError naming the offline
+    way, before anything starts (wandb itself fails after 18-106 s with a long traceback). Other modes: nothing."""
+    if cfg.runtime.tracking.mode != "online":
+        return
+    offline = (f"or log offline with runtime.tracking.mode=offline and upload later with "
+               f"`wandb sync {Path(cfg.runtime.output_root) / WANDB}/offline-run-*`.")
+    server = wandb_server()
+    from wandb.errors import AuthenticationError
+
+    try:
+        found = has_wandb_key(server)
+    except AuthenticationError as error:
+        raise ConfigError(f"runtime.tracking.mode=online: wandb cannot use its key ({error}). Fix the key, "
+                          f"{offline}") from None
+    if not found:
+        raise ConfigError(f"runtime.tracking.mode=online needs a wandb API key for {server}, and none is set (no "
+                          f"WANDB_API_KEY, no entry for {urlsplit(server).hostname} in ~/.netrc). Run `wandb login` "
+                          f"(or set WANDB_API_KEY), {offline}")
+    problem = server_problem(server)
+    if problem is not None:
+        raise ConfigError(f"runtime.tracking.mode=online cannot reach the wandb server {server} ({problem}). Check the "
+                          f"network (a proxy goes in HTTPS_PROXY, another server in WANDB_BASE_URL), {offline}")
 
 
 def loggable_config(cfg: DictConfig) -> dict[str, Any]:
@@ -136,7 +215,7 @@ class Tracker:
 
         wandb_dir = Path(cfg.runtime.output_root).resolve()
         wandb_dir.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("WANDB_SILENT", "true")
+        quiet_wandb()
         choices = hydra_choices()
         config = {**loggable_config(cfg), "run_id": identity.run_id, "run_name": identity.name,
                   "experiment_digest": identity.digest, "data_fingerprint": data, "choices": choices,

@@ -1,4 +1,4 @@
-"""Checks that a run can start, made before any data is read or any job is queued."""
+"""Checks that a run can start, made before any data is read, anything is written or any job is queued."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from deit_ablate.config import Config
 from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
+from deit_ablate.rundir import check_output_root
 from deit_ablate.stages import layer_scale_row, stage_global_batch
 from deit_ablate.teacher import check_distill_config
+from deit_ablate.tracking import check_tracking
 
 # Keys that must be at least a bound (None, where the schema allows it, means a default and is not checked).
 AT_LEAST = {"optimizer.lr": (0.0, False), "finetune.lr": (0.0, False), "train.epochs": (1, True),
@@ -233,3 +235,12 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_distill_config(cfg)
     if world_size is not None:
         plan_batch(cfg, world_size)
+
+
+def validate_launch(cfg: DictConfig, world_size: int | None = None) -> None:
+    """validate_config, then what this machine must offer before anything is written: output folders it can write
+    and, for online tracking, a wandb key and a server that answers (train.py, the sweeper and the SLURM launcher
+    call it before Hydra makes a folder or anything is queued)."""
+    validate_config(cfg, world_size)
+    check_output_root(cfg.runtime.output_root, tracking=cfg.runtime.tracking.mode != "disabled")
+    check_tracking(cfg)

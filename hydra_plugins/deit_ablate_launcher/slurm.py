@@ -1,8 +1,9 @@
 """hydra-submitit's SLURM launcher, plus two things a Table 8 sweep needs before anything is queued.
 
 1. Every run's config is composed and validated on the submitting machine (bad option, missing data root,
-   a global batch that does not split over nodes x tasks_per_node, a missing teacher): one error, nothing
-   submitted.
+   a global batch that does not split over nodes x tasks_per_node, a missing teacher, an output root it cannot
+   write, online tracking without a wandb key or server): one error, nothing submitted. The sweeper
+   (sweeper.py) checks them once before, with this launcher's world size, and plans dry runs itself.
 2. A run that starts from another run of the same sweep waits for it with a SLURM dependency (afterok): a
    fine-tune for its pre-training, so both columns of Table 8 are one submission, and CaiT's LayerScale control
    (model.kwargs.layer_scale_from) for the LayerScale run whose learned diagonal it fixes.
@@ -32,13 +33,10 @@ class DeitSlurmLauncher(SlurmLauncher):
         _remove_stale_result_file()
         return super().__call__(sweep_overrides + one_writer_overrides(_global_rank()), *args, **kwargs)
 
-    def _run_locally(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        """Run the sweep's jobs in this process, as Hydra's basic launcher does (the dry run's plan)."""
-        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-
-        local = BasicLauncher()
-        local.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=self.config)
-        return local.launch(job_overrides, initial_job_idx)
+    @property
+    def world_size(self) -> int:
+        """The processes of each run: nodes x tasks_per_node."""
+        return int(self.params["nodes"]) * int(self.params["tasks_per_node"])
 
     def _executor(self):
         import submitit
@@ -55,14 +53,14 @@ class DeitSlurmLauncher(SlurmLauncher):
 
     def _validated_configs(self, job_overrides: Sequence[Sequence[str]]) -> list:
         from deit_ablate.errors import ConfigError
-        from deit_ablate.validate import validate_config
+        from deit_ablate.validate import validate_launch
 
-        world_size = int(self.params["nodes"]) * int(self.params["tasks_per_node"])
+        world_size = self.world_size
         configs = []
         for overrides in job_overrides:
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             try:
-                validate_config(cfg, world_size=world_size)
+                validate_launch(cfg, world_size=world_size)
             except ConfigError as error:
                 run = " ".join(filter_overrides(overrides)) or "no overrides"
                 print(f"\nerror: {error}\n(run: {run}; world size {world_size}). Nothing was submitted.\n",
@@ -77,8 +75,11 @@ class DeitSlurmLauncher(SlurmLauncher):
 
         assert self.config is not None and self.hydra_context is not None
         configs = self._validated_configs(job_overrides)
-        if configs and configs[0].runtime.dry_run:  # plan only: each run prints what it would do, here
-            return self._run_locally(job_overrides, initial_job_idx)
+        if configs and configs[0].runtime.dry_run:  # under another sweeper than ours: plan here, write nothing
+            from deit_ablate.preflight import print_plans, sweep_run_dir
+
+            print_plans(configs, [sweep_run_dir(cfg) for cfg in configs])
+            return []
 
         def subdir_of(overrides: list[str]) -> str:
             return self.hydra_context.config_loader.load_sweep_config(self.config, overrides).hydra.sweep.subdir
