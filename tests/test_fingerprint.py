@@ -80,6 +80,33 @@ def test_nested_files_count_loose_and_hidden_ones_do_not(tmp_path):
     assert fp["images"] == {"train": 7, "val": 4} and fp["classes"] == 3
 
 
+def test_an_image_only_tree_keeps_the_digest_it_had_before_the_file_rule(tmp_path):
+    """The dataset's file rule (#26) changed what is left out, not the digest of a tree of images (this one's, computed
+    by the code before it): runs recorded before keep their identity."""
+    assert digest(make_tree(tmp_path / "d")) == "15163f5985649ae4"
+
+
+def test_files_the_dataset_does_not_read_are_left_out_and_named(tmp_path):
+    root = make_tree(tmp_path / "d")
+    before = dataset_fingerprint(root)
+    (root / "train" / "cat" / "notes.txt").write_text("not an image")
+    (root / "train" / "cat" / ".ipynb_checkpoints").mkdir()
+    (root / "train" / "cat" / ".ipynb_checkpoints" / "img0-checkpoint.jpg").write_bytes(b"x")
+    after = dataset_fingerprint(root)
+    assert after["digest"] == before["digest"] and after["images"] == before["images"]
+    assert after["not_read"] == {"files": 1, "first": ["train/cat/notes.txt"]}
+
+
+def test_a_cache_written_before_the_file_rule_is_recomputed(tmp_path, scans):
+    root = make_tree(tmp_path / "d")
+    good = dataset_fingerprint(root)
+    entry = json.loads((root / CACHE_NAME).read_text())
+    entry["version"], entry["fingerprint"]["images"]["train"] = 1, 7  # as version 1 counted a stray notes.txt
+    (root / CACHE_NAME).write_text(json.dumps(entry))
+    n = len(scans)
+    assert dataset_fingerprint(root) == good and len(scans) > n
+
+
 def test_missing_val_split_counts_zero(tmp_path):
     fp = dataset_fingerprint(make_tree(tmp_path / "d", {"train": TREE["train"]}))
     assert fp["images"] == {"train": 6, "val": 0} and fp["classes"] == 3
@@ -276,3 +303,4 @@ def test_thread_pool_and_serial_scans_agree(tmp_path, monkeypatch):
     assert pools == []
     pooled = dataset_fingerprint(root, workers=8, refresh=True)
     assert pools == [8] and pooled == serial
+

@@ -4,12 +4,14 @@ training process names each once in the run's log and counts them (`data/bad_ima
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from PIL import Image
 from torchvision.datasets import ImageFolder
+
+from deit_ablate.data.images import IMAGE_EXTENSIONS, class_names, load_rgb, scan_class
 
 MAX_TRIES = 64  # consecutive unreadable samples before a dataset counts as broken
 
@@ -19,19 +21,20 @@ class BadImageError(RuntimeError):
 
 
 def decode_problem(path: str | Path) -> str | None:
-    """Why PIL cannot decode the file at `path` in full, or None when it can."""
+    """Why the file at `path` cannot be read as RGB pixels in full (data/images.py), or None when it can."""
     try:
-        with Image.open(path) as image:
-            image.load()
+        load_rgb(path)
     except Exception as error:  # PIL raises many types for damaged files (OSError, SyntaxError, ValueError, ...)
         return f"{type(error).__name__}: {error}"
     return None
 
 
 class SkippingImageFolder(ImageFolder):
-    """An ImageFolder whose unreadable samples are replaced by the next readable one, or stop the run."""
+    """An ImageFolder read by the file rule of data/images.py, whose unreadable samples are replaced by the next
+    readable one, or stop the run."""
 
     def __init__(self, root: str, on_bad_image: str = "skip", **kwargs) -> None:
+        kwargs.setdefault("loader", load_rgb)
         super().__init__(root, **kwargs)
         self.on_bad_image = on_bad_image
         self.bad = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()  # seen by every worker
@@ -52,6 +55,25 @@ class SkippingImageFolder(ImageFolder):
                 if self.on_bad_image == "fail":
                     raise BadImageError(f"unreadable image {path}") from None
         raise BadImageError(f"{MAX_TRIES} unreadable images in a row from {self.samples[index][0]}")
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        """The class folders by the file rule: hidden ones are not classes."""
+        classes = class_names(directory)
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return classes, {name: i for i, name in enumerate(classes)}
+
+    @staticmethod
+    def make_dataset(directory: str, class_to_idx: dict[str, int], *args, **kwargs) -> list[tuple[str, int]]:
+        """(path, class index) of every image by the file rule, in torchvision's order (extensions are the rule's)."""
+        samples = []
+        for name in sorted(class_to_idx):
+            scan = scan_class(os.path.join(directory, name), name)
+            if not scan.images:
+                raise FileNotFoundError(f"Found no valid file for the classes {name}. Supported extensions are: "
+                                        f"{', '.join(IMAGE_EXTENSIONS)}")
+            samples += [(os.path.join(directory, path), class_to_idx[name]) for path, _ in scan.images]
+        return samples
 
     def bad_paths(self) -> list[str]:
         """Every file found unreadable so far (by any worker)."""
