@@ -1,5 +1,5 @@
-"""A user's own ImageFolder data (issue 26): one file rule for the dataset and the fingerprint, and every image mode
-read as the right RGB pixels or refused by name."""
+"""A user's own ImageFolder data (issue 26): val/ checked against train/ before anything starts, one file rule for
+the dataset and the fingerprint, and every image mode read as the right RGB pixels or refused by name."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from PIL import Image
 
 from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, decode_problem
 from deit_ablate.data.datasets import build_dataset, data_fingerprint
-from tests.conftest import compose_config
+from deit_ablate.errors import ConfigError
+from deit_ablate.validate import validate_config
+from tests.conftest import TINY, compose_config, run_train
+
+# A run over a few 8x8 images: 4 per batch (an even share for Mixup/CutMix), one or two steps.
+SMALL = TINY + ["train.global_batch=4", "runtime.eval_batch=8", "train.max_steps=1"]
 
 
 def write_tree(root: Path, classes: dict[str, list[str]], per_class: int = 4) -> Path:
@@ -28,6 +33,51 @@ def write_tree(root: Path, classes: dict[str, list[str]], per_class: int = 4) ->
 
 def folder_args(root: Path, num_classes: int) -> list[str]:
     return ["data=imagefolder", f"data.root={root}", f"data.num_classes={num_classes}"]
+
+
+def _no_run_left(cwd: Path) -> bool:
+    return not list((cwd / "outputs").glob("runs/*")) and not list((cwd / "outputs").glob("wandb/*run-*"))
+
+
+def _one_error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
+# --- val/ against train/ -------------------------------------------------------------------------------------------
+
+def test_val_classes_under_other_names_are_refused_before_anything_is_written(tmp_path, data_cache):
+    """The same number of classes under other names used to train and score val by index (33% on 3 classes)."""
+    root = write_tree(tmp_path / "data", {"train": ["cat", "dog", "eel"], "val": ["0", "1", "2"]})
+    proc = run_train(folder_args(root, 3) + SMALL, tmp_path, data_cache, check=False)
+    line = _one_error_line(proc)
+    assert "classes only in train/: cat, dog, eel" in line and "only in val/: 0, 1, 2" in line
+    assert _no_run_left(tmp_path)
+
+
+@pytest.mark.parametrize(("val", "expected"), [
+    (["cat", "dog", "eel", "fox"], "only in val/: fox"),
+    (["cat", "dog"], "classes only in train/: eel"),
+])
+def test_an_extra_or_missing_val_class_is_one_error_naming_it(tmp_path, val, expected):
+    root = write_tree(tmp_path / "data", {"train": ["cat", "dog", "eel"], "val": val})
+    for num_classes in (3, len(val)):  # whatever data.num_classes says, the same message, not "set it to N"
+        with pytest.raises(ConfigError) as error:
+            validate_config(compose_config(folder_args(root, num_classes)))
+        assert expected in str(error.value) and "Set data.num_classes" not in str(error.value)
+
+
+def test_num_classes_advice_when_train_and_val_agree_comes_before_anything_is_written(tmp_path, data_cache):
+    root = write_tree(tmp_path / "data", {"train": ["cat", "dog", "eel"], "val": ["cat", "dog", "eel"]})
+    with pytest.raises(ConfigError) as error:
+        validate_config(compose_config(folder_args(root, 10)))
+    assert "data.num_classes=10 but train/ and val/ hold 3 classes (cat, dog, eel)" in str(error.value)
+    assert "Set data.num_classes=3" in str(error.value)
+    proc = run_train(folder_args(root, 10) + SMALL, tmp_path, data_cache, check=False)
+    assert "Set data.num_classes=3" in _one_error_line(proc)
+    assert _no_run_left(tmp_path)
 
 
 # --- one file rule for the dataset and the fingerprint -------------------------------------------------------------

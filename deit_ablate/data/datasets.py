@@ -58,6 +58,7 @@ def check_data_root(cfg: DictConfig) -> Path:
                               "run the usual valprep script to sort val/ into class folders).")
         for split in ("train", "val"):
             check_class_folders(root / split)
+        check_same_classes(root, data.num_classes)
     return root
 
 
@@ -87,6 +88,21 @@ def check_class_folders(split_dir: Path) -> None:
                           "An ImageFolder dataset needs <root>/train/<class>/* and <root>/val/<class>/* with images "
                           f"({', '.join(IMAGE_EXTENSIONS[:4])}, ...) in every class folder; remove empty class folders "
                           "or point data.root at the right folder.")
+
+
+def check_same_classes(root: Path, num_classes: int) -> None:
+    """train/ and val/ hold the same class folders (val is scored by class index), as many as data.num_classes."""
+    train, val = class_names(root / "train"), class_names(root / "val")
+    if train != val:
+        only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+        raise ConfigError(f"data.root={root}: train/ and val/ hold other classes ({len(train)} and {len(val)} class "
+                          f"folders): classes only in train/: {_first(only_train)}; only in val/: {_first(only_val)}. "
+                          "Each class is a label index by its place in the sorted names, so val/ would be scored "
+                          "against other labels: give val/ the class folders of train/, under the same names (each "
+                          "with at least one image), then set data.num_classes to their number.")
+    if num_classes != len(train):
+        raise ConfigError(f"data.num_classes={num_classes} but train/ and val/ hold {len(train)} classes "
+                          f"({_first(train)}) under data.root={root}. Set data.num_classes={len(train)}.")
 
 
 def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path | None = None) -> Dataset:
