@@ -14,7 +14,7 @@ from PIL import ImageFile
 from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR100
 
-from deit_ablate.data.bad_images import SkippingImageFolder
+from deit_ablate.data.bad_images import GONE_HINT, SkippingImageFolder
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.data.fingerprint import dataset_fingerprint, describe_fingerprint
@@ -26,6 +26,8 @@ from deit_ablate.logs import log
 # A file that cannot be decoded at all is replaced and counted (data/bad_images.py).
 ImageFile.LOAD_TRUNCATED_IMAGES = True
 NAMED = 5  # class names and files named in a message
+BUILTIN_GONE = ("the built-in cache was removed while the run used it. Relaunch the same command: it draws the set "
+                "again and resumes the run from its last checkpoint.")
 
 
 def dataset_root(cfg: DictConfig) -> Path:
@@ -118,7 +120,9 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
             ) from error
     else:
         loader = lazy_loader if cfg.data.fast_jpeg and split == "train" else load_rgb  # fast_jpeg: the crop decodes
-        dataset = SkippingImageFolder(str(root / split), cfg.runtime.on_bad_image, transform=transform, loader=loader)
+        gone_hint = BUILTIN_GONE if cfg.data.name == "builtin" else GONE_HINT
+        dataset = SkippingImageFolder(str(root / split), cfg.runtime.on_bad_image, gone_hint, transform=transform,
+                                      loader=loader)
     num_classes = len(dataset.classes)
     if num_classes != cfg.data.num_classes:
         raise ConfigError(f"data.num_classes={cfg.data.num_classes} but {root / split} holds {num_classes} "
