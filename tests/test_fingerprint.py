@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -304,3 +308,53 @@ def test_thread_pool_and_serial_scans_agree(tmp_path, monkeypatch):
     pooled = dataset_fingerprint(root, workers=8, refresh=True)
     assert pools == [8] and pooled == serial
 
+
+READ_ONLY = """
+import json, os, sys
+from pathlib import Path
+from deit_ablate.data import fingerprint as F
+root = Path(sys.argv[1])
+try:
+    (root / "probe").write_text("x")
+    writable = True
+except OSError:
+    writable = False
+fp = F.dataset_fingerprint(root)
+F._scan_class = None  # a second call must come from the cache
+print(json.dumps({"writable": writable, "fp": fp, "again": F.dataset_fingerprint(root)}))
+"""
+
+
+READ_ONLY_MOUNT = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" && exec "$@"'  # sh -c: $0 read-only
+
+
+def read_only(folder: Path) -> list[str]:
+    """A command prefix that runs the rest with `folder` bind-mounted read-only onto itself, in a private mount
+    namespace: the mount ends with the command, whatever happens to it."""
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", READ_ONLY_MOUNT, str(folder)]
+
+
+def read_only_mount_works() -> bool:
+    """Whether this process may make a private mount namespace with a read-only bind mount (root, unshare)."""
+    if os.name != "posix" or os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            "mount --bind /tmp /tmp && mount -o remount,ro,bind /tmp"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not read_only_mount_works(), reason="needs root and mount namespaces (unshare -m) to mount "
+                    "the data read-only; test_unwritable_root_caches_in_cache_dir simulates it instead")
+def test_a_read_only_data_folder_caches_its_fingerprint_in_the_cache_folder(tmp_path, cache_home):
+    """#26 point 9: the data folder bind-mounted read-only onto itself in a private mount namespace (root writes
+    through chmod, not through a read-only mount); the mount ends with the process."""
+    root = make_tree(tmp_path / "d")
+    proc = subprocess.run(read_only(root) + [sys.executable, "-c", READ_ONLY, str(root)], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert not seen["writable"] and seen["again"] == seen["fp"]
+    assert sorted(p.name for p in root.iterdir()) == ["train", "val"]  # nothing written into the data folder
+    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+    assert json.loads((cache_home / f"{key}.json").read_text())["fingerprint"] == seen["fp"]
+    assert dataset_fingerprint(root)["digest"] == seen["fp"]["digest"]  # the same data, writable again

@@ -3,8 +3,13 @@ the dataset and the fingerprint, and every image mode read as the right RGB pixe
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import re
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +18,11 @@ from PIL import Image
 
 from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, decode_problem
 from deit_ablate.data.datasets import build_dataset, data_fingerprint
+from deit_ablate.data.fingerprint import CACHE_NAME
 from deit_ablate.errors import ConfigError
 from deit_ablate.validate import validate_config
-from tests.conftest import TINY, compose_config, run_train
+from tests.conftest import REPO, TINY, compose_config, run_train
+from tests.test_fingerprint import read_only, read_only_mount_works
 
 # A run over a few 8x8 images: 4 per batch (an even share for Mixup/CutMix), one or two steps.
 SMALL = TINY + ["train.global_batch=4", "runtime.eval_batch=8", "train.max_steps=1"]
@@ -127,6 +134,23 @@ def test_the_file_rule_keeps_torchvisions_order(tmp_path):
         Image.new("L", (2, 2)).save(tmp_path / rel)
     assert SkippingImageFolder(str(tmp_path)).samples == ImageFolder(str(tmp_path)).samples
 
+
+
+@pytest.mark.skipif(not read_only_mount_works(), reason="needs root and mount namespaces (unshare -m)")
+def test_train_py_on_a_read_only_data_folder_caches_the_fingerprint_elsewhere(tmp_path, data_cache):
+    """#26 point 9: shared or read-only data. The data folder is bind-mounted read-only for the run (see
+    tests/test_fingerprint.py); nothing is written into it, and the fingerprint is cached under $DEIT_ABLATE_CACHE."""
+    root = write_tree(tmp_path / "data", {"train": ["cat", "dog"], "val": ["cat", "dog"]})
+    past = time.time() - 3600  # data not being written: old enough to cache
+    for folder, _, _ in os.walk(root):
+        os.utime(folder, (past, past))
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    command = read_only(root) + [sys.executable, str(REPO / "train.py")]
+    proc = run_train(folder_args(root, 2) + SMALL, tmp_path, data_cache, module=command)
+    assert "finished after 1 steps" in proc.stdout
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before and not (root / CACHE_NAME).exists()
+    [cached] = (data_cache / "fingerprints").glob(f"{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json")
+    assert json.loads(cached.read_text())["fingerprint"]["images"] == {"train": 8, "val": 8}
 
 # --- image formats and modes ---------------------------------------------------------------------------------------
 
