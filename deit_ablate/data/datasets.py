@@ -96,9 +96,11 @@ def check_same_classes(root: Path, num_classes: int) -> None:
     """train/ and val/ hold the same class folders (val is scored by class index), as many as data.num_classes."""
     train, val = class_names(root / "train"), class_names(root / "val")
     if train != val:
-        only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+        only = {split: sorted(set(names) - set(other)) for split, names, other in [("train", train, val),
+                                                                                     ("val", val, train)]}
+        differ = "; ".join(f"only in {split}/: {_first(names)}" for split, names in only.items() if names)
         raise ConfigError(f"data.root={root}: train/ and val/ hold other classes ({len(train)} and {len(val)} class "
-                          f"folders): classes only in train/: {_first(only_train)}; only in val/: {_first(only_val)}. "
+                          f"folders): classes {differ}. "
                           "Each class is a label index by its place in the sorted names, so val/ would be scored "
                           "against other labels: give val/ the class folders of train/, under the same names (each "
                           "with at least one image), then set data.num_classes to their number.")
