@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
 from deit_ablate import checkpoint as ckpt
-from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, decode_problem
+from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, stop_error
 from deit_ablate.data.datasets import build_dataset, data_fingerprint, dataset_root, describe_data
 from deit_ablate.data.loader import (
     ShardSampler,
@@ -448,15 +448,9 @@ def collect_bad_images(pieces: Pieces, info: DistInfo, known: set[str]) -> set[s
     return known | everyone
 
 
-def bad_image_error(pieces: Pieces) -> ConfigError:
-    """The clear stop of runtime.on_bad_image=fail, naming the file."""
-    paths = [path for dataset in image_folders(pieces) for path in dataset.bad_paths()]
-    if not paths:
-        return ConfigError("a loader worker found an unreadable image (runtime.on_bad_image=fail). Set "
-                           "runtime.on_bad_image=skip to train on with the next readable image in its place.")
-    return ConfigError(f"{paths[0]} cannot be read as an image ({decode_problem(paths[0])}); runtime.on_bad_image=fail "
-                       "stops the run. Replace or delete the file, or set runtime.on_bad_image=skip to train on with "
-                       "the next readable image in its place.")
+def bad_image_error(pieces: Pieces) -> ConfigError | RunError:
+    """Why reading the data stopped the run, naming the file or folder (data/bad_images.py)."""
+    return stop_error(image_folders(pieces))
 
 
 def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir,

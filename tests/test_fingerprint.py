@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,6 +82,33 @@ def test_nested_files_count_loose_and_hidden_ones_do_not(tmp_path):
     (root / "train" / ".hiddenclass" / "a.jpg").write_bytes(b"z")
     fp = dataset_fingerprint(root)
     assert fp["images"] == {"train": 7, "val": 4} and fp["classes"] == 3
+
+
+def test_an_image_only_tree_keeps_the_digest_it_had_before_the_file_rule(tmp_path):
+    """The dataset's file rule (#26) changed what is left out, not the digest of a tree of images (this one's, computed
+    by the code before it): runs recorded before keep their identity."""
+    assert digest(make_tree(tmp_path / "d")) == "15163f5985649ae4"
+
+
+def test_files_the_dataset_does_not_read_are_left_out_and_named(tmp_path):
+    root = make_tree(tmp_path / "d")
+    before = dataset_fingerprint(root)
+    (root / "train" / "cat" / "notes.txt").write_text("not an image")
+    (root / "train" / "cat" / ".ipynb_checkpoints").mkdir()
+    (root / "train" / "cat" / ".ipynb_checkpoints" / "img0-checkpoint.jpg").write_bytes(b"x")
+    after = dataset_fingerprint(root)
+    assert after["digest"] == before["digest"] and after["images"] == before["images"]
+    assert after["not_read"] == {"files": 1, "first": ["train/cat/notes.txt"]}
+
+
+def test_a_cache_written_before_the_file_rule_is_recomputed(tmp_path, scans):
+    root = make_tree(tmp_path / "d")
+    good = dataset_fingerprint(root)
+    entry = json.loads((root / CACHE_NAME).read_text())
+    entry["version"], entry["fingerprint"]["images"]["train"] = 1, 7  # as version 1 counted a stray notes.txt
+    (root / CACHE_NAME).write_text(json.dumps(entry))
+    n = len(scans)
+    assert dataset_fingerprint(root) == good and len(scans) > n
 
 
 def test_missing_val_split_counts_zero(tmp_path):
@@ -276,3 +307,54 @@ def test_thread_pool_and_serial_scans_agree(tmp_path, monkeypatch):
     assert pools == []
     pooled = dataset_fingerprint(root, workers=8, refresh=True)
     assert pools == [8] and pooled == serial
+
+
+READ_ONLY = """
+import json, os, sys
+from pathlib import Path
+from deit_ablate.data import fingerprint as F
+root = Path(sys.argv[1])
+try:
+    (root / "probe").write_text("x")
+    writable = True
+except OSError:
+    writable = False
+fp = F.dataset_fingerprint(root)
+F._scan_class = None  # a second call must come from the cache
+print(json.dumps({"writable": writable, "fp": fp, "again": F.dataset_fingerprint(root)}))
+"""
+
+
+READ_ONLY_MOUNT = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" && exec "$@"'  # sh -c: $0 read-only
+
+
+def read_only(folder: Path) -> list[str]:
+    """A command prefix that runs the rest with `folder` bind-mounted read-only onto itself, in a private mount
+    namespace: the mount ends with the command, whatever happens to it."""
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", READ_ONLY_MOUNT, str(folder)]
+
+
+def read_only_mount_works() -> bool:
+    """Whether this process may make a private mount namespace with a read-only bind mount (root, unshare)."""
+    if os.name != "posix" or os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            "mount --bind /tmp /tmp && mount -o remount,ro,bind /tmp"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not read_only_mount_works(), reason="needs root and mount namespaces (unshare -m) to mount "
+                    "the data read-only; test_unwritable_root_caches_in_cache_dir simulates it instead")
+def test_a_read_only_data_folder_caches_its_fingerprint_in_the_cache_folder(tmp_path, cache_home):
+    """#26 point 9: the data folder bind-mounted read-only onto itself in a private mount namespace (root writes
+    through chmod, not through a read-only mount); the mount ends with the process."""
+    root = make_tree(tmp_path / "d")
+    proc = subprocess.run(read_only(root) + [sys.executable, "-c", READ_ONLY, str(root)], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert not seen["writable"] and seen["again"] == seen["fp"]
+    assert sorted(p.name for p in root.iterdir()) == ["train", "val"]  # nothing written into the data folder
+    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+    assert json.loads((cache_home / f"{key}.json").read_text())["fingerprint"] == seen["fp"]
+    assert dataset_fingerprint(root)["digest"] == seen["fp"]["digest"]  # the same data, writable again

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
+from deit_ablate.data.bad_images import MAX_TRIES, BadImageError, DataGoneError, SkippingImageFolder, stop_error
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.errors import ConfigError
 from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
@@ -347,6 +349,7 @@ run.finish()
 READER = r"""
 import json, sys
 from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
+from deit_ablate.data.bad_images import MAX_TRIES, BadImageError, DataGoneError, SkippingImageFolder, stop_error
 print(json.dumps([run.run_id for run in read_offline(sys.argv[1], jobs=1)]))
 """
 
@@ -377,3 +380,59 @@ def test_aggregator_reads_regular_files_only_and_reports_each_skipped_path(tmp_p
     assert f"{planted['zero']}: skipped, a symlink to /dev/zero, outside {wandb_dir.resolve()}" in proc.stderr
     assert f"{planted['out']}: skipped, a symlink to {outside.resolve()}, outside" in proc.stderr
     assert f"{planted['huge']}: skipped, {MAX_LOG_BYTES + 1} bytes, above the" in proc.stderr
+
+
+PAUSE = REPO / "tests" / "pause_at_open"
+
+
+def test_the_builtin_cache_removed_mid_run_is_named_and_a_relaunch_draws_it_again(tmp_path, data_cache):
+    """#26 point 10: the run paused at its first image read (tests/pause_at_open), its built-in cache deleted, then
+    let go: it must say what happened, not blame runtime.on_bad_image=fail while skip is in effect."""
+    cache = tmp_path / "cache"
+    shutil.copytree(ensure_builtin_dataset(data_cache / "builtin", 40, 30, 10, 0).parent, cache / "builtin")
+    drawn = ensure_builtin_dataset(cache / "builtin", 40, 30, 10, 0)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    env = {**os.environ, "DEIT_ABLATE_CACHE": str(cache), "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PAUSE), "DEIT_PAUSE_UNDER": str(drawn / "train"),
+           "DEIT_PAUSE_DIR": str(pause)}
+    args = TINY + ["train.epochs=2"]
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not (pause / "ready").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (pause / "ready").exists(), "the run never read an image"
+        shutil.rmtree(cache)
+        (pause / "go").touch()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert f"the files under {drawn} are gone: the built-in cache was removed while the run used it" in err
+    assert "on_bad_image" not in err and "unreadable image" not in err + out
+    proc = run_train(args, tmp_path, cache)  # the same command draws it again and trains the run to its end
+    assert "drawing the built-in dataset" in proc.stdout and _result(tmp_path)["steps_done"] == 16
+
+
+def test_a_vanished_split_stops_at_once_and_too_many_bad_images_under_skip_do_not_blame_fail(tmp_path):
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    for i in range(3):
+        Image.new("L", (4, 4)).save(tmp_path / "train" / "a" / f"{i}.png")
+    dataset = SkippingImageFolder(str(tmp_path / "train"))
+    shutil.rmtree(tmp_path / "train")
+    with pytest.raises(DataGoneError):
+        dataset[0]
+    assert not dataset.bad_paths()  # nothing counted as an unreadable image
+    assert str(stop_error([dataset])).startswith(f"the files under {tmp_path} are gone: it was moved or deleted")
+
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    for i in range(MAX_TRIES + 1):
+        (tmp_path / "train" / "a" / f"{i:03d}.png").write_bytes(b"not a PNG")
+    dataset = SkippingImageFolder(str(tmp_path / "train"), "skip")
+    with pytest.raises(BadImageError):
+        dataset[0]
+    error = str(stop_error([dataset]))
+    assert f"{MAX_TRIES} images in a row under {tmp_path / 'train'} cannot be read" in error
+    assert "too many for runtime.on_bad_image=skip to replace" in error and "=fail" not in error

@@ -13,17 +13,21 @@ from omegaconf import DictConfig
 from PIL import ImageFile
 from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR100
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from deit_ablate.data.bad_images import SkippingImageFolder
+from deit_ablate.data.bad_images import GONE_HINT, SkippingImageFolder
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.data.fingerprint import dataset_fingerprint, describe_fingerprint
+from deit_ablate.data.images import IMAGE_EXTENSIONS, class_names, has_image, load_rgb
 from deit_ablate.errors import ConfigError
+from deit_ablate.logs import log
 
 # A truncated JPEG is decoded as far as it goes instead of killing an epoch (PIL does not say so: not counted).
 # A file that cannot be decoded at all is replaced and counted (data/bad_images.py).
 ImageFile.LOAD_TRUNCATED_IMAGES = True
+NAMED = 5  # class names and files named in a message
+BUILTIN_GONE = ("the built-in cache was removed while the run used it. Relaunch the same command: it draws the set "
+                "again and resumes the run from its last checkpoint.")
 
 
 def dataset_root(cfg: DictConfig) -> Path:
@@ -56,24 +60,25 @@ def check_data_root(cfg: DictConfig) -> Path:
                               "run the usual valprep script to sort val/ into class folders).")
         for split in ("train", "val"):
             check_class_folders(root / split)
+        check_same_classes(root, data.num_classes)
     return root
 
 
-def _has_image(folder: Path) -> bool:
-    """Whether `folder` holds at least one file with an image extension (stops at the first)."""
-    with os.scandir(folder) as entries:
-        return any(entry.name.lower().endswith(IMG_EXTENSIONS) and entry.is_file() for entry in entries)
+def _first(names: list[str]) -> str:
+    """The first few names, and how many more."""
+    more = f" and {len(names) - NAMED} more" if len(names) > NAMED else ""
+    return ", ".join(names[:NAMED]) + more if names else "none"
 
 
 @functools.lru_cache(maxsize=64)
 def _split_problem(split_dir: Path) -> str | None:
     """What makes `split_dir` no ImageFolder split, or None; remembered, as a sweep checks one root per run."""
-    classes = sorted(entry.path for entry in os.scandir(split_dir) if entry.is_dir())
-    empty = [Path(c).name for c in classes if not _has_image(Path(c))]
+    classes = class_names(split_dir)
+    empty = [name for name in classes if not has_image(split_dir / name)]
     if not classes:
         return "it holds no class folder"
     if empty:
-        return f"its class folder(s) {', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''} hold no image"
+        return f"its class folder(s) {_first(empty)} hold no image"
     return None
 
 
@@ -83,8 +88,25 @@ def check_class_folders(split_dir: Path) -> None:
     if problem:
         raise ConfigError(f"data.root={split_dir.parent}: {split_dir} is not an ImageFolder split: {problem}. "
                           "An ImageFolder dataset needs <root>/train/<class>/* and <root>/val/<class>/* with images "
-                          f"({', '.join(IMG_EXTENSIONS[:4])}, ...) in every class folder; remove empty class folders "
+                          f"({', '.join(IMAGE_EXTENSIONS[:4])}, ...) in every class folder; remove empty class folders "
                           "or point data.root at the right folder.")
+
+
+def check_same_classes(root: Path, num_classes: int) -> None:
+    """train/ and val/ hold the same class folders (val is scored by class index), as many as data.num_classes."""
+    train, val = class_names(root / "train"), class_names(root / "val")
+    if train != val:
+        only = {split: sorted(set(names) - set(other)) for split, names, other in [("train", train, val),
+                                                                                     ("val", val, train)]}
+        differ = "; ".join(f"only in {split}/: {_first(names)}" for split, names in only.items() if names)
+        raise ConfigError(f"data.root={root}: train/ and val/ hold other classes ({len(train)} and {len(val)} class "
+                          f"folders): classes {differ}. "
+                          "Each class is a label index by its place in the sorted names, so val/ would be scored "
+                          "against other labels: give val/ the class folders of train/, under the same names (each "
+                          "with at least one image), then set data.num_classes to their number.")
+    if num_classes != len(train):
+        raise ConfigError(f"data.num_classes={num_classes} but train/ and val/ hold {len(train)} classes "
+                          f"({_first(train)}) under data.root={root}. Set data.num_classes={len(train)}.")
 
 
 def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path | None = None) -> Dataset:
@@ -98,15 +120,15 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
                 f"CIFAR-100 was not found under data.root={root} ({error}). Download it once with "
                 "torchvision.datasets.CIFAR100(root, download=True) on a machine with internet."
             ) from error
-    elif cfg.data.fast_jpeg and split == "train":  # the crop decodes
-        dataset = SkippingImageFolder(str(root / split), cfg.runtime.on_bad_image, transform=transform,
-                                      loader=lazy_loader)
     else:
-        dataset = SkippingImageFolder(str(root / split), cfg.runtime.on_bad_image, transform=transform)
+        loader = lazy_loader if cfg.data.fast_jpeg and split == "train" else load_rgb  # fast_jpeg: the crop decodes
+        gone_hint = BUILTIN_GONE if cfg.data.name == "builtin" else GONE_HINT
+        dataset = SkippingImageFolder(str(root / split), cfg.runtime.on_bad_image, gone_hint, transform=transform,
+                                      loader=loader)
     num_classes = len(dataset.classes)
     if num_classes != cfg.data.num_classes:
         raise ConfigError(f"data.num_classes={cfg.data.num_classes} but {root / split} holds {num_classes} "
-                          f"classes. Set data.num_classes={num_classes}.")
+                          f"classes ({_first(list(dataset.classes))}). Set data.num_classes={num_classes}.")
     return dataset
 
 
@@ -118,7 +140,14 @@ def data_fingerprint(cfg: DictConfig) -> dict:
         digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
         return {"digest": digest, "builtin": params}
     root = dataset_root(cfg) if cfg.data.name != "builtin" else Path(cfg.data.root).expanduser()
-    return dataset_fingerprint(root)
+    fingerprint = dataset_fingerprint(root)
+    if "not_read" in fingerprint:
+        left_out = fingerprint["not_read"]
+        log.warning(f"[data] {left_out['files']} file(s) under {root} are not read: their names do not end in an "
+                    f"image extension ({', '.join(IMAGE_EXTENSIONS)}, any case): {_first(left_out['first'])}"
+                    f"{' ...' if left_out['files'] > len(left_out['first']) else ''}. Give the images among them "
+                    "one of these extensions (converting GIFs to PNG) if they should train.")
+    return fingerprint
 
 
 def describe_data(fingerprint: dict) -> str:

@@ -13,9 +13,10 @@ filter. Here (measured in docs/PERFORMANCE.md, section 5):
 3. As on the default path, the loader hands over uint8 images, and the float conversion, normalization and
    random erasing run once per batch on the device (data.batch).
 
-A crop decoded at full scale comes out within a grey level or two of timm's. Anything else (PNGs, CMYK JPEGs,
-decoded images, nearest-neighbour interpolation) is decoded and cropped exactly as by timm. Large crops are
-decoded below the train size and scaled up, which blurs them, so the path is off by default.
+A crop decoded at full scale comes out within a grey level or two of timm's. Anything else (PNGs, CMYK or
+EXIF-rotated JPEGs, decoded images, nearest-neighbour interpolation) is made RGB by the dataset's own loader
+(data/images.py), then cropped exactly as by timm. Large crops are decoded below the train size and scaled up, which
+blurs them, so the path is off by default.
 """
 
 from __future__ import annotations
@@ -26,23 +27,27 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as nnf
-from PIL import Image
+from PIL import ExifTags, Image
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms
 from torchvision.transforms import functional as F
 
+from deit_ablate.data.images import to_rgb
+
 KEEP = 0.5
+ORIENTATION = ExifTags.Base.Orientation
 _FACTORS = (8, 4, 2)
 _TORCH_MODES = {F.InterpolationMode.BILINEAR: "bilinear", F.InterpolationMode.BICUBIC: "bicubic"}
 
 
 def lazy_loader(path: str) -> Image.Image:
-    """An ImageFolder `loader=`: JPEGs opened but not decoded (the crop decodes them), anything else as RGB."""
+    """An ImageFolder `loader=`: upright RGB and greyscale JPEGs opened but not decoded (the crop decodes them),
+    anything else as RGB pixels by the dataset's own rule (data/images.py: EXIF rotation, CMYK, ...)."""
     image = Image.open(path)
-    if image.format == "JPEG":
+    if image.format == "JPEG" and image.mode in ("RGB", "L") and image.getexif().get(ORIENTATION, 1) == 1:
         return image
     with image:
-        return image.convert("RGB")
+        return to_rgb(image)
 
 
 def is_undecoded_jpeg(image: Image.Image) -> bool:

@@ -1,14 +1,18 @@
 """Which data a run trained on, by content: a digest of an ImageFolder tree's class names, file paths and sizes.
 
-The digest is sha256 over each split's sorted class names and the sorted (path relative to root, size) of every
-regular file under its class folders (nested folders included, as ImageFolder does). Absolute paths and mtimes never
-enter it: a moved or copied tree keeps its digest. Hidden entries (names starting with '.') are skipped, so neither
-.DS_Store nor the cache file changes it. Limit: sizes, not contents, are hashed (for speed), so a file rewritten
-with other bytes of the same size keeps the digest. "classes" counts the distinct class names over all the splits.
+The digest is sha256 over each split's sorted class names and the sorted (path relative to root, size) of every image
+under its class folders, by the file rule the dataset reads with (data/images.py: image extensions in any case, nested
+folders included, names starting with '.' skipped, so neither .DS_Store, .ipynb_checkpoints/ nor the cache file counts).
+Absolute paths and mtimes never enter it: a moved or copied tree keeps its digest. Limit: sizes, not contents, are
+hashed (for speed), so a file rewritten with other bytes of the same size keeps the digest. "classes" counts the
+distinct class names over all the splits; "not_read" (present when there are any) counts the files the rule leaves
+out and names the first few.
 
 The result is cached against a stamp of the split, class and nested folders' mtime_ns (adding, removing or renaming
 a file changes its folder's mtime). Rewriting a file in place does not: pass refresh=True after doing that. A tree
 changed within the last RACY_NS is not cached yet, as a second change within the same mtime tick would be unseen.
+The cache is the root's CACHE_NAME, or, where the root is not writable (read-only or shared data), a file named by a
+hash of the root under $DEIT_ABLATE_CACHE/fingerprints (default ~/.cache/deit-ablate/fingerprints).
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from deit_ablate.data.images import is_hidden, scan_class
+
 CACHE_NAME = ".deit_fingerprint.json"
-VERSION = 1
+VERSION = 2  # 2: the dataset's file rule (data/images.py)
 RACY_NS = 2_000_000_000
+NOT_READ_NAMED = 5  # files left out by the rule, named in the fingerprint
 
 
 def default_cache_dir() -> Path:
@@ -49,7 +56,7 @@ def _listing(root: Path, splits: Sequence[str]) -> tuple[dict[str, list[str]], l
         stamp.append([split, _mtime(root / split)])
         try:
             with os.scandir(root / split) as it:
-                found = sorted((e.name, e.stat().st_mtime_ns) for e in it if e.name[0] != "." and e.is_dir())
+                found = sorted((e.name, e.stat().st_mtime_ns) for e in it if not is_hidden(e.name) and e.is_dir())
         except (FileNotFoundError, NotADirectoryError):
             found = []
         classes[split] = [name for name, _ in found]
@@ -57,26 +64,12 @@ def _listing(root: Path, splits: Sequence[str]) -> tuple[dict[str, list[str]], l
     return classes, stamp
 
 
-def _scan_class(folder: str, rel: str) -> tuple[bytes, int, list]:
-    """One class folder, recursively: its hash records in path order, its file count and its nested folders' stamp."""
-    files, nested, todo, seen = [], [], [(folder, rel)], {(s.st_dev, s.st_ino) for s in [os.stat(folder)]}
-    while todo:
-        path, prefix = todo.pop()
-        with os.scandir(path) as it:
-            for e in it:
-                if e.name[0] == ".":
-                    continue
-                r = f"{prefix}/{e.name}"
-                if e.is_dir():
-                    st = e.stat()
-                    if (st.st_dev, st.st_ino) not in seen:  # a symlink loop is followed once
-                        seen.add((st.st_dev, st.st_ino))
-                        nested.append([r, st.st_mtime_ns])
-                        todo.append((e.path, r))
-                elif e.is_file():
-                    files.append((r, e.stat().st_size))
-    files.sort()
-    return b"".join(b"F\0%s\0%d\0" % (r.encode("utf-8", "surrogateescape"), s) for r, s in files), len(files), nested
+def _scan_class(folder: str, rel: str) -> tuple[bytes, int, list, list[str]]:
+    """One class folder by the file rule: its hash records in path order, its image count, its nested folders' stamp
+    and the files left out."""
+    scan = scan_class(folder, rel, sizes=True)
+    records = b"".join(b"F\0%s\0%d\0" % (r.encode("utf-8", "surrogateescape"), s) for r, s in sorted(scan.images))
+    return records, len(scan.images), [list(f) for f in scan.folders], scan.others
 
 
 def _compute(root: Path, classes: dict[str, list[str]], workers: int) -> tuple[dict, list]:
@@ -87,16 +80,19 @@ def _compute(root: Path, classes: dict[str, list[str]], workers: int) -> tuple[d
                                                            for n in names))
     jobs = [(split, name) for split, names in classes.items() for name in names]
     args = [str(root / s / c) for s, c in jobs], [f"{s}/{c}" for s, c in jobs]
-    images, nested = dict.fromkeys(classes, 0), []
+    images, nested, others = dict.fromkeys(classes, 0), [], []
     with ThreadPoolExecutor(min(workers, len(jobs))) if workers > 1 < len(jobs) else contextlib.nullcontext() as pool:
         scan = pool.map if pool else map  # both yield in submission order, whatever order the scans finish in
-        for (split, _), (chunk, count, sub) in zip(jobs, scan(_scan_class, *args), strict=True):
+        for (split, _), (chunk, count, sub, left_out) in zip(jobs, scan(_scan_class, *args), strict=True):
             h.update(chunk)
             images[split] += count
             nested += sub
+            others += left_out
     union = sorted({n for names in classes.values() for n in names})
     names_digest = hashlib.sha256("\0".join(union).encode("utf-8", "surrogateescape")).hexdigest()[:16]
     fp = {"digest": h.hexdigest()[:16], "classes": len(union), "class_names_digest": names_digest, "images": images}
+    if others:
+        fp["not_read"] = {"files": len(others), "first": others[:NOT_READ_NAMED]}
     return fp, nested
 
 
