@@ -54,7 +54,7 @@ from deit_ablate.stages import (
     stage_recipe,
 )
 from deit_ablate.streams import STREAMS_VERSION, RunStreams, copies_augmented_alike
-from deit_ablate.teacher import build_teacher, teacher_forward
+from deit_ablate.teacher import build_teacher, log_teacher, teacher_forward, teacher_summary, with_run_teacher
 from deit_ablate.tracking import Tracker
 from deit_ablate.validate import BatchPlan, plan_batch, validate_config
 
@@ -234,7 +234,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     identity = identity_from_hydra(cfg)
     run_dir = RunDir(current_run_dir())
     if cfg.runtime.dry_run:
-        identity = with_data(identity, data_identity(cfg, run_dir))
+        identity = with_run_teacher(with_data(identity, data_identity(cfg, run_dir)), cfg, run_dir)
         print(f"[dry run] {identity.name} (wandb id {identity.run_id}): {launch_plan(cfg, run_dir)}", flush=True)
         run_dir.discard_if_empty()
         return None
@@ -242,7 +242,8 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     lock, handler = None, None
     try:
         data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
-        identity = with_data(identity, data)
+        # the teacher's weights, refused when they are not those the run folder records
+        identity = agree(info, lambda: with_run_teacher(with_data(identity, data), cfg, run_dir))
         lock = acquire_run_lock(run_dir.path, info, cfg.runtime.wait_for_lock)
         handler = attach_run_log(run_dir.path, info.rank)
         for taken in lock.taken_over if lock is not None else ():
@@ -320,10 +321,10 @@ def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
 
 
 def record_identity(run_dir: RunDir, identity: RunIdentity, data: dict[str, Any]) -> None:
-    """Write what this run is (its digest and its data) into its folder, once."""
+    """Write what this run is (its digest, its data and its teacher) into its folder, once."""
     if run_dir.read_identity() is None:
         run_dir.write_identity({"name": identity.name, "run_id": identity.run_id, "digest": identity.digest,
-                                "data": data})
+                                "data": data, **({"teacher": identity.teacher} if identity.teacher else {})})
 
 
 def _run_locked(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir,
@@ -470,6 +471,7 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     start_epoch, best_top1, skip_batches, state = start
     last_path, prev_path = run_dir.last_checkpoint, run_dir.previous_checkpoint
     if info.is_main:
+        log_teacher(identity.teacher)
         log.info(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px of {student_model_name(cfg)}"
                  f"{'' if pieces.recipe.train_mode else ' (in eval mode)'}, world size {info.world_size}, "
                  f"global batch {pieces.recipe.global_batch} = "
@@ -542,6 +544,8 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
         raise bad_image_error(pieces) from None
     final = summarize(status, metrics, ema_metrics, best_top1, epochs_done, trainer.step, clock())
     final["model_name"] = student_model_name(cfg)
+    if identity.teacher is not None:
+        final["teacher"] = teacher_summary(identity.teacher)
     final["nodes"] = nodes
     final["streams"] = STREAMS_VERSION
     if pieces.layer_scale_from is not None:
