@@ -40,7 +40,7 @@ from deit_ablate.identity import RunIdentity, current_run_dir, identity_from_hyd
 from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.losses import TOKEN_KINDS, DistillationLoss
 from deit_ablate.mixing import build_criterion, build_mixup
-from deit_ablate.models import build_model, compile_in_place, student_model_name
+from deit_ablate.models import architecture, build_model, compile_in_place, describe_architecture, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
 from deit_ablate.rundir import RunDir
 from deit_ablate.runlock import LOCK_NAME, RunLock
@@ -470,9 +470,10 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     trainer, plan = pieces.trainer, pieces.plan
     start_epoch, best_top1, skip_batches, state = start
     last_path, prev_path = run_dir.last_checkpoint, run_dir.previous_checkpoint
+    arch = architecture(trainer.model, student_model_name(cfg))  # what was built, not what the config names
     if info.is_main:
         log_teacher(identity.teacher)
-        log.info(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px of {student_model_name(cfg)}"
+        log.info(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px of {describe_architecture(arch)}"
                  f"{'' if pieces.recipe.train_mode else ' (in eval mode)'}, world size {info.world_size}, "
                  f"global batch {pieces.recipe.global_batch} = "
                  f"{info.world_size} x {plan.per_rank_batch} per rank ({plan.accum_steps} accumulation step(s) of "
@@ -482,7 +483,8 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     nodes = placement(info)  # host -> ranks, e.g. {"n1": [0..7], "n2": [8..15]}
     tracker.summary({"world_size": info.world_size, "nodes": nodes, "per_device_batch": plan.per_rank_batch,
                      "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
-                     "effective_batch": pieces.recipe.global_batch, "model_name": student_model_name(cfg)})
+                     "effective_batch": pieces.recipe.global_batch, "model_name": student_model_name(cfg),
+                     "architecture": arch})
     status, metrics, ema_metrics = "finished", {}, {}
     clock = RunClock(float(state.get("train_seconds", 0.0)))
     epochs_done, bad_images = start_epoch, set(state.get("bad_images", ()))
@@ -544,6 +546,7 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
         raise bad_image_error(pieces) from None
     final = summarize(status, metrics, ema_metrics, best_top1, epochs_done, trainer.step, clock())
     final["model_name"] = student_model_name(cfg)
+    final["architecture"] = arch
     if identity.teacher is not None:
         final["teacher"] = teacher_summary(identity.teacher)
     final["nodes"] = nodes
