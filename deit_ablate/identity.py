@@ -32,6 +32,8 @@ FINETUNE_ONLY = ("finetune",)
 STAGE_OVERRIDES = ("stage", "resolution")
 # A permission, not the experiment: the teacher's weights (recorded in the run folder, see with_teacher) stand for it.
 TEACHER_PERMISSION = "allow_unfinished"
+# What a shortened folder name keeps in front, in this order: the study row and the seed tell a sweep's runs apart.
+KEPT_VISIBLE = ("ablation", "cait", "seed")
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9=,._+@-]+")
 _MAX_READABLE = 100
@@ -97,12 +99,18 @@ def _readable(item: str) -> str:
     return f"{label}={Path(value.rstrip('/')).name[:24]}@{_short_hash(value, 4)}"
 
 
-def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = ()) -> str:
-    """The experiment's overrides, sorted, comma-joined and folder-safe (empty when there are none)."""
+def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
+                       keep_visible: tuple[str, ...] = KEPT_VISIBLE) -> str:
+    """The experiment's overrides, sorted, comma-joined and folder-safe (empty when there are none); when too long,
+    those of `keep_visible` go first and the rest is cut, marked by `~`."""
     items = sorted(_readable(item) for item in overrides if _is_identity_override(item)
                    and _override_key(item).split(".", 1)[0] not in drop_keys)
     text = _UNSAFE.sub("_", ",".join(items))
-    return text if len(text) <= _MAX_READABLE else f"{text[:_MAX_READABLE]}~"
+    if len(text) <= _MAX_READABLE:
+        return text
+    first = [item for key in keep_visible for item in items if item.split("=", 1)[0] == key]
+    text = _UNSAFE.sub("_", ",".join(first + [item for item in items if item not in first]))
+    return f"{text[:_MAX_READABLE]}~"
 
 
 def _stage_drop(cfg: DictConfig) -> tuple[str, ...]:
@@ -115,7 +123,8 @@ def run_identity(cfg: DictConfig, overrides: list[str]) -> RunIdentity:
     drop = _stage_drop(cfg)
     digest = experiment_digest(cfg, drop)
     name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
-    group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop) or "default"
+    # groups keep the names they had (no key put first), so the seeds of one setting stay in one wandb group
+    group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop, ()) or "default"
     group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',))}"
     # The wandb id follows the experiment, not the spelling of its overrides (ablation=baseline = no override).
     return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)

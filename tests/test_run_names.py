@@ -1,4 +1,5 @@
-"""Names that say what trained: the start line and result.json give the architecture the run built."""
+"""Names that say what trained: the start line and result.json give the architecture the run built, and shortened
+folder names keep the seed and the study row."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import timm
 
 from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.identity import _UNSAFE, _is_identity_override, _readable, run_identity
 from deit_ablate.models import architecture, build_model, describe_architecture
 from tests.conftest import TINY, compose_config, run_train
 
@@ -57,3 +59,37 @@ def test_a_cnn_is_described_by_its_parameters():
     arch = architecture(model, "resnet10t")
     assert arch == {"name": "resnet10t", "params": _params(model)}
     assert describe_architecture(arch) == f"resnet10t ({_params(model) / 1e6:.2f} M params)"
+
+
+def _identity(overrides: list[str]):
+    return run_identity(compose_config(overrides), overrides)
+
+
+def test_shortened_names_keep_the_seed_and_the_study_row():
+    for row in ("ablation=no_mixup", "cait=ca_12_2"):
+        name = _identity(LONG + ["seed=3", row]).name
+        assert name.startswith(f"{row},seed=3,") and "~-" in name, name
+        assert len(name) <= 100 + 12
+    short = _identity(["seed=3", "ablation=no_mixup"]).name  # short names are unchanged
+    assert short.startswith("ablation=no_mixup,seed=3-")
+
+
+def _old_style_name(overrides: list[str], digest: str) -> str:
+    """A folder name as the code before this change made it: sorted overrides cut at 100 characters."""
+    text = _UNSAFE.sub("_", ",".join(sorted(_readable(o) for o in overrides if _is_identity_override(o))))
+    return f"{text[:100]}~-{digest}"
+
+
+def test_an_old_style_long_folder_is_found_and_resumed(tmp_path, data_cache):
+    args = LONG + ["seed=3"]
+    run_train(args, tmp_path, data_cache)
+    runs = tmp_path / "outputs" / "runs"
+    (new,) = runs.iterdir()
+    assert new.name.startswith("seed=3,")
+    old = new.rename(runs / _old_style_name(args, new.name.rsplit("-", 1)[1]))
+    assert "seed=3" not in old.name  # the old scheme had cut it off
+    (old / "result.json").unlink()  # stopped before it wrote its result
+    proc = run_train(args, tmp_path, data_cache)
+    assert "resuming" in proc.stdout and old.name in proc.stdout
+    assert [p.name for p in runs.iterdir()] == [old.name]
+    assert json.loads((old / "result.json").read_text())["status"] == "finished"
