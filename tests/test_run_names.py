@@ -1,12 +1,14 @@
-"""Names that say what trained: the start line and result.json give the architecture the run built, and shortened
-folder names keep the seed and the study row."""
+"""Names that say what trained: the start line and result.json give the architecture the run built, shortened
+folder names keep the seed and the study row, and every sweep keeps its own record of what it ran."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import timm
+import yaml
 
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.identity import _UNSAFE, _is_identity_override, _readable, run_identity
@@ -93,3 +95,22 @@ def test_an_old_style_long_folder_is_found_and_resumed(tmp_path, data_cache):
     assert "resuming" in proc.stdout and old.name in proc.stdout
     assert [p.name for p in runs.iterdir()] == [old.name]
     assert json.loads((old / "result.json").read_text())["status"] == "finished"
+
+
+def _records(runs: Path) -> list[Path]:
+    return sorted(runs.glob("multirun-*.yaml"))
+
+
+def test_two_sweeps_leave_two_multirun_records(tmp_path, data_cache):
+    runs = tmp_path / "outputs" / "runs"
+    for seed in (5, 6):
+        run_train(["-m", f"seed={seed}"] + LONG, tmp_path, data_cache)
+    records = _records(runs)
+    assert len(records) == 2
+    swept = [yaml.safe_load(path.read_text())["hydra"]["overrides"]["task"] for path in records]
+    assert {next(o for o in task if o.startswith("seed=")) for task in swept} == {"seed=5", "seed=6"}
+    assert yaml.safe_load((runs / "multirun.yaml").read_text())["hydra"]["overrides"]["task"] in swept  # Hydra's
+    run_train(["-m", "seed=7", "runtime.dry_run=true"] + LONG, tmp_path, data_cache)
+    assert _records(runs) == records  # a dry run ran nothing and records nothing
+    folders = [p for p in runs.iterdir() if p.is_dir()]
+    assert len(folders) == 2 and all((p / "result.json").exists() for p in folders)  # the run folders as before
