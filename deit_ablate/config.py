@@ -109,6 +109,9 @@ class TeacherConfig:
     model: str = "regnety_160"
     checkpoint: str | None = None  # a checkpoint file, or a run folder / run name under outputs/runs
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # A teacher run folder without a finished result is refused; true distils from its latest checkpoint, with a
+    # warning. A permission, not the experiment: the weights' digest (recorded in the run folder) stands for it.
+    allow_unfinished: bool = False
 
 
 @dataclass

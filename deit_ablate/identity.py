@@ -1,9 +1,12 @@
-"""A run's identity: the resolved experiment (every key but `runtime`, and the data by its fingerprint).
+"""A run's identity: the resolved experiment (every key but `runtime`, the data by its fingerprint, a distilled
+run's teacher by the digest of its weights).
 
 The identity decides the run's folder, its wandb run id and its wandb group. It is a hash of the resolved
 config, not of the command line, so an edited YAML value is another run; `runtime.*` never enters it, so a
 relaunch with other execution settings resumes the same run. The folder name puts the overrides in front of
-the hash so that people can read it.
+the hash so that people can read it. The data and the teacher are known only once the run looks at them: they
+enter the wandb id and group (with_data, with_teacher), and the run folder records them (identity.json), so a
+relaunch on other data or other teacher weights is refused rather than resumed or skipped (run.py, teacher.py).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,10 @@ DEFAULT_BACKEND = "pil"
 FINETUNE_ONLY = ("finetune",)
 # Overrides that pick the stage of a run rather than the experiment it continues.
 STAGE_OVERRIDES = ("stage", "resolution")
+# A permission, not the experiment: the teacher's weights (recorded in the run folder, see with_teacher) stand for it.
+TEACHER_PERMISSION = "allow_unfinished"
+# What a shortened folder name keeps in front, in this order: the study row and the seed tell a sweep's runs apart.
+KEPT_VISIBLE = ("ablation", "cait", "seed")
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9=,._+@-]+")
 _MAX_READABLE = 100
@@ -34,12 +41,13 @@ _MAX_READABLE = 100
 
 @dataclass(frozen=True)
 class RunIdentity:
-    """Name (folder), wandb id, wandb group and experiment digest of a run."""
+    """Name (folder), wandb id, wandb group and experiment digest of a run; and its teacher, once known."""
 
     name: str
     run_id: str
     group: str
     digest: str
+    teacher: dict[str, Any] | None = field(default=None, hash=False)
 
 
 def _short_hash(text: str, length: int = 8) -> str:
@@ -60,6 +68,7 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     out.get(section, {}).pop(leaf, None)
     if out.get("data", {}).get("backend") == DEFAULT_BACKEND:  # runs from before data.backend keep their identity
         out["data"].pop("backend")
+    out.get("distill", {}).get("teacher", {}).pop(TEACHER_PERMISSION, None)
     return out
 
 
@@ -73,10 +82,10 @@ def _override_key(item: str) -> str:
 
 
 def _is_identity_override(item: str) -> bool:
-    """Overrides that name the experiment: not runtime/Hydra settings, not the data's location."""
+    """Overrides that name the experiment: not runtime/Hydra settings, the data's location or a permission."""
     key = _override_key(item)
     return not (key.split(".", 1)[0] in NOT_EXPERIMENT or key.startswith("hydra/") or key == DATA_LOCATION
-                or item == "stage=pretrain")
+                or key == f"distill.teacher.{TEACHER_PERMISSION}" or item == "stage=pretrain")
 
 
 def _readable(item: str) -> str:
@@ -90,12 +99,18 @@ def _readable(item: str) -> str:
     return f"{label}={Path(value.rstrip('/')).name[:24]}@{_short_hash(value, 4)}"
 
 
-def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = ()) -> str:
-    """The experiment's overrides, sorted, comma-joined and folder-safe (empty when there are none)."""
+def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
+                       keep_visible: tuple[str, ...] = KEPT_VISIBLE) -> str:
+    """The experiment's overrides, sorted, comma-joined and folder-safe (empty when there are none); when too long,
+    those of `keep_visible` go first and the rest is cut, marked by `~`."""
     items = sorted(_readable(item) for item in overrides if _is_identity_override(item)
                    and _override_key(item).split(".", 1)[0] not in drop_keys)
     text = _UNSAFE.sub("_", ",".join(items))
-    return text if len(text) <= _MAX_READABLE else f"{text[:_MAX_READABLE]}~"
+    if len(text) <= _MAX_READABLE:
+        return text
+    first = [item for key in keep_visible for item in items if item.split("=", 1)[0] == key]
+    text = _UNSAFE.sub("_", ",".join(first + [item for item in items if item not in first]))
+    return f"{text[:_MAX_READABLE]}~"
 
 
 def _stage_drop(cfg: DictConfig) -> tuple[str, ...]:
@@ -108,7 +123,8 @@ def run_identity(cfg: DictConfig, overrides: list[str]) -> RunIdentity:
     drop = _stage_drop(cfg)
     digest = experiment_digest(cfg, drop)
     name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
-    group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop) or "default"
+    # groups keep the names they had (no key put first), so the seeds of one setting stay in one wandb group
+    group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop, ()) or "default"
     group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',))}"
     # The wandb id follows the experiment, not the spelling of its overrides (ablation=baseline = no override).
     return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)
@@ -118,8 +134,22 @@ def with_data(identity: RunIdentity, data: dict[str, Any]) -> RunIdentity:
     """The identity once its data is known: the wandb id and group carry the data's fingerprint too, so the same
     settings on two datasets (under two output roots) never write to one wandb run."""
     digest = str(data.get("digest", ""))
-    return RunIdentity(identity.name, _short_hash(f"{identity.digest}:{digest}", 16),
-                       f"{identity.group}@{digest[:6]}" if digest else identity.group, identity.digest)
+    return replace(identity, run_id=_short_hash(f"{identity.digest}:{digest}", 16),
+                   group=f"{identity.group}@{digest[:6]}" if digest else identity.group)
+
+
+def with_teacher(identity: RunIdentity, teacher: dict[str, Any] | None,
+                 recorded: dict[str, Any] | None = None) -> RunIdentity:
+    """The identity once its teacher is known (None: no distillation): the wandb id and group carry the digest of
+    the teacher's weights, so students of other teacher weights never write to one wandb run. A run folder whose
+    identity.json (`recorded`) predates teacher records keeps the wandb id it has."""
+    if teacher is None:
+        return identity
+    if recorded is not None and "teacher" not in recorded:
+        return replace(identity, teacher=teacher)
+    digest = str(teacher["digest"])
+    return replace(identity, run_id=_short_hash(f"{identity.run_id}:teacher:{digest}", 16),
+                   group=f"{identity.group}+t{digest[:6]}", teacher=teacher)
 
 
 def folder_name(identity: RunIdentity, runs_root: Path) -> str:

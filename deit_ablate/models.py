@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import timm
 import torch
@@ -87,6 +88,35 @@ def student_model_name(cfg) -> str:
                           "of their _distilled options); distill=hard_token and distill=soft_token pick the "
                           "distilled twin themselves.")
     return name
+
+
+def architecture(model: torch.nn.Module, name: str) -> dict[str, Any]:
+    """What `model` is, read from its built modules: patch size, width, depth (+ class-attention blocks) and heads of
+    a ViT or CaiT, and the parameter count of any model (all a CNN gets)."""
+    model = getattr(model, "module", model)  # DDP
+    arch: dict[str, Any] = {"name": name}
+    patch_embed, blocks = getattr(model, "patch_embed", None), getattr(model, "blocks", None)
+    if patch_embed is not None and blocks is not None and len(blocks) > 0:
+        patch = tuple(patch_embed.patch_size)
+        arch.update(patch_size=patch[0] if len(set(patch)) == 1 else list(patch), width=int(model.embed_dim),
+                    depth=len(blocks))
+        class_attn = getattr(model, "blocks_token_only", None)
+        if class_attn is not None:
+            arch["class_attn_depth"] = len(class_attn)
+        arch["heads"] = int(blocks[0].attn.num_heads)
+    arch["params"] = sum(p.numel() for p in model.parameters())
+    return arch
+
+
+def describe_architecture(arch: dict[str, Any]) -> str:
+    """`deit_tiny_patch16_224 (patch 2, width 64, depth 4, heads 2, 0.21 M params)`; a CNN: its parameters."""
+    parts = []
+    if "width" in arch:
+        class_attn = f" + {arch['class_attn_depth']} class-attention" if "class_attn_depth" in arch else ""
+        parts += [f"patch {arch['patch_size']}", f"width {arch['width']}", f"depth {arch['depth']}{class_attn}",
+                  f"heads {arch['heads']}"]
+    parts.append(f"{arch['params'] / 1e6:.2f} M params")
+    return f"{arch['name']} ({', '.join(parts)})"
 
 
 def set_training_mode(model: torch.nn.Module, train: bool) -> None:

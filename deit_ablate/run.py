@@ -47,7 +47,7 @@ from deit_ablate.identity import (
 from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.losses import TOKEN_KINDS, DistillationLoss
 from deit_ablate.mixing import build_criterion, build_mixup
-from deit_ablate.models import build_model, compile_in_place, student_model_name
+from deit_ablate.models import architecture, build_model, compile_in_place, describe_architecture, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
 from deit_ablate.rundir import RunDir
 from deit_ablate.runlock import LOCK_NAME, RunLock
@@ -62,7 +62,7 @@ from deit_ablate.stages import (
 )
 from deit_ablate.stopping import StopRequested, StopSignals
 from deit_ablate.streams import STREAMS_VERSION, RunStreams, copies_augmented_alike
-from deit_ablate.teacher import build_teacher, teacher_forward
+from deit_ablate.teacher import build_teacher, log_teacher, teacher_forward, teacher_summary, with_run_teacher
 from deit_ablate.tracking import Tracker, read_epoch_rows, wandb_logs
 from deit_ablate.validate import BatchPlan, plan_batch, validate_config
 
@@ -249,7 +249,8 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     lock, handler = None, None
     try:
         data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
-        identity = with_data(identity, data)
+        # the teacher's weights, refused when they are not those the run folder records
+        identity = agree(info, lambda: with_run_teacher(with_data(identity, data), cfg, run_dir))
         lock = acquire_run_lock(run_dir.path, info, cfg.runtime.wait_for_lock)
         handler = attach_run_log(run_dir.path, info.rank)
         for taken in lock.taken_over if lock is not None else ():
@@ -332,15 +333,15 @@ def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
 
 def dry_run_line(cfg: DictConfig, run_dir: RunDir, overrides: list[str]) -> str:
     """The dry run's line for one run launched with `overrides`: its folder, wandb id and what a launch would do."""
-    identity = with_data(run_identity(cfg, overrides), data_identity(cfg, run_dir))
+    identity = with_run_teacher(with_data(run_identity(cfg, overrides), data_identity(cfg, run_dir)), cfg, run_dir)
     return f"[dry run] {run_dir.name} (wandb id {identity.run_id}): {launch_plan(cfg, run_dir)}"
 
 
 def record_identity(run_dir: RunDir, identity: RunIdentity, data: dict[str, Any]) -> None:
-    """Write what this run is (its digest and its data) into its folder, once."""
+    """Write what this run is (its digest, its data and its teacher) into its folder, once."""
     if run_dir.read_identity() is None:
         run_dir.write_identity({"name": identity.name, "run_id": identity.run_id, "digest": identity.digest,
-                                "data": data})
+                                "data": data, **({"teacher": identity.teacher} if identity.teacher else {})})
 
 
 def _run_locked(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir,
@@ -499,8 +500,10 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     trainer, plan = pieces.trainer, pieces.plan
     start_epoch, best_top1, skip_batches, state = start
     last_path, prev_path = run_dir.last_checkpoint, run_dir.previous_checkpoint
+    arch = architecture(trainer.model, student_model_name(cfg))  # what was built, not what the config names
     if info.is_main:
-        log.info(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px of {student_model_name(cfg)}"
+        log_teacher(identity.teacher)
+        log.info(f"[run] {identity.name}: {cfg.stage} at {cfg.resolution.train_size}px of {describe_architecture(arch)}"
                  f"{'' if pieces.recipe.train_mode else ' (in eval mode)'}, world size {info.world_size}, "
                  f"global batch {pieces.recipe.global_batch} = "
                  f"{info.world_size} x {plan.per_rank_batch} per rank ({plan.accum_steps} accumulation step(s) of "
@@ -510,7 +513,8 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
     nodes = placement(info)  # host -> ranks, e.g. {"n1": [0..7], "n2": [8..15]}
     tracker.summary({"world_size": info.world_size, "nodes": nodes, "per_device_batch": plan.per_rank_batch,
                      "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
-                     "effective_batch": pieces.recipe.global_batch, "model_name": student_model_name(cfg)})
+                     "effective_batch": pieces.recipe.global_batch, "model_name": student_model_name(cfg),
+                     "architecture": arch})
     status, metrics, ema_metrics = "finished", {}, {}
     clock = RunClock(float(state.get("train_seconds", 0.0)))
     epochs_done, bad_images = start_epoch, set(state.get("bad_images", ()))
@@ -600,6 +604,9 @@ def _train_and_evaluate(cfg: DictConfig, info: DistInfo, identity: RunIdentity, 
         raise bad_image_error(pieces) from None
     final = summarize(status, metrics, ema_metrics, best_top1, epochs_done, trainer.step, clock())
     final["model_name"] = student_model_name(cfg)
+    final["architecture"] = arch
+    if identity.teacher is not None:
+        final["teacher"] = teacher_summary(identity.teacher)
     final["nodes"] = nodes
     final["streams"] = STREAMS_VERSION
     if pieces.layer_scale_from is not None:

@@ -7,9 +7,13 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.errors import ConfigError, RunError
 
@@ -19,6 +23,7 @@ RESULT, IDENTITY, METRICS, LOCK, LOG = "result.json", "identity.json", "metrics.
 HYDRA = ".hydra"
 # The folders a launch writes under runtime.output_root: Hydra's run folders, and wandb's logs.
 RUNS, WANDB = "runs", "wandb"
+SWEEP_RECORD = "multirun-{}.yaml"  # beside Hydra's multirun.yaml in the sweep folder, <output_root>/runs
 RESULT_STATUSES = ("finished", "diverged", "failed")
 
 
@@ -195,3 +200,28 @@ def find_run(reference: Path, runs_root: Path) -> RunDir | None:
         if len(matches) == 1:
             return RunDir(matches[0])
     return None
+
+
+def keep_sweep_record(config: DictConfig) -> Path:
+    """Save the sweep's config as `multirun-<start time>.yaml` in its sweep folder, never over another sweep's."""
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    n = 1
+    while True:
+        path = sweep_dir / SWEEP_RECORD.format(stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            with path.open("x") as file:
+                OmegaConf.save(config, file)
+            return path
+        except FileExistsError:  # another sweep started in the same second
+            n += 1
+
+
+class SweepRecord(Callback):
+    """Each sweep keeps its own record: Hydra rewrites `multirun.yaml` in the sweep folder at every sweep, so the
+    sweep also saves a copy named by its start time (a dry run, which runs nothing, saves none)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not OmegaConf.select(config, "runtime.dry_run", default=False):
+            keep_sweep_record(config)

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import shlex
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import timm
 import torch
+import yaml
 from torch import nn
 
 from deit_ablate.checkpoint import read_weights
 from deit_ablate.errors import ConfigError
+from deit_ablate.identity import RunIdentity, with_teacher
+from deit_ablate.logs import log
 from deit_ablate.models import student_model_name
-from deit_ablate.rundir import find_run
+from deit_ablate.rundir import RunDir, find_run
 
 
 class TeacherLoadError(ConfigError):
@@ -132,42 +139,203 @@ def teacher_forward(teacher: nn.Module, images: torch.Tensor) -> torch.Tensor:
 # Wiring into a run
 
 
-def resolve_teacher(teacher_cfg, output_root: str | Path) -> tuple[str, dict[str, Any], Path]:
-    """Teacher architecture, its timm kwargs and checkpoint file; a run folder (or run name) brings all three."""
+@dataclass(frozen=True)
+class TeacherSource:
+    """Where a student's teacher comes from: its architecture, timm kwargs, checkpoint file, and run folder if any."""
+
+    model: str
+    kwargs: dict[str, Any]
+    checkpoint: Path | None
+    run: RunDir | None = None
+
+
+def resolve_teacher(teacher_cfg, output_root: str | Path) -> TeacherSource:
+    """The teacher's architecture, kwargs and checkpoint file; a run folder (or run name) brings all three."""
     reference = teacher_cfg.checkpoint
     name, kwargs = teacher_cfg.model, dict(teacher_cfg.kwargs)
     if reference is None or str(reference).strip() == "":
-        return name, kwargs, None  # load_teacher explains what to do
+        return TeacherSource(name, kwargs, None)  # load_teacher explains what to do
     path = Path(str(reference)).expanduser()
     run = find_run(path, Path(output_root) / "runs")
-    if run is not None:
-        run_config = run.hydra / "config.yaml"
-        if run_config.exists():
-            import yaml
+    if run is None:
+        return TeacherSource(name, kwargs, path)
+    run_config = run.hydra / "config.yaml"
+    if run_config.exists():
+        model = yaml.safe_load(run_config.read_text())["model"]
+        name, kwargs = model["name"], dict(model.get("kwargs") or {})
+    return TeacherSource(name, kwargs, run.weights(), run)
 
-            model = yaml.safe_load(run_config.read_text())["model"]
-            name, kwargs = model["name"], dict(model.get("kwargs") or {})
-        path = run.weights()
-    return name, kwargs, path
+
+def teacher_run_state(run: RunDir) -> str:
+    """How a teacher run stands: `finished`, `diverged`, `failed`, or `unfinished: k of n epochs`."""
+    try:
+        result = run.read_result()
+    except ConfigError:  # a damaged result.json: the run itself counts as unfinished
+        result = None
+    if result is not None:
+        return str(result["status"])
+    try:
+        rows = max(len(run.metrics.read_text().splitlines()) - 1, 0) if run.metrics.exists() else 0
+        config = yaml.safe_load((run.hydra / "config.yaml").read_text())
+        planned = config["finetune" if config.get("stage") == "finetune" else "train"]["epochs"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return "unfinished"
+    return f"unfinished: {rows} of {planned} epochs" if isinstance(planned, int) else f"unfinished: {rows} epochs"
+
+
+def _state_text(state: str) -> str:
+    """`has not finished (1 of 2 epochs logged, no result.json)`, or `ended as diverged`."""
+    if not state.startswith("unfinished"):
+        return f"ended as {state}"
+    progress = state[len("unfinished"):].strip(" :")
+    return f"has not finished ({progress + ' logged, ' if progress else ''}no result.json)"
+
+
+def _command(run: RunDir) -> str:
+    """The command that launches `run` again, from its recorded overrides."""
+    try:
+        overrides = yaml.safe_load((run.hydra / "overrides.yaml").read_text()) or []
+    except (OSError, yaml.YAMLError):
+        overrides = []
+    return " ".join(["python train.py", *(shlex.quote(str(item)) for item in overrides)])
+
+
+def check_teacher_run(run: RunDir, reference: str, allow_unfinished: bool) -> str:
+    """The teacher run's state; a ConfigError when it has not finished (unfinished, diverged, failed) unless
+    `allow_unfinished`."""
+    state = teacher_run_state(run)
+    if state == "finished" or allow_unfinished:
+        return state
+    fix = (f"Finish it first by launching its command again, which resumes it: `{_command(run)}`"
+           if state.startswith("unfinished") else
+           f"Train a teacher that finishes (its command was `{_command(run)}`; relaunching it keeps the {state} "
+           "result)")
+    raise ConfigError(
+        f"distill.teacher.checkpoint={reference} names the teacher run '{run.name}', which {_state_text(state)}: "
+        f"the student would learn from the weights of a teacher that did not finish ({run.weights()}). {fix}; or "
+        "add distill.teacher.allow_unfinished=true to distil from its latest checkpoint anyway (the run then warns "
+        "and records which teacher weights it used).")
 
 
 def check_distill_config(cfg) -> None:
-    """Before anything runs: the student model suits the kind and the teacher resolves to a loadable file."""
+    """Before anything runs: the student model suits the kind, a teacher run has finished (unless allowed) and the
+    teacher resolves to a loadable file."""
     kind = cfg.distill.type
     student_model_name(cfg)
     if kind == "none":
         return
-    name, _, path = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
-    if path is None or not Path(path).is_file():
-        load_teacher(name, path, cfg.data.num_classes)  # raises the message for a missing/unset checkpoint
-    if not timm.is_model(name):
-        raise ConfigError(f"distill.teacher.model={name} is not a timm model; set it to the teacher's architecture.")
+    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
+    if source.run is not None:
+        check_teacher_run(source.run, cfg.distill.teacher.checkpoint, cfg.distill.teacher.allow_unfinished)
+    if source.checkpoint is None or not Path(source.checkpoint).is_file():
+        load_teacher(source.model, source.checkpoint, cfg.data.num_classes)  # raises for a missing/unset checkpoint
+    if not timm.is_model(source.model):
+        raise ConfigError(f"distill.teacher.model={source.model} is not a timm model; set it to the teacher's "
+                          "architecture.")
 
 
 def build_teacher(cfg, device: torch.device) -> nn.Module:
     """The frozen teacher on `device` (channels_last on GPU), checked against the data's class count."""
-    name, kwargs, path = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
-    teacher = load_teacher(name, path, cfg.data.num_classes, **kwargs).to(device)
+    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
+    teacher = load_teacher(source.model, source.checkpoint, cfg.data.num_classes, **source.kwargs).to(device)
     if device.type == "cuda" and not hasattr(teacher, "pos_embed"):
         teacher = teacher.to(memory_format=torch.channels_last)
     return teacher
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which teacher weights a student used
+
+
+def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha1 of the weights: each tensor's name, dtype, shape and raw bytes, in sorted key order."""
+    digest = hashlib.sha1()
+    for key in sorted(state):
+        tensor = state[key].detach().cpu().contiguous()
+        digest.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the bytes as they are, no copy
+    return digest.hexdigest()
+
+
+def _stat(path: Path) -> list[int]:
+    """What changes whenever the file is written or replaced: size, modification and change times."""
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+_digests: dict[tuple[str, tuple[int, ...]], str] = {}  # one read per teacher file in a sweep's process
+
+
+def file_weights_digest(path: Path) -> str:
+    """The weights digest of a checkpoint file (read once per version of the file in this process)."""
+    key = (str(path), tuple(_stat(path)))
+    if key not in _digests:
+        _digests[key] = weights_digest(read_weights(path, source=f"The teacher checkpoint {path}"))
+    return _digests[key]
+
+
+def _describe(teacher: Mapping[str, Any]) -> str:
+    where = f"the teacher run '{teacher['run']}', " if teacher.get("run") else ""
+    return f"sha1 {teacher['digest'][:12]}, {where}{teacher['checkpoint']}"
+
+
+def teacher_identity(cfg, run_dir: RunDir) -> dict[str, Any] | None:
+    """What the run distils from (None without distillation): the teacher run's name, id and state, the checkpoint
+    file and the digest of its weights. A ConfigError when the run folder records other teacher weights."""
+    if cfg.distill.type == "none":
+        return None
+    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
+    path = Path(source.checkpoint).resolve()
+    recorded = (run_dir.read_identity() or {}).get("teacher")
+    stat = _stat(path)
+    same_file = recorded is not None and recorded.get("checkpoint") == str(path) and recorded.get("stat") == stat
+    digest = recorded["digest"] if same_file else file_weights_digest(path)
+    run = source.run
+    teacher = {"run": run.name if run else None, "run_id": _run_id(run) if run else None,
+               "status": teacher_run_state(run) if run else None, "checkpoint": str(path), "digest": digest,
+               "stat": stat}
+    if recorded is not None and recorded.get("digest") != digest:
+        raise ConfigError(
+            f"{run_dir.path} holds this experiment distilled from other teacher weights ({_describe(recorded)}) than "
+            f"distill.teacher.checkpoint gives now ({_describe(teacher)}): the teacher was trained on or replaced "
+            "since. The teacher's weights are part of a student's identity: distil from the new weights under another "
+            f"output folder (runtime.output_root=...), or delete {run_dir.path} to train the student again here.")
+    return teacher
+
+
+def with_run_teacher(identity: RunIdentity, cfg, run_dir: RunDir) -> RunIdentity:
+    """`identity` with the teacher the run distils from (identity.with_teacher); a ConfigError when the run folder
+    records other teacher weights."""
+    return with_teacher(identity, teacher_identity(cfg, run_dir), run_dir.read_identity())
+
+
+def _run_id(run: RunDir) -> str | None:
+    """The teacher run's wandb id, from its result or, unfinished, its identity."""
+    for read in (run.read_result, run.read_identity):
+        with contextlib.suppress(ConfigError, ValueError, OSError):
+            recorded = read()
+            if recorded and recorded.get("run_id"):
+                return str(recorded["run_id"])
+    return None
+
+
+def teacher_summary(teacher: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What result.json and the wandb summary say about the teacher (the file's stat stays in identity.json)."""
+    return None if teacher is None else {k: v for k, v in teacher.items() if k != "stat"}
+
+
+def log_teacher(teacher: Mapping[str, Any] | None) -> None:
+    """Name in the run's log the teacher weights it distils from; warn when the teacher run had not finished."""
+    if teacher is None:
+        return
+    if teacher.get("run"):
+        log.info(f"[run] distilling from the teacher run {teacher['run']} ({teacher['status']}): "
+                 f"{teacher['checkpoint']}, weights sha1 {teacher['digest'][:12]}")
+    else:
+        log.info(f"[run] distilling from the teacher checkpoint {teacher['checkpoint']}, weights sha1 "
+                 f"{teacher['digest'][:12]}")
+    state = teacher.get("status")
+    if state and state != "finished":
+        log.warning(f"[run] the teacher run '{teacher['run']}' {_state_text(state)}; distilling from its latest "
+                    f"checkpoint anyway (distill.teacher.allow_unfinished=true): {teacher['checkpoint']}. Should the "
+                    "teacher train on, this student is refused at its next launch as distilled from other weights.")

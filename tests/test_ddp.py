@@ -44,7 +44,8 @@ def test_eval_mode_finetune_of_a_distilled_student_runs_two_ddp_steps(tmp_path, 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29534",
                 str(REPO / "train.py")]
     proc = run_train(student + ["stage=finetune"], tmp_path, data_cache, module=torchrun)
-    assert "finetune at 48px of deit_tiny_distilled_patch16_224 (in eval mode)" in proc.stdout
+    assert "finetune at 48px of deit_tiny_distilled_patch16_224 (patch 8, width 32, depth 1, heads 2, " in proc.stdout
+    assert " M params) (in eval mode)" in proc.stdout
     results = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")]
     assert len(results) == 2  # the pre-training and its fine-tune
     assert all(r["status"] == "finished" and r["steps_done"] == 2 and "top1_dist" in r for r in results)

@@ -239,8 +239,8 @@ def test_the_finetune_stage_runs_on_two_nodes_at_the_released_batch_layout(tmp_p
     proc = run_train(args, tmp_path, data_cache, timeout=900)
     assert re.search(r"#1 : stage=finetune .* waits for job \d+", proc.stderr + proc.stdout, re.S)
     logs = "\n".join(p.read_text() for p in (tmp_path / "outputs" / "runs" / ".submitit").rglob("*_log.out"))
-    assert "finetune at 48px of deit_tiny_patch16_224 (in eval mode), world size 16, global batch 512 = 16 x 32" \
-        in logs
+    assert re.search(r"finetune at 48px of deit_tiny_patch16_224 \(patch 8, width 32, depth 1, heads 2, [\d.]+ M "
+                     r"params\) \(in eval mode\), world size 16, global batch 512 = 16 x 32", logs)
     results = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")]
     assert len(results) == 2
     assert all(r["status"] == "finished" and r["steps_done"] == 3 and set(r["nodes"]) == set(NODES) for r in results)

@@ -17,6 +17,7 @@ from .select import format_value
 EXECUTION_KEYS = (
     "runtime",
     "data.root",  # where the data lies; which data it is, is `data_fingerprint`
+    "distill.teacher.allow_unfinished",  # a permission; which teacher weights were used is the summary's `teacher`
     # the same settings in logs written before they moved under `runtime`
     "tracking",
     "output_root",
