@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.errors import ConfigError, RunError
@@ -216,12 +215,3 @@ def keep_sweep_record(config: DictConfig) -> Path:
             return path
         except FileExistsError:  # another sweep started in the same second
             n += 1
-
-
-class SweepRecord(Callback):
-    """Each sweep keeps its own record: Hydra rewrites `multirun.yaml` in the sweep folder at every sweep, so the
-    sweep also saves a copy named by its start time (a dry run, which runs nothing, saves none)."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if not OmegaConf.select(config, "runtime.dry_run", default=False):
-            keep_sweep_record(config)

@@ -23,11 +23,13 @@ class DeitSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]) -> Any:
         """Check every run, then plan them (dry run) or sweep them as BasicSweeper does."""
         from deit_ablate.preflight import print_plans, sweep_run_dir
+        from deit_ablate.rundir import keep_sweep_record
 
         configs = self.checked_configs(arguments)
         if configs and configs[0].runtime.dry_run:
             print_plans(configs, [sweep_run_dir(cfg) for cfg in configs])
             return []
+        keep_sweep_record(self.config)  # Hydra rewrites multirun.yaml at every sweep: each keeps its own copy too
         return super().sweep(arguments)
 
     def checked_configs(self, arguments: list[str]) -> list:
