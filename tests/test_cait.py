@@ -270,25 +270,22 @@ def test_class_attention_model_fine_tunes_at_another_resolution():
     assert resize_pos_embed_state(small.state_dict(), large)["pos_embed"].shape == (1, 36, 128)
 
 
-def test_bad_model_options_are_clear_errors():
-    cfg = compose_config(["cait=depth12", "++model.kwargs.drop_path_schedule=uniformly"])
-    with pytest.raises(ConfigError, match="drop_path_schedule=uniformly is not one of linear, uniform"):
-        build_model(cfg.model, 10, 32)
-    cfg = compose_config(["cait=depth12", "++model.kwargs.layer_scale_init=zero"])
-    with pytest.raises(ConfigError, match="LayerScale, which is off"):
-        build_model(cfg.model, 10, 32)
-    cfg = compose_config(["model=cnn_demo", "++model.kwargs.class_attn_depth=2"])
-    with pytest.raises(ConfigError, match="class_attn_depth: options of timm's VisionTransformer"):
-        build_model(cfg.model, 10, 32)
-    cfg = compose_config(["cait=cait_s36", "++model.kwargs.talking_heads=true"])  # timm's Cait has them already
-    with pytest.raises(ConfigError, match="talking_heads: options of timm's VisionTransformer"):
-        build_model(cfg.model, 10, 32)
-    cfg = compose_config(["cait=depth18", "++model.kwargs.layer_scale_from=depth18_layerscale"])
-    with pytest.raises(ConfigError, match="LayerScale, which is off"):
-        build_model(cfg.model, 10, 32)
-    cfg = compose_config(["cait=ls_fixed", "++model.kwargs.layer_scale_init=zero"])
-    with pytest.raises(ConfigError, match="both set the initial LayerScale diagonal"):
-        build_model(cfg.model, 10, 32)
+@pytest.mark.parametrize("overrides, message", [
+    (["cait=depth12", "++model.kwargs.drop_path_schedule=uniformly"],
+     "drop_path_schedule=uniformly is not one of linear, uniform"),
+    (["cait=depth12", "++model.kwargs.layer_scale_init=zero"], "LayerScale, which is off"),
+    (["model=cnn_demo", "++model.kwargs.class_attn_depth=2"], "class_attn_depth: options of timm's VisionTransformer"),
+    (["cait=cait_s36", "++model.kwargs.talking_heads=true"],  # timm's Cait has them already
+     "talking_heads: options of timm's VisionTransformer"),
+    (["cait=depth18", "++model.kwargs.layer_scale_from=depth18_layerscale"], "LayerScale, which is off"),
+    (["cait=ls_fixed", "++model.kwargs.layer_scale_init=zero"], "both set the initial LayerScale diagonal"),
+])
+def test_bad_model_options_are_clear_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_model(compose_config(overrides).model, 10, 32)
+
+
+def test_bad_model_options_are_checked_before_a_run_starts():
     # Checked with the rest of the config before a run starts; a distilled student takes none of them.
     with pytest.raises(ConfigError, match="class_attn_depth: options of timm's VisionTransformer"):
         validate_config(compose_config(["cait=ca_12_2", "distill=hard_token", "distill.teacher.checkpoint=x.pt"]))
