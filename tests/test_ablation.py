@@ -95,6 +95,7 @@ def test_load_pretrained_takes_a_checkpoint_of_another_resolution(tmp_path):
     assert large.pos_embed.shape[1] == 37
 
 
+@pytest.mark.slow
 def test_whole_table_both_stages_in_one_sweep_lands_26_runs(tmp_path, data_cache):
     proc = run_train(["-m", "ablation=glob(*)", "stage=pretrain,finetune", "train.max_steps=2"] + TINY, tmp_path,
                      data_cache)

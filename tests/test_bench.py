@@ -15,6 +15,7 @@ from deit_ablate.bench.timm_ref import parse_step, timm_args
 from tests.conftest import REPO, compose_config
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_positive_figures_for_every_section(tmp_path, data_cache):
     out = tmp_path / "bench.json"
     env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}

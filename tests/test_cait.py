@@ -383,6 +383,7 @@ def _dry_run(proc) -> dict[str, tuple[str, str]]:
     return {name.split(",")[0].removeprefix("cait="): (name, plan) for name, plan in runs}
 
 
+@pytest.mark.slow
 def test_ls_fixed_trains_with_the_diagonal_its_layerscale_run_learned(tmp_path, data_cache):
     tiny = TINY + ["train.max_steps=2"]
     plan = _dry_run(run_train(["-m", "cait=glob(*)", "runtime.dry_run=true"] + tiny, tmp_path, data_cache))

@@ -201,6 +201,7 @@ def test_backend_is_part_of_the_identity_only_when_not_the_default():
     assert experiment_digest(pil) != experiment_digest(dali_cfg)
 
 
+@pytest.mark.slow
 def test_train_with_dali_resumes_exactly_at_an_epoch_boundary(tmp_path, data_cache):
     two = TINY + ["data.backend=dali", "train.epochs=2", "runtime.num_workers=1"]
     train_straight_and_resumed(two, tmp_path, data_cache)  # equal weights after 16 steps, checked there

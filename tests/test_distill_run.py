@@ -61,6 +61,7 @@ def _run_dir(cwd: Path, fragment: str) -> Path:
     return next(p for p in (cwd / "outputs" / "runs").iterdir() if fragment in p.name)
 
 
+@pytest.mark.slow
 def test_table_3_ladder_from_one_command_trains_the_paper_models(tmp_path, data_cache):
     run_train(["model=cnn_demo"] + DATA, tmp_path, data_cache)
     teacher_run = _run_dir(tmp_path, "model=cnn_demo")

@@ -106,6 +106,7 @@ def _imagefolder(source: Path, target: Path) -> Path:
     return target
 
 
+@pytest.mark.slow
 def test_the_data_counts_by_content_not_by_path(tmp_path, data_cache):
     run_train(TINY + ["runtime.dry_run=true"], tmp_path, data_cache)  # draws the built-in set
     builtin = next((data_cache / "builtin").iterdir())

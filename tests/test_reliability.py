@@ -101,6 +101,7 @@ def _result(cwd: Path) -> dict:
     return json.loads((_run_dir(cwd) / "result.json").read_text())
 
 
+@pytest.mark.slow
 def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(tmp_path, data_cache):
     proc = run_train(TINY + ["train.epochs=2", "optimizer.min_lr=0.5"], tmp_path, data_cache)  # min lr > peak: warns
     log = (_run_dir(tmp_path) / "train.log").read_text()
@@ -137,6 +138,7 @@ def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tm
     assert len({r.run_id for r in runs}) == 1 and runs[-1].summary["top1"] == first["top1"]
 
 
+@pytest.mark.slow
 def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache):
     run_train(TINY + ["train.max_steps=3"], tmp_path, data_cache)
     run_dir = _run_dir(tmp_path)
@@ -150,6 +152,7 @@ def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache):
         assert result["status"] == "finished" and result["steps_done"] == 3 and "top1" in result
 
 
+@pytest.mark.slow
 def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, data_cache):
     args = TINY + ["train.epochs=2"]
     run_train(args, tmp_path, data_cache)
@@ -385,6 +388,7 @@ def test_aggregator_reads_regular_files_only_and_reports_each_skipped_path(tmp_p
 PAUSE = REPO / "tests" / "pause_at_open"
 
 
+@pytest.mark.slow
 def test_the_builtin_cache_removed_mid_run_is_named_and_a_relaunch_draws_it_again(tmp_path, data_cache):
     """#26 point 10: the run paused at its first image read (tests/pause_at_open), its built-in cache deleted, then
     let go: it must say what happened, not blame runtime.on_bad_image=fail while skip is in effect."""

@@ -82,6 +82,7 @@ def _old_style_name(overrides: list[str], digest: str) -> str:
     return f"{text[:100]}~-{digest}"
 
 
+@pytest.mark.slow
 def test_an_old_style_long_folder_is_found_and_resumed(tmp_path, data_cache):
     args = LONG + ["seed=3"]
     run_train(args, tmp_path, data_cache)
@@ -101,6 +102,7 @@ def _records(runs: Path) -> list[Path]:
     return sorted(runs.glob("multirun-*.yaml"))
 
 
+@pytest.mark.slow
 def test_two_sweeps_leave_two_multirun_records(tmp_path, data_cache):
     runs = tmp_path / "outputs" / "runs"
     for seed in (5, 6):

@@ -196,6 +196,7 @@ def _plan(proc: subprocess.CompletedProcess) -> list[str]:
     return sorted(line.split("): ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("[dry run]"))
 
 
+@pytest.mark.slow
 def test_a_dry_run_leaves_every_file_under_the_output_root_as_it_was(tmp_path, data_cache):
     run_train(["-m", "seed=0"] + ONE_STEP, tmp_path, data_cache)  # a finished run, and the sweep's multirun.yaml
     outputs = tmp_path / "outputs"

@@ -65,6 +65,7 @@ def test_an_unfinished_teacher_run_is_refused_before_anything_starts(tmp_path, d
     assert proc.returncode == 2 and "ended as diverged" in proc.stderr and teacher.name in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_student_records_its_teacher_and_is_refused_when_the_teacher_changes(tmp_path, data_cache):
     teacher = _train_teacher(tmp_path, data_cache, "train.epochs=1", "train.max_steps=2")
     weights = teacher / "checkpoint-best.pt"
