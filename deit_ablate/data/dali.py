@@ -90,17 +90,15 @@ class DaliTrainLoader:
     """The training loader of data.backend=dali: iterates (uint8 B x H x W x 3 images, labels) like a DataLoader."""
 
     def __init__(self, dataset, sampler: Sampler, batch_size: int, cfg: DictConfig,
-                 device: torch.device | None = None, threads: int | None = None) -> None:
+                 device: torch.device | None = None, threads: int = 1) -> None:
         from deit_ablate.data.dali_augment import parse_rand_augment
-        from deit_ablate.data.loader import default_num_workers
 
         require_dali()
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
         device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.device_id = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else None
-        workers = cfg.runtime.num_workers if cfg.runtime.num_workers is not None else default_num_workers()
-        self.threads = threads or max(1, workers)
+        self.threads = threads  # DALI's CPU threads: data.loader gives it the loader workers' count
         aug = cfg.augment
         self.graph = {"size": cfg.resolution.train_size, "scale": tuple(aug.scale), "ratio": (3 / 4, 4 / 3),
                       "hflip": aug.hflip, "rand_spec": parse_rand_augment(aug.auto_augment),

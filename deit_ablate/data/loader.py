@@ -63,6 +63,11 @@ def default_num_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def num_workers(cfg: DictConfig) -> int:
+    """runtime.num_workers, or the cores this process may use when it is unset."""
+    return cfg.runtime.num_workers if cfg.runtime.num_workers is not None else default_num_workers()
+
+
 def lower_worker_priority(niceness: int, worker_id: int) -> None:
     """A DataLoader worker_init_fn: add `niceness` to this worker's CPU niceness (0 leaves it as it is)."""
     if niceness and hasattr(os, "nice"):  # POSIX only
@@ -75,7 +80,7 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictC
     The workers run at runtime.worker_nice below the training process's CPU priority: where cores are short they
     fill the time the training step leaves idle instead of preempting its threads (docs/PERFORMANCE.md, section 8).
     """
-    workers = cfg.runtime.num_workers if cfg.runtime.num_workers is not None else default_num_workers()
+    workers = num_workers(cfg)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -97,5 +102,5 @@ def build_train_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg:
     if cfg.data.backend == "dali":
         from deit_ablate.data.dali import DaliTrainLoader
 
-        return DaliTrainLoader(dataset, sampler, batch_size, cfg, device)
+        return DaliTrainLoader(dataset, sampler, batch_size, cfg, device, threads=max(1, num_workers(cfg)))
     return build_loader(dataset, sampler, batch_size, cfg, train=True)
