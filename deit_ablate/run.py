@@ -41,7 +41,6 @@ from deit_ablate.identity import (
     current_run_dir,
     identity_from_hydra,
     run_identity,
-    task_overrides,
     with_data,
 )
 from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
@@ -241,10 +240,6 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     validate_config(cfg)
     identity = identity_from_hydra(cfg)
     run_dir = RunDir(current_run_dir())
-    if cfg.runtime.dry_run:  # train.py plans before Hydra makes a folder (preflight.py); this serves other callers
-        print(dry_run_line(cfg, run_dir, task_overrides()), flush=True)
-        run_dir.discard_if_empty()
-        return None
     info = init_distributed(cfg.runtime.device)
     lock, handler = None, None
     try:
