@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from deit_ablate.errors import ConfigError, RunError
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,30 @@ def cleanup(info: DistInfo) -> None:
     """Leave the process group."""
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def agree(info: DistInfo, decide: Callable[[], Any]) -> Any:
+    """Rank 0 decides; every rank gets its answer, or raises the same ConfigError/RunError it raised (any other
+    error of rank 0 stops the others with a RunError, instead of leaving them waiting for its answer)."""
+    outcome: tuple = ("ok", None)
+    if info.is_main:
+        try:
+            outcome = ("ok", decide())
+        except (ConfigError, RunError) as error:
+            outcome = ("error", type(error), str(error))
+        except Exception as error:
+            broadcast_object(("error", RunError, f"rank 0 failed ({type(error).__name__}: {error}); see its log"), info)
+            raise
+    outcome = broadcast_object(outcome, info)
+    if outcome[0] == "error":
+        raise outcome[1](outcome[2])
+    return outcome[1]
+
+
+def peer_lost(error: RuntimeError) -> str | None:
+    """How a collective failed if it failed because another rank is gone (it crashed or stopped on an error of its
+    own), else None."""
+    for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"):
+        if sign in str(error):
+            return sign
+    return type(error).__name__ if isinstance(error, dist.DistError) else None

@@ -43,8 +43,10 @@ def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None
     """Print the dry run's line for each run (its Hydra node as composed); nothing is written."""
     from hydra.core.hydra_config import HydraConfig
 
+    from deit_ablate.distributed import DistInfo
     from deit_ablate.errors import ConfigError, RunError
-    from deit_ablate.run import dry_run_line
+    from deit_ablate.lifecycle import dry_run_line
+    from deit_ablate.plan import make_plan
     from deit_ablate.rundir import RunDir
 
     configure_job_log(configs[0])
@@ -52,7 +54,8 @@ def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None
     try:
         for cfg, run_dir in zip(configs, run_dirs, strict=True):
             HydraConfig.instance().set_config(cfg)  # as Hydra's run_job does: stages.py reads the overrides there
-            print(dry_run_line(cfg, RunDir(run_dir), list(cfg.hydra.overrides.task)), flush=True)
+            plan = make_plan(cfg, DistInfo(), RunDir(run_dir), list(cfg.hydra.overrides.task))
+            print(dry_run_line(plan), flush=True)
     except (ConfigError, RunError) as error:
         refuse(error)
     finally:

@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from deit_ablate import checkpoint as ckpt
-from deit_ablate.config import CONF_DIR, compose_run_config
+from deit_ablate.config import CONF_DIR, Stage, compose_run_config
 from deit_ablate.data.datasets import data_fingerprint
 from deit_ablate.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
 from deit_ablate.errors import ConfigError
@@ -38,29 +38,31 @@ class StageRecipe:
 
 def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
     """This stage's global batch and the key that sets it (finetune.global_batch, else train.global_batch)."""
-    if cfg.stage == "finetune" and cfg.finetune.global_batch is not None:
+    if cfg.stage == Stage.finetune and cfg.finetune.global_batch is not None:
         return cfg.finetune.global_batch, "finetune.global_batch"
     return cfg.train.global_batch, "train.global_batch"
 
 
-def pretrain_run_dir(cfg: DictConfig) -> RunDir:
-    """The folder of the pre-training run this fine-tune stage starts from: the run of the same overrides without
-    the stage, resolution and finetune.* ones (which never change a pre-training), composed as Hydra would."""
-    overrides = pretrain_overrides(task_overrides())
-    upstream = compose_run_config(overrides)
+def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the pre-training run a fine-tune stage starts from (None for a pre-training, or a fine-tune of
+    finetune.init_checkpoint): the run of the same overrides without the stage, resolution and finetune.* ones
+    (which never change a pre-training), composed as Hydra would."""
+    if cfg.stage != Stage.finetune or cfg.finetune.init_checkpoint:
+        return None
+    upstream_overrides = pretrain_overrides(task_overrides() if overrides is None else overrides)
+    upstream = compose_run_config(upstream_overrides)
     runs_root = Path(cfg.runtime.output_root) / "runs"
-    return RunDir(runs_root / folder_name(run_identity(upstream, overrides), runs_root))
+    return RunDir(runs_root / folder_name(run_identity(upstream, upstream_overrides), runs_root))
 
 
-def pretrain_status(cfg: DictConfig) -> str:
-    """How the pre-training run ended ("finished", "diverged", ...); a ConfigError if it has not."""
+def pretrain_status(cfg: DictConfig, upstream: RunDir | None) -> str:
+    """How the pre-training run `upstream` ended ("finished", "diverged", ...); a ConfigError if it has not."""
     if cfg.finetune.init_checkpoint:
         path = Path(cfg.finetune.init_checkpoint).expanduser()
         if not path.is_file():
             raise ConfigError(f"finetune.init_checkpoint={path} does not exist. Point it at a checkpoint written "
                               "by a pre-training run (outputs/runs/<run>/checkpoint-last.pt).")
         return "finished"
-    upstream = pretrain_run_dir(cfg)
     result = upstream.read_result()
     if result is None:
         raise ConfigError(
@@ -72,23 +74,21 @@ def pretrain_status(cfg: DictConfig) -> str:
     return result["status"]
 
 
-def pretrain_checkpoint(cfg: DictConfig) -> Path:
-    """The weights a fine-tune stage starts from: finetune.init_checkpoint, else its pre-training's last."""
-    if cfg.finetune.init_checkpoint:
-        return Path(cfg.finetune.init_checkpoint).expanduser()
-    return pretrain_run_dir(cfg).last_checkpoint
-
-
-def stage_recipe(cfg: DictConfig) -> StageRecipe:
-    """Pre-training uses `optimizer`/`train`; fine-tuning the `finetune` block (Table 8, second column)."""
+def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe:
+    """Pre-training uses `optimizer`/`train`; fine-tuning the `finetune` block (Table 8, second column), starting
+    from finetune.init_checkpoint, else from the last checkpoint of its pre-training run `upstream`."""
     global_batch, _ = stage_global_batch(cfg)
-    if cfg.stage == "pretrain":
+    if cfg.stage == Stage.pretrain:
         opt = cfg.optimizer
         return StageRecipe(global_batch, opt.name, opt.lr, opt.weight_decay, cfg.train.epochs, opt.warmup_epochs,
                            opt.warmup_lr, opt.min_lr)
     ft = cfg.finetune
+    if ft.init_checkpoint:
+        init = Path(ft.init_checkpoint).expanduser()
+    else:
+        init = (upstream or pretrain_run_dir(cfg)).last_checkpoint
     return StageRecipe(global_batch, ft.optimizer, ft.lr, ft.weight_decay, ft.epochs, ft.warmup_epochs,
-                       ft.warmup_lr, ft.min_lr, train_mode=ft.train_mode, init_checkpoint=pretrain_checkpoint(cfg))
+                       ft.warmup_lr, ft.min_lr, train_mode=ft.train_mode, init_checkpoint=init)
 
 
 def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -130,7 +130,7 @@ def layer_scale_source_overrides(cfg: DictConfig, overrides: list[str] | None = 
     """The overrides of the LayerScale run this run takes its diagonal from (None when it takes none). A
     fine-tune takes none: its pre-trained weights hold the diagonal its pre-training fixed."""
     row = layer_scale_row(cfg)
-    if row is None or cfg.stage != "pretrain":
+    if row is None or cfg.stage != Stage.pretrain:
         return None
     # the same overrides with cait=<row>, without the fixing row's own keys
     return swap_overrides(task_overrides() if overrides is None else overrides, f"{LAYER_SCALE_GROUP}={row}",
@@ -140,7 +140,7 @@ def layer_scale_source_overrides(cfg: DictConfig, overrides: list[str] | None = 
 def upstream_overrides(cfg: DictConfig, overrides: list[str]) -> list[str] | None:
     """The overrides of the run that a run launched with `overrides` starts from, which a sweep must train first: a
     fine-tune's pre-training, or the LayerScale run whose diagonal a pre-training fixes (None: no such run)."""
-    if cfg.stage == "finetune":
+    if cfg.stage == Stage.finetune:
         return pretrain_overrides(overrides)
     return layer_scale_source_overrides(cfg, overrides)
 

@@ -11,14 +11,16 @@ import pytest
 import torch
 from timm.utils import ModelEmaV3
 
+from deit_ablate.assemble import amp_dtype, build_pieces, grad_scaler
 from deit_ablate.bench.timm_ref import timm_args
 from deit_ablate.distributed import DistInfo
 from deit_ablate.engine import Trainer
 from deit_ablate.logs import rank_log_name
 from deit_ablate.models import build_model
 from deit_ablate.optim import build_optimizer, build_scheduler
-from deit_ablate.run import amp_dtype, build_pieces, grad_scaler
-from deit_ablate.validate import plan_batch, validate_config
+from deit_ablate.plan import make_plan
+from deit_ablate.rundir import RunDir
+from deit_ablate.validate import validate_config
 from tests.conftest import TINY, compose_config, train_straight_and_resumed
 
 CPU = torch.device("cpu")
@@ -180,12 +182,12 @@ def test_other_precisions_build_no_scaler_and_step_as_before(setting):
         assert torch.equal(a, b), name
 
 
-def test_run_builds_the_scaler_only_for_fp16(data_cache):
+def test_run_builds_the_scaler_only_for_fp16(data_cache, tmp_path):
     root = f"data.root={data_cache / 'builtin'}"
     for setting, expected in (("fp16", torch.float16), ("auto", None)):
         cfg = compose_config(TINY + [root, f"train.amp={setting}"])
         validate_config(cfg)  # fp16 runs on this CPU: nothing to refuse
-        trainer = build_pieces(cfg, DistInfo(), plan_batch(cfg, 1)).trainer
+        trainer = build_pieces(make_plan(cfg, DistInfo(), RunDir(tmp_path), []), DistInfo()).trainer
         assert trainer.amp_dtype == expected
         assert (trainer.scaler is not None) == (setting == "fp16")
 

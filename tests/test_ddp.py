@@ -54,9 +54,8 @@ def test_eval_mode_finetune_of_a_distilled_student_runs_two_ddp_steps(tmp_path, 
 def _agree_when_rank_0_fails(rank: int, store: str, results: str) -> None:
     import torch.distributed as dist
 
-    from deit_ablate.distributed import DistInfo
+    from deit_ablate.distributed import DistInfo, agree
     from deit_ablate.errors import RunError
-    from deit_ablate.run import agree
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 

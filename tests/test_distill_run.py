@@ -11,7 +11,7 @@ import torch
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
-import deit_ablate.run as run_module
+import deit_ablate.assemble as assemble_module
 from deit_ablate.distributed import DistInfo
 from deit_ablate.engine import Trainer
 from deit_ablate.models import build_model, student_model_name
@@ -35,15 +35,15 @@ def test_teacher_receives_exactly_the_mixed_batch_the_student_sees(teacher_check
     student = build_model(cfg.model, 10, 32, name=student_model_name(cfg))
     seen = {}
     student.register_forward_pre_hook(lambda module, args: seen.__setitem__("student", args[0].clone()))
-    real_forward = run_module.teacher_forward
+    real_forward = assemble_module.teacher_forward
 
     def recording_forward(teacher, images):
         seen["teacher"] = images.clone()
         assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
         return real_forward(teacher, images)
 
-    monkeypatch.setattr(run_module, "teacher_forward", recording_forward)
-    loss_fn = run_module.build_loss_fn(cfg, student, SoftTargetCrossEntropy(), torch.device("cpu"))
+    monkeypatch.setattr(assemble_module, "teacher_forward", recording_forward)
+    loss_fn = assemble_module.build_loss_fn(cfg, student, SoftTargetCrossEntropy(), torch.device("cpu"))
     optimizer = build_optimizer(student, "adamw", 1e-3, 0.05)
     trainer = Trainer(model=student, optimizer=optimizer, loss_fn=loss_fn, info=DistInfo(),
                       scheduler=build_scheduler(optimizer, 10, 0, 1e-5, 1e-6),

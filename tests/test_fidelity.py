@@ -10,13 +10,13 @@ from timm.data import Mixup
 from timm.layers import DropPath
 from torchvision import transforms
 
+from deit_ablate.assemble import stage_scheduler
 from deit_ablate.data.transforms import build_eval_transform, build_train_transform
 from deit_ablate.distributed import DistInfo
 from deit_ablate.engine import Trainer
 from deit_ablate.errors import ConfigError
 from deit_ablate.models import build_model, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
-from deit_ablate.run import stage_scheduler
 from deit_ablate.stages import load_pretrained, stage_recipe
 from deit_ablate.validate import plan_batch
 from tests.conftest import compose_config

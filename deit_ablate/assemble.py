@@ -1,0 +1,152 @@
+"""Build what a run trains with from its plan: the data loaders, then the model, optimizer, schedule and loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from timm.utils import ModelEmaV3
+
+from deit_ablate.config import DistillKind, Precision
+from deit_ablate.data.datasets import build_dataset, dataset_root
+from deit_ablate.data.loader import ShardSampler, build_loader, build_train_loader, build_train_sampler
+from deit_ablate.data.transforms import BatchNormalize, build_eval_transform, build_train_pipeline
+from deit_ablate.distributed import DistInfo, barrier
+from deit_ablate.engine import Trainer
+from deit_ablate.errors import ConfigError
+from deit_ablate.logs import log
+from deit_ablate.losses import TOKEN_KINDS, DistillationLoss
+from deit_ablate.mixing import build_criterion, build_mixup
+from deit_ablate.models import build_model, compile_in_place
+from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
+from deit_ablate.plan import RunPlan
+from deit_ablate.stages import StageRecipe, fix_layer_scale, load_pretrained
+from deit_ablate.teacher import build_teacher, teacher_forward
+
+
+def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on GPU under `auto`, full precision on CPU; fp16 under `fp16` (with grad_scaler's scaler)."""
+    if setting == Precision.fp16:
+        return torch.float16
+    if setting == Precision.bf16 or (setting == Precision.auto and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def grad_scaler(setting: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """The dynamic loss scaler of `fp16` (torch's defaults: 2**16, halved on a skipped step, doubled after 2000
+    good ones); None for every other precision."""
+    return torch.amp.GradScaler(device.type) if setting == Precision.fp16 else None
+
+
+def set_cpu_threads(threads: int | None, device: torch.device) -> None:
+    """Hold torch to `threads` intra-op threads on a CPU run (None keeps torch's default)."""
+    if threads is not None and device.type == "cpu":
+        torch.set_num_threads(threads)
+
+
+@dataclass
+class Loaders:
+    """The run's data: the training loader and sampler (per rank), the validation loader, the batch transform."""
+
+    train_loader: Any
+    train_sampler: Any
+    val_loader: Any
+    batch_transform: BatchNormalize
+    steps_per_epoch: int
+
+
+@dataclass
+class Pieces:
+    """Everything a run builds before its first step."""
+
+    trainer: Trainer
+    loaders: Loaders
+    layer_scale_from: dict[str, str] | None = None  # the run whose learned LayerScale diagonal it fixes
+
+
+def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
+    """Training and validation loaders for this rank; a ConfigError when an epoch holds no full batch."""
+    cfg, per_rank = plan.settings, plan.batch.per_rank_batch
+    # the first rank of every node draws the built-in set if its cache lacks it (a node-local cache is filled
+    # on each node; on a shared file system the second finds it there or loses the atomic rename harmlessly)
+    root = dataset_root(cfg) if info.local_rank == 0 else None
+    barrier(info)
+    root = dataset_root(cfg) if root is None else root
+    train_transform, batch_transform = build_train_pipeline(cfg)
+    train_set = build_dataset(cfg, "train", train_transform, root)
+    val_set = build_dataset(cfg, "val", build_eval_transform(cfg), root)
+    train_sampler = build_train_sampler(train_set, cfg.augment.repeated_aug, info.world_size, info.rank)
+    train_loader = build_train_loader(train_set, train_sampler, per_rank, cfg, info.device)
+    val_loader = build_loader(val_set, ShardSampler(len(val_set), info.world_size, info.rank),
+                              cfg.runtime.eval_batch, cfg, train=False)
+    if len(train_loader) == 0:
+        raise ConfigError(f"an epoch of {len(train_sampler)} images per rank holds no full batch of {per_rank}; "
+                          "lower train.global_batch or use more data.")
+    return Loaders(train_loader, train_sampler, val_loader, batch_transform, len(train_loader))
+
+
+def build_student(plan: RunPlan, info: DistInfo) -> tuple[torch.nn.Module, dict[str, str] | None]:
+    """The student on this rank's device, from its pre-training's weights in a fine-tune, with a fixed LayerScale
+    diagonal where the row asks for one; wrapped in DDP on several ranks."""
+    cfg = plan.settings
+    model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=plan.model_name)
+    model = model.to(info.device)
+    if plan.recipe.init_checkpoint is not None:
+        load_pretrained(model, plan.recipe.init_checkpoint)
+        if info.is_main:
+            log.info(f"[run] fine-tuning from {plan.recipe.init_checkpoint}")
+    layer_scale = fix_layer_scale(model, cfg, list(plan.overrides))
+    if layer_scale is not None and info.is_main:
+        log.info(f"[run] LayerScale diagonal fixed at the values the run {layer_scale['run']} learned "
+                 f"(digest {layer_scale['digest']})")
+    if info.enabled:
+        ddp_device = [info.device.index] if info.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ddp_device)
+    return model, layer_scale
+
+
+def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
+    """Data, model, optimizer, schedule and loss for this stage of the run."""
+    cfg, recipe = plan.settings, plan.recipe
+    loaders = build_loaders(plan, info)
+    model, layer_scale = build_student(plan, info)
+    module = model.module if info.enabled else model
+    lr = scaled_lr(recipe.lr, recipe.global_batch, cfg.optimizer.lr_base_batch)
+    optimizer = build_optimizer(module, recipe.optimizer, lr, recipe.weight_decay, cfg.optimizer.momentum,
+                                tuple(cfg.optimizer.betas), cfg.optimizer.eps)
+    scheduler = stage_scheduler(optimizer, recipe, loaders.steps_per_epoch)
+    mixup = build_mixup(cfg.mix, cfg.data.num_classes)
+    ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None  # starts from the loaded weights
+    if cfg.runtime.compile:
+        compile_in_place(module)  # after the EMA copy, which is only evaluated and stays eager
+    loss_fn = build_loss_fn(cfg, module, build_criterion(cfg.mix, mixup), info.device)
+    precision = cfg.train.amp
+    trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
+                      accum_steps=plan.batch.accum_steps, mixup=mixup, ema=ema,
+                      batch_transform=loaders.batch_transform, train_mode=recipe.train_mode,
+                      amp_dtype=amp_dtype(precision, info.device), scaler=grad_scaler(precision, info.device),
+                      clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.runtime.log_interval)
+    return Pieces(trainer, loaders, layer_scale)
+
+
+def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps_per_epoch: int):
+    """The stage's warm-up + cosine schedule in optimizer updates (train.max_steps never shortens it)."""
+    total_steps = recipe.epochs * steps_per_epoch
+    warmup_steps = min(round(recipe.warmup_epochs * steps_per_epoch), max(total_steps - 1, 0))
+    return build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, recipe.warmup_lr)
+
+
+def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.Module, device: torch.device):
+    """The loss of one (mixed) batch: the class criterion, plus the teacher's term when distilling."""
+    distill = cfg.distill
+    if distill.type == DistillKind.none:
+        return lambda images, outputs, targets: criterion(outputs, targets)
+    teacher = build_teacher(cfg, device)
+    distill_loss = DistillationLoss(criterion, distill.type, distill.alpha, distill.tau, distill.kl_normalization)
+    if hasattr(model, "set_distilled_training"):
+        model.set_distilled_training(distill.type in TOKEN_KINDS)
+    # The teacher sees exactly the student's batch: augmented, then mixed by Mixup/CutMix.
+    return lambda images, outputs, targets: distill_loss(outputs, teacher_forward(teacher, images), targets)

@@ -1,0 +1,168 @@
+"""The life of a run folder across launches: its lock, what a launch finds there (a result to skip, a checkpoint to
+resume), what it records about the run, and what a dry run says it would do."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from deit_ablate import checkpoint as ckpt
+from deit_ablate.distributed import DistInfo, agree, broadcast_object
+from deit_ablate.errors import ConfigError, RunError
+from deit_ablate.logs import log
+from deit_ablate.plan import RunPlan
+from deit_ablate.rundir import RunDir
+from deit_ablate.runlock import LOCK_NAME, RunLock
+from deit_ablate.stages import layer_scale_run_dir
+from deit_ablate.streams import copies_augmented_alike
+from deit_ablate.tracking import Tracker, read_epoch_rows, wandb_logs
+
+
+def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 5.0) -> RunLock | None:
+    """The main rank takes the run folder's lock (the others follow its outcome): a RunError naming the holder
+    when another launch trains this run, or a wait for it to end with `wait`."""
+    lock = RunLock(run_dir) if info.is_main else None
+    announced = False
+    while True:
+        holder = lock.try_acquire() if lock is not None else None
+        holder = broadcast_object(holder, info)
+        if holder is None:
+            return lock
+        if not wait:
+            raise RunError(f"the run folder {run_dir} is in use by another launch of the same run: {holder} "
+                           f"({run_dir / LOCK_NAME}). Wait for it to end or stop it, or add "
+                           f"runtime.wait_for_lock=true to wait for it. If that launch is gone (a crashed node), "
+                           f"delete {run_dir / LOCK_NAME}.")
+        if info.is_main and not announced:
+            log.info(f"[run] waiting for the run folder {run_dir}, in use by {holder}")
+            announced = True
+        if lock is not None:
+            time.sleep(poll_s)
+
+
+def previous_result(run_dir: RunDir, is_main: bool) -> dict[str, Any] | None:
+    """The run's result.json when it holds one; a damaged one is reported and the run counts as unfinished."""
+    try:
+        return run_dir.read_result()
+    except ConfigError as error:
+        if is_main:
+            log.warning(f"[run] {error} Treated as unfinished: the run resumes and writes it again.")
+        return None
+
+
+def report_finished(plan: RunPlan, result: dict[str, Any]) -> None:
+    """Say that the run is done already (and how to run it again); log it to wandb again if its log is gone."""
+    name, cfg = plan.identity.name, plan.settings
+    log.info(f"[run] {name}: already {result['status']} (top-1 {result.get('top1', float('nan')):.2f}); skipping."
+             f" Delete {plan.run_dir.result} to run it again.")
+    log_again_if_lost(plan, "is missing")
+    if copies_augmented_alike(result, cfg.augment.repeated_aug):
+        log.warning(f"[run] {name} was trained on several ranks before the per-rank random streams (README, 'Random "
+                    "streams across ranks'): its repeated-augmentation copies were augmented alike. Delete "
+                    f"{plan.run_dir.path} to train it again as the recipe means.")
+
+
+def record_identity(plan: RunPlan) -> None:
+    """Write what this run is (its digest, its data and its teacher) into its folder, once."""
+    identity = plan.identity
+    if plan.run_dir.read_identity() is None:
+        plan.run_dir.write_identity({"name": identity.name, "run_id": identity.run_id, "digest": identity.digest,
+                                     "data": plan.data, **({"teacher": identity.teacher} if identity.teacher else {})})
+
+
+def record_result(plan: RunPlan, final: dict[str, Any]) -> None:
+    """Write the run's result.json: its summary, under the run's name, wandb id, digest and data."""
+    identity = plan.identity
+    plan.run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
+                               "experiment_digest": identity.digest, "data_fingerprint": plan.data})
+
+
+def log_again_if_lost(plan: RunPlan, what_happened: str) -> None:
+    """A finished run whose wandb log is gone (the aggregator reads those logs): log its result.json and
+    metrics.csv again, under the same wandb id, and say so."""
+    runtime, identity, run_dir = plan.settings.runtime, plan.identity, plan.run_dir
+    if runtime.tracking.mode == "disabled" or wandb_logs(runtime.output_root, identity.run_id):
+        return
+    result = run_dir.read_result() or {}
+    summary = {k: v for k, v in result.items() if k not in ("run_id", "name", "experiment_digest", "data_fingerprint")}
+    Tracker(plan.settings, identity, plan.data, enabled=True, run_dir=run_dir.path, write_csv=False).replay(
+        read_epoch_rows(run_dir.metrics), summary)
+    log.warning(f"[run] the wandb log of {identity.name} (id {identity.run_id}) under "
+                f"{Path(runtime.output_root) / 'wandb'} {what_happened}: logged its result and epochs again from "
+                f"{run_dir.result.name} and {run_dir.metrics.name}, so the aggregator sees the run.")
+
+
+def record_without_training(plan: RunPlan, upstream: str, is_main: bool = True) -> dict[str, Any]:
+    """A fine-tune stage whose pre-training diverged: nothing to fine-tune, logged with the same status."""
+    final = {"status": upstream, "steps_done": 0, "epochs_done": 0, "train_seconds": 0.0,
+             "note": f"pre-training ended as {upstream}; not fine-tuned"}
+    if not is_main:
+        return final
+    tracker = Tracker(plan.settings, plan.identity, plan.data, enabled=True, run_dir=plan.run_dir.path)
+    tracker.summary(final)
+    tracker.finish()
+    record_identity(plan)
+    record_result(plan, final)
+    log.info(f"[run] {plan.identity.name}: {final['note']}.")
+    return final
+
+
+def resume_point(run_dir: RunDir, info: DistInfo) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint this launch resumes from (None for a fresh run): rank 0 picks the newest readable one,
+    setting aside and reporting any it cannot read; every rank then loads that one."""
+    found: list[ckpt.ResumePoint | None] = [None]
+
+    def decide() -> str | None:
+        found[0] = point = ckpt.find_resume_point(run_dir.path)
+        if point is None:
+            return None
+        for error in point.unreadable:
+            aside = ckpt.set_aside(error.path)
+            log.warning(f"[run] {error.path.name} cannot be read ({error.reason}); set aside as {aside.name} "
+                        f"(delete it when you no longer need it). Falling back to {point.path.name}, the copy "
+                        "before it.")
+        return str(point.path)
+
+    path = agree(info, decide)
+    if path is None:
+        return None
+    return Path(path), found[0].state if info.is_main else ckpt.load(path)
+
+
+def _waits_for(plan: RunPlan) -> str | None:
+    """What keeps the run from training now (its pre-training or its LayerScale run), or None."""
+    if plan.upstream is not None:
+        upstream = previous_result(plan.upstream, is_main=False)
+        if upstream is None:
+            return f"wait for its pre-training {plan.upstream.name}"
+        if upstream["status"] != "finished":
+            return f"record as {upstream['status']} without training (its pre-training {plan.upstream.name})"
+    source = layer_scale_run_dir(plan.settings, list(plan.overrides))
+    source_result = previous_result(source, is_main=False) if source is not None else None
+    if source is not None and source_result is None:
+        return f"wait for its LayerScale run {source.name}"
+    if source_result is not None and source_result["status"] != "finished":
+        return f"refuse (its LayerScale run {source.name} ended as {source_result['status']})"
+    return None
+
+
+def launch_plan(plan: RunPlan) -> str:
+    """What launching this run would do now: skip, train, resume, or wait for the run it starts from."""
+    result = previous_result(plan.run_dir, is_main=False)
+    if result is not None:
+        return f"skip (already {result['status']})"
+    waiting = _waits_for(plan)
+    if waiting is not None:
+        return waiting
+    point = ckpt.find_resume_point(plan.run_dir.path)
+    if point is not None:
+        return f"resume from step {point.state['step']} ({point.path.name})"
+    source = layer_scale_run_dir(plan.settings, list(plan.overrides))
+    return ("train from step 0" + (f", starting from {plan.upstream.name}" if plan.upstream is not None else "")
+            + (f", LayerScale diagonal fixed at the values of {source.name}" if source is not None else ""))
+
+
+def dry_run_line(plan: RunPlan) -> str:
+    """The dry run's line for one run: its folder, wandb id and what a launch would do."""
+    return f"[dry run] {plan.run_dir.name} (wandb id {plan.identity.run_id}): {launch_plan(plan)}"

@@ -1,0 +1,76 @@
+"""Resolve once, then run: a launch turns its composed config into a frozen `RunPlan` before it writes anything.
+
+Everything a run needs to know about itself is settled here, once, and on rank 0 only where it reads files (the
+data's fingerprint, the teacher's weights): its identity (with the data and the teacher), its folder, the batch
+split, the stage's recipe and the run it starts from. The modules that execute the run take the plan's typed
+pieces; none of them resolves the config again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from deit_ablate.config import Stage
+from deit_ablate.data.datasets import data_fingerprint, describe_data
+from deit_ablate.distributed import DistInfo, agree
+from deit_ablate.errors import ConfigError
+from deit_ablate.identity import RunIdentity, current_run_dir, run_identity, task_overrides, with_data
+from deit_ablate.models import student_model_name
+from deit_ablate.rundir import RunDir
+from deit_ablate.stages import StageRecipe, pretrain_run_dir, stage_recipe
+from deit_ablate.teacher import with_run_teacher
+from deit_ablate.validate import BatchPlan, plan_batch, validate_config
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run, resolved: what it is (identity, data), where it lives (its folder) and how it trains."""
+
+    settings: DictConfig  # the composed config, checked against the schema (config.py) and read-only
+    overrides: tuple[str, ...]  # the launch's task overrides, which name the run and the runs it starts from
+    identity: RunIdentity  # folder name, wandb id and group, experiment digest, teacher weights
+    run_dir: RunDir
+    data: dict[str, Any]  # the data's fingerprint (data/fingerprint.py)
+    batch: BatchPlan
+    recipe: StageRecipe
+    model_name: str  # the student's timm model (the distilled twin under a token distillation)
+    upstream: RunDir | None  # a fine-tune's pre-training run
+
+    @property
+    def is_finetune(self) -> bool:
+        return self.settings.stage == Stage.finetune
+
+
+def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
+    """The data's fingerprint, checked against the one the run folder recorded: another dataset under the same
+    settings is refused, never resumed or skipped with the other data's result."""
+    current = data_fingerprint(cfg)
+    recorded = (run_dir.read_identity() or {}).get("data")
+    if recorded is not None and recorded.get("digest") != current.get("digest"):
+        raise ConfigError(
+            f"{run_dir.path} holds this experiment trained on other data ({describe_data(recorded)}), but "
+            f"data.root={cfg.data.root} now holds {describe_data(current)}. The data is part of a run's identity: "
+            f"train this data under another output folder (runtime.output_root=...), or delete {run_dir.path} "
+            "to train it here.")
+    return current
+
+
+def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
+              overrides: list[str] | None = None) -> RunPlan:
+    """The plan of the run `cfg` describes (the running Hydra job's folder and overrides unless given); every
+    input error is a ConfigError by now, raised the same on every rank."""
+    validate_config(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    run_dir = run_dir or RunDir(current_run_dir())
+    overrides = task_overrides() if overrides is None else overrides
+    named = replace(run_identity(cfg, overrides), name=run_dir.name)  # the folder Hydra made, or found
+    data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
+    # the teacher's weights, refused when they are not those the run folder records
+    identity = agree(info, lambda: with_run_teacher(with_data(named, data), cfg, run_dir))
+    upstream = pretrain_run_dir(cfg, overrides)
+    return RunPlan(settings=cfg, overrides=tuple(overrides), identity=identity, run_dir=run_dir, data=data,
+                   batch=plan_batch(cfg, info.world_size), recipe=stage_recipe(cfg, upstream),
+                   model_name=student_model_name(cfg), upstream=upstream)
