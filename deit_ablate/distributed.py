@@ -138,3 +138,13 @@ def peer_lost(error: RuntimeError) -> str | None:
         if sign in str(error):
             return sign
     return type(error).__name__ if isinstance(error, dist.DistError) else None
+
+
+def stopped_by_peer(error: RuntimeError, info: DistInfo) -> RunError | None:
+    """The RunError to stop this rank with when `error` means another rank left the process group, else None."""
+    sign = peer_lost(error) if info.enabled else None
+    if sign is None:
+        return None
+    return RunError(f"rank {info.rank} stopped because another rank left the process group mid-run ({sign}). The "
+                    "rank that stopped first says why in its own output; the run's checkpoints are intact, and "
+                    "relaunching the same command resumes it.")

@@ -3,18 +3,21 @@ resume), what it records about the run, and what a dry run says it would do."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from deit_ablate import checkpoint as ckpt
-from deit_ablate.distributed import DistInfo, agree, broadcast_object
+from deit_ablate.distributed import DistInfo, agree, broadcast_object, stopped_by_peer
 from deit_ablate.errors import ConfigError, RunError
-from deit_ablate.logs import log
+from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.plan import RunPlan
 from deit_ablate.rundir import RunDir
 from deit_ablate.runlock import LOCK_NAME, RunLock
 from deit_ablate.stages import layer_scale_run_dir
+from deit_ablate.stopping import StopRequested
 from deit_ablate.streams import copies_augmented_alike
 from deit_ablate.tracking import Tracker, read_epoch_rows, wandb_logs
 
@@ -39,6 +42,34 @@ def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 
             announced = True
         if lock is not None:
             time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def hold_run_folder(run_dir: Path, info: DistInfo, wait: bool) -> Iterator[None]:
+    """Hold the run folder for this launch: its lock (rank 0) and this rank's log file there, to which the error
+    or signal that stops the run is written too."""
+    lock = acquire_run_lock(run_dir, info, wait)
+    handler = attach_run_log(run_dir, info.rank)
+    try:
+        for taken in lock.taken_over if lock is not None else ():
+            log.warning(f"[run] took over the lock of {taken}")
+        yield
+    except (ConfigError, RunError) as error:
+        file_only.error(f"error: {error}")
+        raise
+    except StopRequested as stopped:
+        file_only.warning(f"[run] {stopped}")
+        raise
+    except RuntimeError as error:
+        lost = stopped_by_peer(error, info)
+        if lost is None:
+            raise
+        file_only.error(f"error: {lost}")
+        raise lost from None
+    finally:
+        detach_run_log(handler)
+        if lock is not None:
+            lock.release()
 
 
 def previous_result(run_dir: RunDir, is_main: bool) -> dict[str, Any] | None:

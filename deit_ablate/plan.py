@@ -22,7 +22,7 @@ from deit_ablate.models import student_model_name
 from deit_ablate.rundir import RunDir
 from deit_ablate.stages import StageRecipe, pretrain_run_dir, stage_recipe
 from deit_ablate.teacher import with_run_teacher
-from deit_ablate.validate import BatchPlan, plan_batch, validate_config
+from deit_ablate.validate import BatchPlan, plan_batch
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,10 @@ def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
 
 def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
               overrides: list[str] | None = None) -> RunPlan:
-    """The plan of the run `cfg` describes (the running Hydra job's folder and overrides unless given); every
-    input error is a ConfigError by now, raised the same on every rank."""
-    validate_config(cfg)
+    """The plan of the run `cfg` describes (the running Hydra job's folder and overrides unless given); a problem
+    is a ConfigError, raised the same on every rank. The config was checked before Hydra made the
+    run's folder (preflight.py, the sweeper), once per launch; this checks what only the run sees: the data there,
+    the teacher's weights, the world size's split of the batch."""
     OmegaConf.set_readonly(cfg, True)
     run_dir = run_dir or RunDir(current_run_dir())
     overrides = task_overrides() if overrides is None else overrides

@@ -16,11 +16,17 @@ from omegaconf import DictConfig
 
 from deit_ablate import checkpoint as ckpt
 from deit_ablate.assemble import Pieces, build_pieces, set_cpu_threads
-from deit_ablate.distributed import DistInfo, broadcast_object, cleanup, init_distributed, peer_lost, placement
-from deit_ablate.errors import ConfigError, RunError
+from deit_ablate.distributed import (
+    DistInfo,
+    broadcast_object,
+    cleanup,
+    init_distributed,
+    placement,
+    stopped_by_peer,
+)
 from deit_ablate.identity import current_run_dir
 from deit_ablate.lifecycle import (
-    acquire_run_lock,
+    hold_run_folder,
     log_again_if_lost,
     previous_result,
     record_identity,
@@ -29,14 +35,14 @@ from deit_ablate.lifecycle import (
     report_finished,
     resume_point,
 )
-from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
+from deit_ablate.logs import log
 from deit_ablate.loop import EpochLoop, Progress, image_folders
 from deit_ablate.models import architecture, describe_architecture
 from deit_ablate.plan import RunPlan, make_plan
 from deit_ablate.report import print_summary, summarize
 from deit_ablate.rundir import RunDir
 from deit_ablate.stages import pretrain_status
-from deit_ablate.stopping import StopRequested, StopSignals
+from deit_ablate.stopping import StopSignals
 from deit_ablate.streams import STREAMS_VERSION, RunStreams
 from deit_ablate.teacher import log_teacher, teacher_summary
 from deit_ablate.tracking import Tracker
@@ -51,37 +57,16 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Train one run to the end (or to divergence) and return its summary; rank 0 writes everything, holding
     the run folder's lock, and every rank logs to its own file there."""
     info = init_distributed(cfg.runtime.device)
-    lock, handler = None, None
     try:
         plan = make_plan(cfg, info)
-        lock = acquire_run_lock(plan.run_dir.path, info, plan.settings.runtime.wait_for_lock)
-        handler = attach_run_log(plan.run_dir.path, info.rank)
-        for taken in lock.taken_over if lock is not None else ():
-            log.warning(f"[run] took over the lock of {taken}")
-        return _run_locked(plan, info)
-    except (ConfigError, RunError) as error:
-        if handler is not None:
-            file_only.error(f"error: {error}")
-        raise
-    except StopRequested as stopped:
-        if handler is not None:
-            file_only.warning(f"[run] {stopped}")
-        raise
+        with hold_run_folder(plan.run_dir.path, info, plan.settings.runtime.wait_for_lock):
+            return _run_locked(plan, info)
     except RuntimeError as error:
-        sign = peer_lost(error) if info.enabled else None
-        if sign is None:
+        lost = stopped_by_peer(error, info)  # before the folder is held (its file has it otherwise)
+        if lost is None:
             raise
-        lost = RunError(f"rank {info.rank} stopped because another rank left the process group mid-run ({sign}). "
-                        "The rank that stopped first says why in its own output; the run's checkpoints are intact, "
-                        "and relaunching the same command resumes it.")
-        if handler is not None:
-            file_only.error(f"error: {lost}")
         raise lost from None
     finally:
-        if handler is not None:
-            detach_run_log(handler)
-        if lock is not None:
-            lock.release()
         cleanup(info)
 
 
