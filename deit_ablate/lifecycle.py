@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from deit_ablate import checkpoint as ckpt
+from deit_ablate.config import TrackingMode
 from deit_ablate.distributed import DistInfo, agree, broadcast_object, stopped_by_peer
 from deit_ablate.errors import ConfigError, RunError
 from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
@@ -113,7 +114,7 @@ def log_again_if_lost(plan: RunPlan, what_happened: str) -> None:
     """A finished run whose wandb log is gone (the aggregator reads those logs): log its result.json and
     metrics.csv again, under the same wandb id, and say so."""
     runtime, identity, run_dir = plan.settings.runtime, plan.identity, plan.run_dir
-    if runtime.tracking.mode == "disabled" or wandb_logs(runtime.output_root, identity.run_id):
+    if runtime.tracking.mode == TrackingMode.disabled or wandb_logs(runtime.output_root, identity.run_id):
         return
     result = run_dir.read_result() or {}
     summary = {k: v for k, v in result.items() if k not in ("run_id", "name", "experiment_digest", "data_fingerprint")}

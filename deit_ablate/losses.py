@@ -27,7 +27,7 @@ from torch import nn
 from deit_ablate.config import DistillKind, FusionRule, KLNormalization
 from deit_ablate.errors import ConfigError
 
-TOKEN_KINDS = ("hard_token", "soft_token")
+TOKEN_KINDS = (DistillKind.hard_token, DistillKind.soft_token)
 SOFT_KINDS = ("soft", "soft_token")
 
 StudentOutputs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -104,7 +104,7 @@ class DistillationLoss(nn.Module):
         """Loss for one batch; ``targets`` are whatever ``base_criterion`` takes (integer or Mixup soft)."""
         cls_logits, kd_logits = self._heads(student_outputs)
         base = self.base_criterion(cls_logits, targets)
-        if self.kind == "none":
+        if self.kind == DistillKind.none:
             return base
         if teacher_logits is None:
             raise ValueError(
@@ -127,7 +127,7 @@ class DistillationLoss(nn.Module):
 
 def fuse_predictions(cls_logits: torch.Tensor, dist_logits: torch.Tensor, rule: str = "prob") -> torch.Tensor:
     """Late fusion of the two heads: "prob" = mean of softmaxes (paper), "logit" = mean of logits (code)."""
-    if FusionRule(rule) == "prob":
+    if FusionRule(rule) == FusionRule.prob:
         return (_at_least_f32(cls_logits).softmax(dim=-1) + _at_least_f32(dist_logits).softmax(dim=-1)) / 2
     return (_at_least_f32(cls_logits) + _at_least_f32(dist_logits)) / 2
 

@@ -16,6 +16,7 @@ import yaml
 from torch import nn
 
 from deit_ablate.checkpoint import read_weights
+from deit_ablate.config import DistillKind, Stage
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import RunIdentity, with_teacher
 from deit_ablate.logs import log
@@ -177,7 +178,7 @@ def teacher_run_state(run: RunDir) -> str:
     try:
         rows = max(len(run.metrics.read_text().splitlines()) - 1, 0) if run.metrics.exists() else 0
         config = yaml.safe_load((run.hydra / "config.yaml").read_text())
-        planned = config["finetune" if config.get("stage") == "finetune" else "train"]["epochs"]
+        planned = config["finetune" if config.get("stage") == Stage.finetune else "train"]["epochs"]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return "unfinished"
     return f"unfinished: {rows} of {planned} epochs" if isinstance(planned, int) else f"unfinished: {rows} epochs"
@@ -222,7 +223,7 @@ def check_distill_config(cfg) -> None:
     teacher resolves to a loadable file."""
     kind = cfg.distill.type
     student_model_name(cfg)
-    if kind == "none":
+    if kind == DistillKind.none:
         return
     source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
     if source.run is not None:
@@ -282,7 +283,7 @@ def _describe(teacher: Mapping[str, Any]) -> str:
 def teacher_identity(cfg, run_dir: RunDir) -> dict[str, Any] | None:
     """What the run distils from (None without distillation): the teacher run's name, id and state, the checkpoint
     file and the digest of its weights. A ConfigError when the run folder records other teacher weights."""
-    if cfg.distill.type == "none":
+    if cfg.distill.type == DistillKind.none:
         return None
     source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
     path = Path(source.checkpoint).resolve()

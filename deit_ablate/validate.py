@@ -10,7 +10,7 @@ import timm
 from omegaconf import DictConfig, OmegaConf
 from timm.optim import list_optimizers
 
-from deit_ablate.config import Config
+from deit_ablate.config import Config, DataBackend, DataName, DistillKind, MixMode, TrackingMode
 from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
@@ -84,7 +84,7 @@ def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
         accum += 1
     plan = BatchPlan(world_size, per_rank, accum)
     mixing = cfg.mix.mixup_alpha > 0 or cfg.mix.cutmix_alpha > 0
-    if mixing and cfg.mix.mode == "batch" and per_rank % 2:
+    if mixing and cfg.mix.mode == MixMode.batch and per_rank % 2:
         raise ConfigError(f"Mixup/CutMix pairs images within a batch, so each process needs an even batch; "
                           f"{global_batch} over {world_size} processes gives {per_rank}. Use an even share.")
     return plan
@@ -213,13 +213,13 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     if cfg.data.fast_jpeg and cfg.augment.no_aug:
         raise ConfigError("data.fast_jpeg speeds up the random-resized crop, which augment.no_aug=true turns off. "
                           "Set data.fast_jpeg=false.")
-    if cfg.data.backend == "dali":
+    if cfg.data.backend == DataBackend.dali:
         check_dali_config(cfg)
     if cfg.augment.repeated_aug < 1:
         raise ConfigError(f"augment.repeated_aug={cfg.augment.repeated_aug}: the number of copies must be >= 1 "
                           "(1 turns repeated augmentation off).")
     for name in {cfg.model.name, cfg.model.distilled_name or cfg.model.name,
-                 cfg.distill.teacher.model if cfg.distill.type != "none" else cfg.model.name}:
+                 cfg.distill.teacher.model if cfg.distill.type != DistillKind.none else cfg.model.name}:
         if not timm.is_model(name):
             close = timm.list_models(f"*{name.split('_')[0]}*")[:8]
             raise ConfigError(f"timm has no model named '{name}'. Close names: {', '.join(close) or 'none'}. "
@@ -230,7 +230,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     for name in optimizers:
         if name not in list_optimizers():
             raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw or optimizer=sgd.")
-    if cfg.data.name != "builtin":
+    if cfg.data.name != DataName.builtin:
         check_data_root(cfg)
     check_distill_config(cfg)
     if world_size is not None:
@@ -242,5 +242,5 @@ def validate_launch(cfg: DictConfig, world_size: int | None = None) -> None:
     and, for online tracking, a wandb key and a server that answers (train.py, the sweeper and the SLURM launcher
     call it before Hydra makes a folder or anything is queued)."""
     validate_config(cfg, world_size)
-    check_output_root(cfg.runtime.output_root, tracking=cfg.runtime.tracking.mode != "disabled")
+    check_output_root(cfg.runtime.output_root, tracking=cfg.runtime.tracking.mode != TrackingMode.disabled)
     check_tracking(cfg)

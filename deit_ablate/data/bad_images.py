@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torchvision.datasets import ImageFolder
 
+from deit_ablate.config import BadImagePolicy
 from deit_ablate.data.images import IMAGE_EXTENSIONS, class_names, load_rgb, scan_class
 from deit_ablate.errors import ConfigError, RunError
 
@@ -62,7 +63,7 @@ class SkippingImageFolder(ImageFolder):
                 if decode_problem(path) is None:  # the file decodes: the error is not the file's
                     raise
                 self.bad[candidate] = 1
-                if self.on_bad_image == "fail":
+                if self.on_bad_image == BadImagePolicy.fail:
                     raise BadImageError(f"unreadable image {path}") from None
         raise BadImageError(f"{MAX_TRIES} unreadable images in a row from {self.samples[index][0]}")
 
@@ -115,7 +116,7 @@ def stop_error(datasets: Sequence[SkippingImageFolder]) -> ConfigError | RunErro
         return ConfigError("a loader worker found an unreadable image (runtime.on_bad_image=fail). Set "
                            "runtime.on_bad_image=skip to train on with the next readable image in its place.")
     dataset, paths = damaged[0]
-    if dataset.on_bad_image == "skip":
+    if dataset.on_bad_image == BadImagePolicy.skip:
         return ConfigError(f"{MAX_TRIES} images in a row under {dataset.root} cannot be read, the first {paths[0]} "
                            f"({decode_problem(paths[0])}): too many for runtime.on_bad_image=skip to replace. Check "
                            "those files (their format, an interrupted copy), or point data.root at an intact copy.")

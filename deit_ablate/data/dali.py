@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
+from deit_ablate.config import DataName
 from deit_ablate.errors import ConfigError
 
 DALI_PACKAGE = "nvidia-dali-cuda130"
@@ -41,7 +42,7 @@ def dali_config_problem(cfg: DictConfig) -> str | None:
     from deit_ablate.data.dali_augment import parse_rand_augment
 
     data, aug = cfg.data, cfg.augment
-    if data.name == "cifar100":
+    if data.name == DataName.cifar100:
         return ("data=cifar100 is held in memory as arrays; the DALI backend reads image files. Use "
                 "data.backend=pil for CIFAR-100, or an ImageFolder tree (data=imagefolder).")
     if data.fast_jpeg:

@@ -14,6 +14,7 @@ from PIL import ImageFile
 from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR100
 
+from deit_ablate.config import DataName
 from deit_ablate.data.bad_images import GONE_HINT, SkippingImageFolder
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
@@ -33,7 +34,7 @@ BUILTIN_GONE = ("the built-in cache was removed while the run used it. Relaunch 
 def dataset_root(cfg: DictConfig) -> Path:
     """The folder holding train/ and val/, drawing the built-in set first if needed."""
     data = cfg.data
-    if data.name == "builtin":
+    if data.name == DataName.builtin:
         b = data.builtin
         root = data.root or Path(os.environ.get("DEIT_ABLATE_CACHE", ".cache")) / "builtin"
         return ensure_builtin_dataset(root, b.image_size, b.train_per_class, b.val_per_class, b.seed)
@@ -52,7 +53,7 @@ def check_data_root(cfg: DictConfig) -> Path:
     if not root.is_dir():
         raise ConfigError(f"data.root={data.root} does not exist or is not a folder. Point data.root at the "
                           f"{data.name} folder (for ImageNet, the one holding train/ and val/).")
-    if data.name in ("imagenet", "imagefolder"):
+    if data.name in (DataName.imagenet, DataName.imagefolder):
         missing = [split for split in ("train", "val") if not (root / split).is_dir()]
         if missing:
             raise ConfigError(f"data.root={root} has no {' and no '.join(missing)} folder. An ImageFolder "
@@ -112,7 +113,7 @@ def check_same_classes(root: Path, num_classes: int) -> None:
 def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path | None = None) -> Dataset:
     """The `split` ("train" or "val") of the configured dataset with `transform` applied."""
     root = root or dataset_root(cfg)
-    if cfg.data.name == "cifar100":
+    if cfg.data.name == DataName.cifar100:
         try:
             dataset = CIFAR100(str(root), train=split == "train", transform=transform, download=False)
         except RuntimeError as error:
@@ -122,7 +123,7 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
             ) from error
     else:
         loader = lazy_loader if cfg.data.fast_jpeg and split == "train" else load_rgb  # fast_jpeg: the crop decodes
-        gone_hint = BUILTIN_GONE if cfg.data.name == "builtin" else GONE_HINT
+        gone_hint = BUILTIN_GONE if cfg.data.name == DataName.builtin else GONE_HINT
         dataset = SkippingImageFolder(str(root / split), cfg.runtime.on_bad_image, gone_hint, transform=transform,
                                       loader=loader)
     num_classes = len(dataset.classes)
@@ -135,11 +136,11 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
 def data_fingerprint(cfg: DictConfig) -> dict:
     """Which data a run trains on, by content: the built-in set by its drawing parameters, a folder by its
     fingerprint (class names, image counts, relative paths and sizes; cached next to the data)."""
-    if cfg.data.name == "builtin" and not cfg.data.root:
+    if cfg.data.name == DataName.builtin and not cfg.data.root:
         params = dict(cfg.data.builtin)
         digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
         return {"digest": digest, "builtin": params}
-    root = dataset_root(cfg) if cfg.data.name != "builtin" else Path(cfg.data.root).expanduser()
+    root = dataset_root(cfg) if cfg.data.name != DataName.builtin else Path(cfg.data.root).expanduser()
     fingerprint = dataset_fingerprint(root)
     if "not_read" in fingerprint:
         left_out = fingerprint["not_read"]

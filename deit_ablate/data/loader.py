@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from deit_ablate.config import DataBackend
 from deit_ablate.streams import RunStreams, Stream
 
 
@@ -99,7 +100,7 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictC
 def build_train_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig,
                        device: torch.device | None = None):
     """The training loader of data.backend: a DataLoader over the PIL transform, or DALI's (on `device`)."""
-    if cfg.data.backend == "dali":
+    if cfg.data.backend == DataBackend.dali:
         from deit_ablate.data.dali import DaliTrainLoader
 
         return DaliTrainLoader(dataset, sampler, batch_size, cfg, device, threads=max(1, num_workers(cfg)))

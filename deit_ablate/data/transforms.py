@@ -7,6 +7,7 @@ from collections.abc import Callable
 from omegaconf import DictConfig
 from timm.data import create_transform
 
+from deit_ablate.config import DataBackend
 from deit_ablate.data.batch import BatchNormalize, split_for_batches
 from deit_ablate.data.fast_jpeg import fast_train_transform
 
@@ -36,7 +37,7 @@ def build_train_pipeline(cfg: DictConfig) -> tuple[Callable | None, BatchNormali
     data.fast_jpeg, the fast crop), and per batch the float work the trainer runs on the device (data.batch).
     With data.backend=dali there is no per-image transform (None): DALI decodes and augments (data/dali.py)."""
     per_image, per_batch = split_for_batches(build_train_transform(cfg))
-    if cfg.data.backend == "dali":
+    if cfg.data.backend == DataBackend.dali:
         return None, per_batch
     if cfg.data.fast_jpeg:
         per_image = fast_train_transform(per_image)

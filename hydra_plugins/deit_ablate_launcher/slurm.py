@@ -71,6 +71,7 @@ class DeitSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Validate all runs, submit them, wait, and return their results in sweep order."""
+        from deit_ablate.config import Stage
         from deit_ablate.errors import ConfigError
 
         assert self.config is not None and self.hydra_context is not None
@@ -103,7 +104,7 @@ class DeitSlurmLauncher(SlurmLauncher):
             executor.update_parameters(slurm_additional_parameters={
                 **extra, "dependency": f"afterok:{jobs[parent].job_id}", "kill-on-invalid-dep": "yes"})
             jobs[i] = executor.submit(self, *params[i])
-            what = "its pre-training" if configs[i].stage == "finetune" else "its LayerScale run"
+            what = "its pre-training" if configs[i].stage == Stage.finetune else "its LayerScale run"
             log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} ({what})")
         # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
         # which resumes from its own latest checkpoint (deit_ablate/run.py).
@@ -115,9 +116,10 @@ def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],
     """For each run of the sweep that starts from another of its runs (deit_ablate.stages.upstream_overrides), the
     index of that run; `subdir_of` names a run's folder from its overrides. A LayerScale control whose LayerScale
     run is neither in the sweep nor finished is a ConfigError (the run would stop on it once queued)."""
+    from deit_ablate.config import Stage
     from deit_ablate.stages import finished_layer_scale_run, upstream_overrides
 
-    pretrain_index = {cfg.hydra.sweep.subdir: i for i, cfg in enumerate(configs) if cfg.stage == "pretrain"}
+    pretrain_index = {cfg.hydra.sweep.subdir: i for i, cfg in enumerate(configs) if cfg.stage == Stage.pretrain}
     upstream = {}
     for i, (cfg, overrides) in enumerate(zip(configs, job_overrides, strict=True)):
         parent_overrides = upstream_overrides(cfg, list(overrides))
@@ -126,7 +128,7 @@ def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],
         parent = subdir_of(parent_overrides)
         if parent in pretrain_index:
             upstream[i] = pretrain_index[parent]
-        elif cfg.stage == "pretrain":
+        elif cfg.stage == Stage.pretrain:
             finished_layer_scale_run(cfg, list(overrides))
     return upstream
 
