@@ -291,7 +291,7 @@ def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     """The data's fingerprint, checked against the one the run folder recorded: another dataset under the same
     settings is refused, never resumed or skipped with the other data's result."""
     current = data_fingerprint(cfg)
-    recorded = (run_dir.read_identity() or {}).get("data")
+    recorded = run_dir.recorded_data()
     if recorded is not None and recorded.get("digest") != current.get("digest"):
         raise ConfigError(
             f"{run_dir.path} holds this experiment trained on other data ({describe_data(recorded)}), but "
@@ -334,9 +334,7 @@ def dry_run_line(cfg: DictConfig, run_dir: RunDir, overrides: list[str]) -> str:
 
 def record_identity(run_dir: RunDir, identity: RunIdentity, data: dict[str, Any]) -> None:
     """Write what this run is (its digest, its data and its teacher) into its folder, once."""
-    if run_dir.read_identity() is None:
-        run_dir.write_identity({"name": identity.name, "run_id": identity.run_id, "digest": identity.digest,
-                                "data": data, **({"teacher": identity.teacher} if identity.teacher else {})})
+    run_dir.record_identity(identity, data)
 
 
 def _run_locked(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunDir,
@@ -370,8 +368,7 @@ def log_again_if_lost(cfg: DictConfig, identity: RunIdentity, data: dict[str, An
     metrics.csv again, under the same wandb id, and say so."""
     if cfg.runtime.tracking.mode == "disabled" or wandb_logs(cfg.runtime.output_root, identity.run_id):
         return
-    result = run_dir.read_result() or {}
-    summary = {k: v for k, v in result.items() if k not in ("run_id", "name", "experiment_digest", "data_fingerprint")}
+    summary = run_dir.read_summary()
     Tracker(cfg, identity, data, enabled=True, run_dir=run_dir.path, write_csv=False).replay(
         read_epoch_rows(run_dir.metrics), summary)
     log.warning(f"[run] the wandb log of {identity.name} (id {identity.run_id}) under "
@@ -390,8 +387,7 @@ def record_without_training(cfg: DictConfig, identity: RunIdentity, run_dir: Run
     tracker.summary(final)
     tracker.finish()
     record_identity(run_dir, identity, data)
-    run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
-                          "experiment_digest": identity.digest, "data_fingerprint": data})
+    run_dir.record_result(identity, data, final)
     log.info(f"[run] {identity.name}: {final['note']}.")
     return final
 
@@ -481,8 +477,7 @@ def _train(cfg: DictConfig, info: DistInfo, identity: RunIdentity, run_dir: RunD
     tracker.summary(final)
     tracker.finish(exit_code=0)
     if info.is_main:
-        run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
-                              "experiment_digest": identity.digest, "data_fingerprint": data})
+        run_dir.record_result(identity, data, final)
         log_again_if_lost(cfg, identity, data, run_dir, "was removed while the run trained")
         print_summary(identity, final, run_dir.path)
     return broadcast_object(final, info)

@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from ..rundir import wandb_root
 from .wandb_log import read_log
 
 STATUSES = ("finished", "diverged", "failed", "unfinished")
@@ -251,8 +252,8 @@ def find_run_files(path: str | Path, warn: Warn = stderr_warn) -> list[Path]:
     found = list(root.glob("run-*.wandb"))
     if not found:
         found = list(root.glob("*/run-*.wandb"))
-    if not found and (root / "wandb").is_dir():
-        found = list((root / "wandb").glob("*/run-*.wandb"))
+    if not found and wandb_root(root).is_dir():
+        found = list(wandb_root(root).glob("*/run-*.wandb"))
     if not found:
         found = list(root.rglob("run-*.wandb"))
     unique: dict[Path, Path] = {}
