@@ -48,7 +48,7 @@ from deit_ablate.losses import TOKEN_KINDS, DistillationLoss
 from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import architecture, build_model, compile_in_place, describe_architecture, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
-from deit_ablate.rundir import RunDir
+from deit_ablate.rundir import RunDir, wandb_root
 from deit_ablate.runlock import LOCK_NAME, RunLock
 from deit_ablate.stages import (
     StageRecipe,
@@ -372,7 +372,7 @@ def log_again_if_lost(cfg: DictConfig, identity: RunIdentity, data: dict[str, An
     Tracker(cfg, identity, data, enabled=True, run_dir=run_dir.path, write_csv=False).replay(
         read_epoch_rows(run_dir.metrics), summary)
     log.warning(f"[run] the wandb log of {identity.name} (id {identity.run_id}) under "
-                f"{Path(cfg.runtime.output_root) / 'wandb'} {what_happened}: logged its result and epochs again from "
+                f"{wandb_root(cfg.runtime.output_root)} {what_happened}: logged its result and epochs again from "
                 f"{run_dir.result.name} and {run_dir.metrics.name}, so the aggregator sees the run.")
 
 
