@@ -63,7 +63,8 @@ LOCK_ASIDE = LOCK + ".stale-{}"  # a stale lock being taken over, by the taker's
 # which a launch waiting for the lock may be writing).
 ATOMIC_FILES = (LAST, PREV, BEST, RESULT, IDENTITY, METRICS)
 TEMP_PATTERNS = tuple(f".{name}*.tmp" for name in ATOMIC_FILES)
-# The folders a launch writes under runtime.output_root: Hydra's run folders, and wandb's logs.
+# The folders a launch writes under runtime.output_root: Hydra's run folders, and wandb's logs (the folder wandb
+# itself makes under the `dir` it is given: tracking passes output_root).
 RUNS, WANDB = "runs", "wandb"
 SWEEP_RECORD = "multirun-{}.yaml"  # beside Hydra's multirun.yaml in the sweep folder, <output_root>/runs
 RESULT_STATUSES = ("finished", "diverged", "failed")
