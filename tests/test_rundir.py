@@ -13,10 +13,11 @@ import yaml
 
 from deit_ablate import atomic, rundir
 from deit_ablate import checkpoint as ckpt
+from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.errors import ConfigError, RunError
 from deit_ablate.identity import RunIdentity
 from deit_ablate.rundir import RunDir, rank_log_name, runs_root, wandb_root
-from tests.conftest import CONF, REPO, TINY, compose_config
+from tests.conftest import CONF, REPO, TINY, compose_config, run_train
 
 IDENTITY = RunIdentity(name="model=x-0123456789", run_id="abcdef0123456789", group="g", digest="0123456789")
 DATA = {"digest": "feedfacefeedface", "classes": 10}
@@ -194,3 +195,23 @@ def test_a_folder_with_the_old_names_skips_and_still_refuses_other_data(tmp_path
     other = _old_folder(tmp_path / "o", {**current, "digest": "0" * 16})
     with pytest.raises(ConfigError, match="other data"):
         data_identity(cfg, other)
+
+
+@pytest.mark.slow
+def test_a_trained_folder_with_the_old_names_resumes_skips_and_aggregates(tmp_path, data_cache):
+    run_train(TINY, tmp_path, data_cache)
+    [run] = [RunDir(p) for p in runs_root(tmp_path / "outputs").iterdir() if p.is_dir()]
+    recorded = json.loads(run.identity.read_text())
+    old = {**{k: v for k, v in recorded.items() if k not in ("experiment_digest", "data_fingerprint")},
+           "digest": recorded["experiment_digest"], "data": recorded["data_fingerprint"]}
+    run.identity.write_text(json.dumps(old))  # identity.json as runs before the renaming wrote it
+    run.result.unlink()  # what a kill between the final checkpoint and result.json leaves: the relaunch resumes
+    proc = run_train(TINY, tmp_path, data_cache)
+    assert "training was complete at step" in proc.stdout and "other data" not in proc.stderr
+    result = run.read_result()
+    assert result["status"] == "finished" and result["run_id"] == recorded["run_id"]
+    assert json.loads(run.identity.read_text()) == old  # written once, when the run first trained
+    assert "already finished" in run_train(TINY, tmp_path, data_cache).stdout
+    logged = read_offline(wandb_root(tmp_path / "outputs"), warn=lambda message: None)
+    assert {r.run_id for r in logged} == {recorded["run_id"]}
+    assert any(r.summary.get("status") == "finished" and r.summary.get("top1") == result["top1"] for r in logged)
