@@ -5,6 +5,7 @@ a failed write removes its temp file and leaves the old file as it was. A full d
 file, the free space there and what to do. The temp file is `.<name>.<random>.tmp` beside the target (unique, so
 two processes writing one shared file never mix their bytes) unless the caller names one (`temp`): a run folder's
 own files have one writer, its lock holder, and RunDir names their temp files (rundir.TEMP_PATTERNS finds them).
+A folder is made the same way (atomic_folder): filled under a hidden staging name beside it, then renamed.
 """
 
 from __future__ import annotations
@@ -112,3 +113,24 @@ def write_text_atomic(path: str | os.PathLike, text: str, **options: Any) -> Non
 def write_json_atomic(path: str | os.PathLike, payload: Any, indent: int | None = 2, **options: Any) -> None:
     """atomic_write of `payload` as JSON (options as atomic_write's)."""
     write_text_atomic(path, json.dumps(payload, indent=indent), **options)
+
+
+def atomic_folder(target: str | os.PathLike, fill: Callable[[Path], None], complete: Callable[[], bool]) -> Path:
+    """Make the folder `target` whole or not at all: `fill` a hidden staging folder beside it, then rename that into
+    place. An incomplete `target` from an earlier attempt is replaced; one that another process completed meanwhile
+    (`complete()` true once the rename fails) is kept. The staging folder never outlives the call."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        fill(staging)
+        if target.exists() and not complete():
+            shutil.rmtree(target)  # an incomplete or outdated earlier attempt
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not complete():  # lost a race only if the other process finished the same folder
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -85,6 +85,23 @@ def test_an_exclusive_write_never_replaces_and_leaves_no_temp_file(tmp_path):
     assert target.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["run.lock"]
 
 
+def test_a_folder_is_made_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "set"
+
+    def fill(staging: Path) -> None:
+        (staging / "a").write_text("a")
+        raise Boom
+
+    with pytest.raises(Boom):
+        atomic.atomic_folder(target, fill, complete=lambda: False)
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging folder
+    target.mkdir()
+    (target / "half").write_text("")  # an earlier attempt's incomplete folder is replaced
+    atomic.atomic_folder(target, lambda staging: (staging / "done").write_text("1"),
+                         complete=lambda: (target / "done").exists())
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["done", "set"]
+
+
 def test_a_checkpoint_save_that_fails_leaves_the_last_one(tmp_path):
     run = RunDir(tmp_path)
     ckpt.save_atomic({"step": 1}, run.last_checkpoint)
