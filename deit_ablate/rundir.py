@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # the aggregator reads run folders without importing omegacon
 LAST, PREV, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
 RESULT, IDENTITY, METRICS, LOCK, LOG = "result.json", "identity.json", "metrics.csv", "run.lock", "train.log"
 RANK_LOG = "train-rank{}.log"  # the log of rank N > 0
-HYDRA, HYDRA_CONFIG, HYDRA_OVERRIDES = ".hydra", "config.yaml", "overrides.yaml"
+HYDRA, HYDRA_CONFIG, HYDRA_OVERRIDES, HYDRA_SETTINGS = ".hydra", "config.yaml", "overrides.yaml", "hydra.yaml"
 UNREADABLE = "{}.unreadable"  # a checkpoint set aside
 LOCK_ASIDE = LOCK + ".stale-{}"  # a stale lock being taken over, by the taker's token
 # What a killed writer leaves: the temp files of the files written atomically (never the lock's staged file,
@@ -66,7 +66,7 @@ TEMP_PATTERNS = tuple(f".{name}*.tmp" for name in ATOMIC_FILES)
 # The folders a launch writes under runtime.output_root: Hydra's run folders, and wandb's logs (the folder wandb
 # itself makes under the `dir` it is given: tracking passes output_root).
 RUNS, WANDB = "runs", "wandb"
-SWEEP_RECORD = "multirun-{}.yaml"  # beside Hydra's multirun.yaml in the sweep folder, <output_root>/runs
+MULTIRUN, SWEEP_RECORD = "multirun.yaml", "multirun-{}.yaml"  # Hydra's sweep record, and ours beside it
 RESULT_STATUSES = ("finished", "diverged", "failed")
 # One name per value in identity.json and result.json; identity.json used to say `digest` and `data`.
 DIGEST, DATA = "experiment_digest", "data_fingerprint"
@@ -207,6 +207,11 @@ class RunDir:
     def hydra_overrides(self) -> Path:
         """The command-line overrides the run was launched with (`.hydra/overrides.yaml`)."""
         return self.path / HYDRA / HYDRA_OVERRIDES
+
+    @property
+    def hydra_settings(self) -> Path:
+        """Hydra's own settings for the run (`.hydra/hydra.yaml`: the group choices, the job's overrides)."""
+        return self.path / HYDRA / HYDRA_SETTINGS
 
     @property
     def log(self) -> Path:

@@ -18,6 +18,7 @@ from deit_ablate.logs import rank_log_name
 from deit_ablate.models import build_model
 from deit_ablate.optim import build_optimizer, build_scheduler
 from deit_ablate.run import amp_dtype, build_pieces, grad_scaler
+from deit_ablate.rundir import RunDir
 from deit_ablate.validate import plan_batch, validate_config
 from tests.conftest import TINY, compose_config, train_straight_and_resumed
 
@@ -206,7 +207,7 @@ def fp16_runs(tmp_path_factory, data_cache) -> tuple[Path, tuple[dict, dict, dic
 
 def test_fp16_trains_on_the_cpu_and_reports_its_skipped_steps(fp16_runs):
     cwd, (straight, _, _) = fp16_runs
-    result = json.loads((cwd / "straight" / "result.json").read_text())
+    result = json.loads(RunDir(cwd / "straight").result.read_text())
     assert result["status"] == "finished" and result["steps_done"] == 16
     skipped = straight["amp_skipped_steps"]
     assert result["amp_skipped_steps"] == skipped
