@@ -67,6 +67,7 @@ TEMP_PATTERNS = tuple(f".{name}*.tmp" for name in ATOMIC_FILES)
 # itself makes under the `dir` it is given: tracking passes output_root).
 RUNS, WANDB = "runs", "wandb"
 MULTIRUN, SWEEP_RECORD = "multirun.yaml", "multirun-{}.yaml"  # Hydra's sweep record, and ours beside it
+SUBMITIT = ".submitit"  # submitit's folder in the sweep folder (conf/hydra/launcher/*.yaml spell it too)
 RESULT_STATUSES = ("finished", "diverged", "failed")
 # One name per value in identity.json and result.json; identity.json used to say `digest` and `data`.
 DIGEST, DATA = "experiment_digest", "data_fingerprint"
