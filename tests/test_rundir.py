@@ -148,7 +148,9 @@ LITERALS = re.compile(r"""["'](checkpoint-(last|prev|best)\.pt|result\.json|iden
 
 def test_no_other_module_spells_a_run_folder_name():
     spelled = []
-    for path in sorted((REPO / "deit_ablate").rglob("*.py")) + sorted((REPO / "hydra_plugins").rglob("*.py")):
+    code = [REPO / "train.py"] + [path for folder in ("deit_ablate", "hydra_plugins", "scripts")
+                                  for path in sorted((REPO / folder).rglob("*.py"))]
+    for path in code:
         if path.name == "rundir.py":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
