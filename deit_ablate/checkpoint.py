@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -14,11 +13,9 @@ from typing import Any
 
 import torch
 
+from deit_ablate.atomic import atomic_write
 from deit_ablate.errors import ConfigError
-from deit_ablate.rundir import LAST, PREV, is_no_space, no_space_error
-
-# What a killed writer leaves: save_atomic's temp files and run.py's result temp file.
-STALE_PATTERNS = (".checkpoint-*.tmp", ".result.json.tmp")
+from deit_ablate.rundir import UNREADABLE, RunDir
 
 
 class CheckpointUnreadable(ConfigError):
@@ -37,21 +34,7 @@ def save_atomic(state: dict[str, Any], path: str | os.PathLike, keep_previous: s
     `keep_previous`, the old file is renamed there first (one older good copy). A full disk is a RunError."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if keep_previous is not None and path.exists():
-            os.replace(path, keep_previous)
-        os.replace(tmp, path)
-    except BaseException as error:
-        written = Path(tmp).stat().st_size if Path(tmp).exists() else None
-        Path(tmp).unlink(missing_ok=True)
-        if is_no_space(error):
-            raise no_space_error(path, written) from None
-        raise
+    atomic_write(path, lambda handle: torch.save(state, handle), keep_previous=keep_previous)
 
 
 def _unreadable_reason(error: BaseException) -> str:
@@ -157,7 +140,7 @@ def find_resume_point(run_dir: Path) -> ResumePoint | None:
     """The newest readable checkpoint of a run folder (last, then the copy before it); None for a fresh run.
     A ConfigError naming the files and what to delete when there are checkpoints but none can be read."""
     unreadable = []
-    for path in (run_dir / LAST, run_dir / PREV):
+    for path in (RunDir(run_dir).last_checkpoint, RunDir(run_dir).previous_checkpoint):
         if not path.exists():
             continue
         try:
@@ -174,18 +157,16 @@ def find_resume_point(run_dir: Path) -> ResumePoint | None:
 
 def set_aside(path: Path) -> Path:
     """Rename an unreadable checkpoint to `<name>.unreadable`, so that it is never kept as the older good copy."""
-    aside = path.with_name(path.name + ".unreadable")
+    aside = path.with_name(UNREADABLE.format(path.name))
     os.replace(path, aside)
     return aside
 
 
 def remove_stale_temp_files(run_dir: Path) -> list[Path]:
     """Delete the temp files a killed writer left in a run folder (only while holding the run's lock)."""
-    removed = []
-    for pattern in STALE_PATTERNS:
-        for path in run_dir.glob(pattern):
-            path.unlink(missing_ok=True)
-            removed.append(path)
+    removed = RunDir(run_dir).stale_temp_files()
+    for path in removed:
+        path.unlink(missing_ok=True)
     return removed
 
 

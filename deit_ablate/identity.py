@@ -20,6 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from deit_ablate.rundir import runs_root
+
 # Top-level nodes that are not the experiment: how it runs, and Hydra's own settings.
 NOT_EXPERIMENT = ("runtime", "hydra")
 # Where the data lies is not which data it is: the data's fingerprint (recorded in the run folder) stands for it.
@@ -193,7 +195,7 @@ def identity_from_hydra(cfg: DictConfig) -> RunIdentity:
 
 def _run_name_resolver(*, _root_: DictConfig) -> str:
     overrides = list(_root_.hydra.overrides.task) if "hydra" in _root_ else []
-    return folder_name(run_identity(_root_, overrides), Path(_root_.runtime.output_root) / "runs")
+    return folder_name(run_identity(_root_, overrides), runs_root(_root_.runtime.output_root))
 
 
 def _at_scale_resolver(paper: Any, demo: Any, *, _root_: DictConfig) -> Any:

@@ -15,8 +15,8 @@ from deit_ablate.distributed import DistInfo, agree, broadcast_object, stopped_b
 from deit_ablate.errors import ConfigError, RunError
 from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.plan import RunPlan
-from deit_ablate.rundir import RunDir
-from deit_ablate.runlock import LOCK_NAME, RunLock
+from deit_ablate.rundir import RunDir, wandb_root
+from deit_ablate.runlock import RunLock
 from deit_ablate.stages import layer_scale_run_dir
 from deit_ablate.stopping import StopRequested
 from deit_ablate.streams import copies_augmented_alike
@@ -34,10 +34,10 @@ def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 
         if holder is None:
             return lock
         if not wait:
+            lock_file = RunDir(run_dir).lock
             raise RunError(f"the run folder {run_dir} is in use by another launch of the same run: {holder} "
-                           f"({run_dir / LOCK_NAME}). Wait for it to end or stop it, or add "
-                           f"runtime.wait_for_lock=true to wait for it. If that launch is gone (a crashed node), "
-                           f"delete {run_dir / LOCK_NAME}.")
+                           f"({lock_file}). Wait for it to end or stop it, or add runtime.wait_for_lock=true to wait "
+                           f"for it. If that launch is gone (a crashed node), delete {lock_file}.")
         if info.is_main and not announced:
             log.info(f"[run] waiting for the run folder {run_dir}, in use by {holder}")
             announced = True
@@ -97,17 +97,12 @@ def report_finished(plan: RunPlan, result: dict[str, Any]) -> None:
 
 def record_identity(plan: RunPlan) -> None:
     """Write what this run is (its digest, its data and its teacher) into its folder, once."""
-    identity = plan.identity
-    if plan.run_dir.read_identity() is None:
-        plan.run_dir.write_identity({"name": identity.name, "run_id": identity.run_id, "digest": identity.digest,
-                                     "data": plan.data, **({"teacher": identity.teacher} if identity.teacher else {})})
+    plan.run_dir.record_identity(plan.identity, plan.data)
 
 
 def record_result(plan: RunPlan, final: dict[str, Any]) -> None:
     """Write the run's result.json: its summary, under the run's name, wandb id, digest and data."""
-    identity = plan.identity
-    plan.run_dir.write_result({"run_id": identity.run_id, "name": identity.name, **final,
-                               "experiment_digest": identity.digest, "data_fingerprint": plan.data})
+    plan.run_dir.record_result(plan.identity, plan.data, final)
 
 
 def log_again_if_lost(plan: RunPlan, what_happened: str) -> None:
@@ -116,12 +111,11 @@ def log_again_if_lost(plan: RunPlan, what_happened: str) -> None:
     runtime, identity, run_dir = plan.settings.runtime, plan.identity, plan.run_dir
     if runtime.tracking.mode == TrackingMode.disabled or wandb_logs(runtime.output_root, identity.run_id):
         return
-    result = run_dir.read_result() or {}
-    summary = {k: v for k, v in result.items() if k not in ("run_id", "name", "experiment_digest", "data_fingerprint")}
+    summary = run_dir.read_summary()
     Tracker(plan.settings, identity, plan.data, enabled=True, run_dir=run_dir.path, write_csv=False).replay(
         read_epoch_rows(run_dir.metrics), summary)
     log.warning(f"[run] the wandb log of {identity.name} (id {identity.run_id}) under "
-                f"{Path(runtime.output_root) / 'wandb'} {what_happened}: logged its result and epochs again from "
+                f"{wandb_root(runtime.output_root)} {what_happened}: logged its result and epochs again from "
                 f"{run_dir.result.name} and {run_dir.metrics.name}, so the aggregator sees the run.")
 
 

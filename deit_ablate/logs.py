@@ -7,6 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
+from deit_ablate.rundir import RunDir
+from deit_ablate.rundir import rank_log_name as rank_log_name  # the names are rundir's; importable here too
+
 log = logging.getLogger("deit_ablate")
 file_only = logging.getLogger("deit_ablate.file_only")  # what the run's file records beyond the console
 file_only.propagate = False
@@ -37,14 +40,9 @@ class RunFileHandler(logging.FileHandler):
             print(f"warning: cannot write to {self.baseFilename} ({error}); the console keeps the log", file=sys.stderr)
 
 
-def rank_log_name(rank: int) -> str:
-    """train.log for the main rank, train-rank<N>.log for the others."""
-    return "train.log" if rank == 0 else f"train-rank{rank}.log"
-
-
 def attach_run_log(run_dir: Path, rank: int) -> logging.Handler:
     """Append everything logged from now on (ours, libraries', Python warnings) to this rank's file."""
-    handler = RunFileHandler(Path(run_dir) / rank_log_name(rank), mode="a", encoding="utf-8")
+    handler = RunFileHandler(RunDir(Path(run_dir)).rank_log(rank), mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter(FILE_FORMAT))
     logging.getLogger().addHandler(handler)
     file_only.addHandler(handler)

@@ -48,7 +48,7 @@ def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     """The data's fingerprint, checked against the one the run folder recorded: another dataset under the same
     settings is refused, never resumed or skipped with the other data's result."""
     current = data_fingerprint(cfg)
-    recorded = (run_dir.read_identity() or {}).get("data")
+    recorded = run_dir.recorded_data()
     if recorded is not None and recorded.get("digest") != current.get("digest"):
         raise ConfigError(
             f"{run_dir.path} holds this experiment trained on other data ({describe_data(recorded)}), but "

@@ -24,9 +24,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.rundir import LOCK
+from deit_ablate.atomic import write_text_atomic
+from deit_ablate.rundir import LOCK, LOCK_ASIDE
 
-LOCK_NAME = LOCK
+LOCK_NAME = LOCK  # the name older imports use; the folder's layout is rundir's
 REFRESH_S = 60.0
 STALE_AFTER_S = 600.0  # a lock from another host not refreshed for 10 minutes is stale
 
@@ -111,21 +112,13 @@ class RunLock:
     def _create(self) -> bool:
         """Create the lock with our record; False if it exists. The record is written to a private file first
         and hard-linked into place (atomic, and fails if the lock exists), so a kill never leaves an empty lock."""
-        staged = self.path.with_name(f".{LOCK_NAME}.{self.me['token']}.tmp")
         try:
-            with open(staged, "x") as handle:
-                handle.write(json.dumps(self.me))
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                os.link(staged, self.path)
-            except FileExistsError:
-                return False
-            except OSError:  # a file system without hard links: exclusive create, then write (the old window)
-                return self._create_in_place()
-            return True
-        finally:
-            staged.unlink(missing_ok=True)
+            write_text_atomic(self.path, json.dumps(self.me), exclusive=True)
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links: exclusive create, then write (the old window)
+            return self._create_in_place()
+        return True
 
     def _create_in_place(self) -> bool:
         try:
@@ -140,7 +133,7 @@ class RunLock:
 
     def _take_over(self, seen: str) -> None:
         """Move the stale lock aside; put it back if what moved is not the lock judged stale (a new holder's)."""
-        aside = self.path.with_name(f"{LOCK_NAME}.stale-{self.me['token']}")
+        aside = self.path.with_name(LOCK_ASIDE.format(self.me["token"]))
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:

@@ -17,7 +17,7 @@ from deit_ablate.deeper import layer_scale_digest, layer_scale_values, set_layer
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import folder_name, pretrain_overrides, run_identity, swap_overrides, task_overrides
 from deit_ablate.models import resize_pos_embed_state
-from deit_ablate.rundir import RunDir
+from deit_ablate.rundir import LAST, RUNS, RunDir, runs_root
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> Run
         return None
     upstream_overrides = pretrain_overrides(task_overrides() if overrides is None else overrides)
     upstream = compose_run_config(upstream_overrides)
-    runs_root = Path(cfg.runtime.output_root) / "runs"
-    return RunDir(runs_root / folder_name(run_identity(upstream, upstream_overrides), runs_root))
+    return RunDir.under(cfg.runtime.output_root,
+                        folder_name(run_identity(upstream, upstream_overrides), runs_root(cfg.runtime.output_root)))
 
 
 def pretrain_status(cfg: DictConfig, upstream: RunDir | None) -> str:
@@ -61,7 +61,7 @@ def pretrain_status(cfg: DictConfig, upstream: RunDir | None) -> str:
         path = Path(cfg.finetune.init_checkpoint).expanduser()
         if not path.is_file():
             raise ConfigError(f"finetune.init_checkpoint={path} does not exist. Point it at a checkpoint written "
-                              "by a pre-training run (outputs/runs/<run>/checkpoint-last.pt).")
+                              f"by a pre-training run (outputs/{RUNS}/<run>/{LAST}).")
         return "finished"
     result = upstream.read_result()
     if result is None:
@@ -157,8 +157,8 @@ def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> 
         raise ConfigError(f"model.kwargs.layer_scale_from={cfg.model.kwargs.layer_scale_from}: that row does not learn "
                           "LayerScale from ε (its model.kwargs.init_values is unset, or its diagonal is fixed). Name a "
                           "row that learns it, e.g. depth18_layerscale.")
-    runs_root = Path(cfg.runtime.output_root) / "runs"
-    return RunDir(runs_root / folder_name(run_identity(upstream, source_overrides), runs_root))
+    return RunDir.under(cfg.runtime.output_root,
+                        folder_name(run_identity(upstream, source_overrides), runs_root(cfg.runtime.output_root)))
 
 
 def _train_command(overrides: list[str]) -> str:
@@ -190,7 +190,7 @@ def fix_layer_scale(model: torch.nn.Module, cfg: DictConfig, overrides: list[str
     source = finished_layer_scale_run(cfg, overrides)
     if source is None:
         return None
-    recorded = (source.read_identity() or {}).get("data", {}).get("digest")
+    recorded = (source.recorded_data() or {}).get("digest")
     if recorded is not None and recorded != data_fingerprint(cfg).get("digest"):
         raise ConfigError(f"the LayerScale run '{source.name}' was trained on other data than this run's; train it on "
                           "this data first, under another output folder (runtime.output_root=...).")

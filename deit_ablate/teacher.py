@@ -21,7 +21,7 @@ from deit_ablate.errors import ConfigError
 from deit_ablate.identity import RunIdentity, with_teacher
 from deit_ablate.logs import log
 from deit_ablate.models import student_model_name
-from deit_ablate.rundir import RunDir, find_run
+from deit_ablate.rundir import RunDir, find_run, runs_root
 
 
 class TeacherLoadError(ConfigError):
@@ -157,12 +157,11 @@ def resolve_teacher(teacher_cfg, output_root: str | Path) -> TeacherSource:
     if reference is None or str(reference).strip() == "":
         return TeacherSource(name, kwargs, None)  # load_teacher explains what to do
     path = Path(str(reference)).expanduser()
-    run = find_run(path, Path(output_root) / "runs")
+    run = find_run(path, runs_root(output_root))
     if run is None:
         return TeacherSource(name, kwargs, path)
-    run_config = run.hydra / "config.yaml"
-    if run_config.exists():
-        model = yaml.safe_load(run_config.read_text())["model"]
+    if run.hydra_config.exists():
+        model = yaml.safe_load(run.hydra_config.read_text())["model"]
         name, kwargs = model["name"], dict(model.get("kwargs") or {})
     return TeacherSource(name, kwargs, run.weights(), run)
 
@@ -177,7 +176,7 @@ def teacher_run_state(run: RunDir) -> str:
         return str(result["status"])
     try:
         rows = max(len(run.metrics.read_text().splitlines()) - 1, 0) if run.metrics.exists() else 0
-        config = yaml.safe_load((run.hydra / "config.yaml").read_text())
+        config = yaml.safe_load(run.hydra_config.read_text())
         planned = config["finetune" if config.get("stage") == Stage.finetune else "train"]["epochs"]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return "unfinished"
@@ -195,7 +194,7 @@ def _state_text(state: str) -> str:
 def _command(run: RunDir) -> str:
     """The command that launches `run` again, from its recorded overrides."""
     try:
-        overrides = yaml.safe_load((run.hydra / "overrides.yaml").read_text()) or []
+        overrides = yaml.safe_load(run.hydra_overrides.read_text()) or []
     except (OSError, yaml.YAMLError):
         overrides = []
     return " ".join(["python train.py", *(shlex.quote(str(item)) for item in overrides)])

@@ -20,9 +20,10 @@ from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 
+from deit_ablate.atomic import write_text_atomic
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import RunIdentity
-from deit_ablate.rundir import METRICS, WANDB
+from deit_ablate.rundir import METRICS, wandb_root
 
 # Keys of the resolved config that never go to wandb (they could carry credentials or host details).
 _PRIVATE_KEYS = ("runtime.tracking.entity",)
@@ -88,7 +89,7 @@ def check_tracking(cfg: DictConfig) -> None:
     if cfg.runtime.tracking.mode != "online":
         return
     offline = (f"or log offline with runtime.tracking.mode=offline and upload later with "
-               f"`wandb sync {Path(cfg.runtime.output_root) / WANDB}/offline-run-*`.")
+               f"`wandb sync {wandb_root(cfg.runtime.output_root)}/offline-run-*`.")
     server = wandb_server()
     from wandb.errors import AuthenticationError
 
@@ -151,9 +152,7 @@ def write_epoch_row(path: Path, row: dict[str, Any]) -> None:
     writer.writeheader()
     writer.writerows(kept)
     writer.writerow(row)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(buf.getvalue())
-    tmp.replace(path)
+    write_text_atomic(path, buf.getvalue())
 
 
 @functools.cache
@@ -175,7 +174,7 @@ def code_commit() -> str | None:
 
 def wandb_logs(output_root: str | Path, run_id: str) -> list[Path]:
     """The wandb folders (offline or online) holding a log of run `run_id` under `<output_root>/wandb`."""
-    root = Path(output_root) / "wandb"
+    root = wandb_root(output_root)
     found = sorted(root.glob(f"*-{run_id}")) if root.is_dir() else []
     return [folder for folder in found if any(folder.glob("*.wandb"))]
 

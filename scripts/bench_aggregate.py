@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from deit_ablate.aggregate import cli  # noqa: E402
 from deit_ablate.aggregate.paper import paper_table  # noqa: E402
 from deit_ablate.aggregate.wandb_log import encode_log, read_log  # noqa: E402
+from deit_ablate.rundir import wandb_root  # noqa: E402
 
 TEMPLATE_ID = "tmpl00000000"  # clones use ids of the same length: b00000000001, ...
 WRITER = r"""
@@ -102,7 +103,7 @@ def clone(spec: list[dict], out: Path, steps: int, epochs: int) -> Path:
     write_real(
         [{"id": TEMPLATE_ID, "config": spec[0]["config"], "summary": {}, "tags": []}], template_dir, steps, epochs
     )
-    log = next(template_dir.glob(f"wandb/*/run-{TEMPLATE_ID}.wandb"))
+    log = next(wandb_root(template_dir).glob(f"*/run-{TEMPLATE_ID}.wandb"))
     records = read_log(log).records
     kinds = []
     for payload in records:
@@ -112,7 +113,7 @@ def clone(spec: list[dict], out: Path, steps: int, epochs: int) -> Path:
     run_at, exit_at = kinds.index("run"), kinds.index("exit")
     template_run = Record()
     template_run.ParseFromString(records[run_at])
-    wandb_dir = out / "wandb"
+    wandb_dir = wandb_root(out)
     wandb_dir.mkdir(parents=True, exist_ok=True)
     old = TEMPLATE_ID.encode()
     seen: dict[str, int] = {}
@@ -162,15 +163,15 @@ def main() -> int:
     else:
         clone(spec, out, args.steps, args.epochs)
     made = time.perf_counter() - t0
-    logs = sorted(f for f in (out / "wandb").glob("*/run-*.wandb") if f.parent.name != "latest-run")
+    logs = sorted(f for f in wandb_root(out).glob("*/run-*.wandb") if f.parent.name != "latest-run")
     size = sum(f.stat().st_size for f in logs)
     records = len(read_log(logs[0]).records)
     print(f"wrote {len(logs)} run logs ({size / 2**20:.1f} MiB, ~{records} records each) in {made:.1f} s: {out}")
     jobs = ["--jobs", str(args.jobs)] if args.jobs else []
     t0 = time.perf_counter()
-    cli.main([str(out / "wandb"), "--out", os.devnull, "-q", *jobs])
+    cli.main([str(wandb_root(out)), "--out", os.devnull, "-q", *jobs])
     in_process = time.perf_counter() - t0
-    cmd = [sys.executable, str(ROOT / "scripts" / "aggregate.py"), str(out / "wandb"), "--out", os.devnull, "-q"]
+    cmd = [sys.executable, str(ROOT / "scripts" / "aggregate.py"), str(wandb_root(out)), "--out", os.devnull, "-q"]
     t0 = time.perf_counter()
     subprocess.run(cmd + jobs, check=True)
     whole = time.perf_counter() - t0

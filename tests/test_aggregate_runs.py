@@ -20,6 +20,7 @@ from deit_ablate.aggregate.curves import load_histories, plot_curves
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.aggregate.settings import EXECUTION_KEYS, experiment_settings, is_execution_key
 from deit_ablate.identity import RunIdentity
+from deit_ablate.rundir import RunDir, runs_root, wandb_root
 from deit_ablate.tracking import METRICS_CSV, Tracker, code_commit
 from tests.conftest import TINY, run_train
 
@@ -50,7 +51,7 @@ def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[dict, st
 
 
 def _configs(outputs: Path) -> dict[str, dict]:
-    return {r.run_id: r.config for r in read_offline(outputs / "wandb", warn=lambda m: None)}
+    return {r.run_id: r.config for r in read_offline(wandb_root(outputs), warn=lambda m: None)}
 
 
 def test_runs_log_choices_and_keep_a_metrics_csv(outputs: Path) -> None:
@@ -60,8 +61,8 @@ def test_runs_log_choices_and_keep_a_metrics_csv(outputs: Path) -> None:
     assert mixes == sorted(["none", "mixup_only", "cutmix_only"] + ["mixup_cutmix"] * 6)
     assert all(not any(k.startswith("hydra/") for k in c["choices"]) for c in configs.values())
     for config in configs.values():
-        folder = outputs / "runs" / config["run_name"]
-        assert OmegaConf.load(folder / ".hydra" / "hydra.yaml").hydra.runtime.choices.mix == config["choices"]["mix"]
+        folder = runs_root(outputs) / config["run_name"]
+        assert OmegaConf.load(RunDir(folder).hydra_settings).hydra.runtime.choices.mix == config["choices"]["mix"]
         lines = (folder / METRICS_CSV).read_text().splitlines()
         assert lines[0].startswith("epoch,step,") and "val/top1" in lines[0]
         assert [line.split(",")[0] for line in lines[1:]] == ["0", "1"]
@@ -70,36 +71,36 @@ def test_runs_log_choices_and_keep_a_metrics_csv(outputs: Path) -> None:
 def test_no_cell_pools_sgd_with_adamw(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     configs = _configs(outputs)
     for rows in ("mix", "optimizer.name", "ablation", "seed"):
-        data, err = _json([str(outputs / "wandb"), "--rows", rows], capsys)
+        data, err = _json([str(wandb_root(outputs)), "--rows", rows], capsys)
         for row in data["rows"]:
             for cell in row["cells"].values():
                 settings = {json.dumps(experiment_settings(configs[rid]), sort_keys=True) for rid in cell["run_ids"]}
                 assert len(settings) <= 1, (rows, row["key"])
                 optimizers = {configs[rid]["optimizer"]["name"] for rid in cell["run_ids"]}
                 assert len(optimizers) <= 1, (rows, row["key"], optimizers)
-    data, err = _json([str(outputs / "wandb"), "--rows", "mix"], capsys)
+    data, err = _json([str(wandb_root(outputs)), "--rows", "mix"], capsys)
     split = next(s for s in data["splits"] if s["row"] == "mixup_cutmix")
     assert "optimizer.name" in split["varied"] and "ablation" in split["varied"]
     assert "runs differ in ablation, mix.mixup_alpha, optimizer.name" in err  # always said which keys varied
 
 
 def test_rows_mix_are_the_option_names(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data, _ = _json([str(outputs / "wandb"), "--rows", "mix"], capsys)
+    data, _ = _json([str(wandb_root(outputs)), "--rows", "mix"], capsys)
     keys = [r["key"] for r in data["rows"]]
     assert set(keys) == MIX_ROWS | {"mixup_cutmix · ablation=no_mixup", "mixup_cutmix · ablation=sgd"}
     assert {r["base"] for r in data["rows"]} == MIX_ROWS and data["rows_key"] == "mix"
     assert data["baseline"] == "mixup_cutmix"
     main = next(r for r in data["rows"] if r["key"] == "mixup_cutmix")["cells"]["pretrain"]
     assert main["n"] == 2 and sorted(main["seeds"]) == [0, 1] and not main["same_seed"]  # the plain run: seed 0
-    data, _ = _json([str(outputs / "wandb"), "--rows", "mix", "--match-baseline"], capsys)
+    data, _ = _json([str(wandb_root(outputs)), "--rows", "mix", "--match-baseline"], capsys)
     assert {r["key"] for r in data["rows"]} == MIX_ROWS
     assert len(data["meta"]["not_matching_baseline"]) == 4  # sgd and no_mixup, two seeds each
-    data, _ = _json([str(outputs / "wandb"), "--rows", "mix.mixup_alpha"], capsys)  # a plain key: its values
+    data, _ = _json([str(wandb_root(outputs)), "--rows", "mix.mixup_alpha"], capsys)  # a plain key: its values
     assert {r["base"] for r in data["rows"]} == {"0", "0.8"}
 
 
 def test_table8_view_splits_and_reports_a_repeated_seed(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data, err = _json([str(outputs / "wandb")], capsys)
+    data, err = _json([str(wandb_root(outputs))], capsys)
     rows = {r["key"]: r for r in data["rows"]}
     base = rows["baseline"]["cells"]["pretrain"]
     assert base["n"] == 2 and not base["same_seed"] and "repeat a seed" not in err  # one run per experiment
@@ -109,18 +110,18 @@ def test_table8_view_splits_and_reports_a_repeated_seed(outputs: Path, capsys: p
         assert sub["cells"]["pretrain"]["n"] == 1 and sub["cells"]["pretrain"]["paper"] is None
     assert rows["sgd"]["cells"]["pretrain"]["n"] == 2 and rows["no_mixup"]["cells"]["pretrain"]["n"] == 2
     assert len(data["rows"]) == 13 + 3  # Table 8's rows, three of them without runs... and the mix sub-rows
-    data, _ = _json([str(outputs / "wandb"), "--paper", "none"], capsys)  # no paper: rows without runs hidden
+    data, _ = _json([str(wandb_root(outputs)), "--paper", "none"], capsys)  # no paper: rows without runs hidden
     assert [r["key"] for r in data["rows"]] == [
         "baseline", "baseline · mix=cutmix_only", "baseline · mix=mixup_only", "baseline · mix=none", "sgd", "no_mixup"
     ]
-    data, _ = _json([str(outputs / "wandb"), "--only-present"], capsys)
+    data, _ = _json([str(wandb_root(outputs)), "--only-present"], capsys)
     assert len(data["rows"]) == 6 and data["paper"]["table"] == "table8"
-    assert cli.main([str(outputs / "wandb"), "--list-runs"]) == 0
+    assert cli.main([str(wandb_root(outputs)), "--list-runs"]) == 0
     assert "same seed: not averaged" not in capsys.readouterr().out
 
 
 def test_curves_draw_one_line_per_row_with_data(outputs: Path) -> None:
-    table = _table([str(outputs / "wandb"), "--rows", "mix"])
+    table = _table([str(wandb_root(outputs)), "--rows", "mix"])
     png = outputs.parent / "curves.png"
     fig = plot_curves(table, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -129,15 +130,16 @@ def test_curves_draw_one_line_per_row_with_data(outputs: Path) -> None:
     assert sorted(line.get_label().split(" (n=")[0] for line in fig.axes[0].lines) == sorted(with_data)
     means = {line.get_label().split(" (n=")[0]: list(line.get_ydata()) for line in fig.axes[0].lines}
     assert all(len(v) == 2 for v in means.values())  # two epochs each
-    assert cli.main([str(outputs / "wandb"), "--rows", "mix", "--curves", str(png), "-q", "--out", "/dev/null"]) == 0
+    assert cli.main([str(wandb_root(outputs)), "--rows", "mix", "--curves", str(png), "-q", "--out", "/dev/null"]) == 0
 
 
 def test_curves_read_the_csv_else_the_wandb_log(outputs: Path, tmp_path: Path) -> None:
-    runs = read_offline(outputs / "wandb", warn=lambda m: None)
+    runs = read_offline(wandb_root(outputs), warn=lambda m: None)
     from_csv = load_histories(runs, jobs=1)
     assert {where for _, where in from_csv.values()} == {"csv"}
-    shutil.copytree(outputs / "wandb", tmp_path / "elsewhere" / "wandb", ignore=shutil.ignore_patterns("latest-run"))
-    moved = read_offline(tmp_path / "elsewhere" / "wandb", warn=lambda m: None)
+    shutil.copytree(wandb_root(outputs), wandb_root(tmp_path / "elsewhere"),
+                    ignore=shutil.ignore_patterns("latest-run"))
+    moved = read_offline(wandb_root(tmp_path / "elsewhere"), warn=lambda m: None)
     from_log = load_histories(moved, jobs=1)
     assert {where for _, where in from_log.values()} == {"log"}
     for rid, (rows, _) in from_csv.items():
@@ -148,7 +150,7 @@ def test_curves_read_the_csv_else_the_wandb_log(outputs: Path, tmp_path: Path) -
 
 def test_html_is_one_self_contained_file(outputs: Path) -> None:
     page = outputs.parent / "table8.html"
-    assert cli.main([str(outputs / "wandb"), "--format", "html", "--out", str(page), "-q"]) == 0
+    assert cli.main([str(wandb_root(outputs)), "--format", "html", "--out", str(page), "-q"]) == 0
     text = page.read_text()
     assert text.startswith("<!DOCTYPE html>") and "<table>" in text and "81.8 ± 0.2" in text
     assert "baseline · mix=none" in text
@@ -168,13 +170,13 @@ def test_html_is_one_self_contained_file(outputs: Path) -> None:
     ],
 )
 def test_mistakes_exit_2_naming_the_key(outputs: Path, capsys: pytest.CaptureFixture[str], argv, words) -> None:
-    assert cli.main([str(outputs / "wandb"), *argv]) == 2
+    assert cli.main([str(wandb_root(outputs)), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and all(w in err for w in words), err
 
 
 def test_dropped_paper_column_says_why(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data, err = _json([str(outputs / "wandb"), "--rows", "resolution", "--paper", "table10"], capsys)
+    data, err = _json([str(wandb_root(outputs)), "--rows", "resolution", "--paper", "table10"], capsys)
     assert data["paper"] is None and "paper table10 left out" in err and "(32)" in err
 
 
@@ -218,7 +220,7 @@ def test_html_and_png_say_what_was_run(outputs: Path, tmp_path: Path) -> None:
     """#26: the page and the figures name the data (and its digest), the model as built, epochs, resolution, preset,
     the aggregator's filters and the commit; no Markdown backticks; the study's title once."""
     digest = next(iter(_configs(outputs).values()))["data_fingerprint"]["digest"][:8]
-    argv = [str(outputs / "wandb"), "--preset", "demo", "--where", "optimizer.name=adamw"]
+    argv = [str(wandb_root(outputs)), "--preset", "demo", "--where", "optimizer.name=adamw"]
     page, png = tmp_path / "t8.html", tmp_path / "t8.png"
     assert cli.main([*argv, "--format", "html", "--out", str(page), "--plot", str(png), "-q"]) == 0
     html = page.read_text()
@@ -237,10 +239,10 @@ def test_html_and_png_say_what_was_run(outputs: Path, tmp_path: Path) -> None:
 
 
 def test_only_present_drops_the_fine_tune_column_nobody_ran(outputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data, _ = _json([str(outputs / "wandb")], capsys)
+    data, _ = _json([str(wandb_root(outputs))], capsys)
     assert data["stages"] == ["pretrain", "finetune"]  # Table 8's two columns by default
-    data, _ = _json([str(outputs / "wandb"), "--only-present"], capsys)
+    data, _ = _json([str(wandb_root(outputs)), "--only-present"], capsys)
     assert data["stages"] == ["pretrain"] and len(data["rows"]) == 6
-    assert cli.main([str(outputs / "wandb"), "--only-present"]) == 0
+    assert cli.main([str(wandb_root(outputs)), "--only-present"]) == 0
     head = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| ablation"))
     assert "ours pre-train @32" in head and "fine-tune" not in head and "↑384" not in head

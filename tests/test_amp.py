@@ -208,7 +208,7 @@ def fp16_runs(tmp_path_factory, data_cache) -> tuple[Path, tuple[dict, dict, dic
 
 def test_fp16_trains_on_the_cpu_and_reports_its_skipped_steps(fp16_runs):
     cwd, (straight, _, _) = fp16_runs
-    result = json.loads((cwd / "straight" / "result.json").read_text())
+    result = json.loads(RunDir(cwd / "straight").result.read_text())
     assert result["status"] == "finished" and result["steps_done"] == 16
     skipped = straight["amp_skipped_steps"]
     assert result["amp_skipped_steps"] == skipped

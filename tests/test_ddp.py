@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from deit_ablate.rundir import LOCK, RESULT, RunDir, runs_root
 from tests.conftest import REPO, TINY, run_train
 
 # Deterministic input: no crop/flip/RandAugment/erasing/repeats, no mixing, no drop path.
@@ -22,10 +23,10 @@ def test_two_processes_make_the_same_first_update_as_one(tmp_path, data_cache):
     proc = run_train(DETERMINISTIC + TINY + [f"hydra.run.dir={two}"], tmp_path, data_cache, module=torchrun)
     assert re.search(r"rank 1 of 2 \(local rank 1 on .+\) joined the process group \(gloo, cpu\)", proc.stdout)
     assert "global batch 32 = 2 x 16 per rank" in proc.stdout
-    assert "global batch 32 = 2 x 16 per rank" in (two / "train.log").read_text()  # each rank's own log
-    assert (two / "train-rank1.log").exists() and not list(two.glob("run.lock*"))
-    a = torch.load(one / "checkpoint-last.pt", weights_only=True)
-    b = torch.load(two / "checkpoint-last.pt", weights_only=True)
+    assert "global batch 32 = 2 x 16 per rank" in RunDir(two).log.read_text()  # each rank's own log
+    assert RunDir(two).rank_log(1).exists() and not list(two.glob(f"{LOCK}*"))
+    a = torch.load(RunDir(one).last_checkpoint, weights_only=True)
+    b = torch.load(RunDir(two).last_checkpoint, weights_only=True)
     assert a["step"] == b["step"] == 1
     # Equal only if DDP averaged the two halves' gradients: each half alone gives another update.
     for name, tensor in a["model"].items():
@@ -46,7 +47,7 @@ def test_eval_mode_finetune_of_a_distilled_student_runs_two_ddp_steps(tmp_path, 
     proc = run_train(student + ["stage=finetune"], tmp_path, data_cache, module=torchrun)
     assert "finetune at 48px of deit_tiny_distilled_patch16_224 (patch 8, width 32, depth 1, heads 2, " in proc.stdout
     assert " M params) (in eval mode)" in proc.stdout
-    results = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")]
+    results = [json.loads(p.read_text()) for p in (runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}")]
     assert len(results) == 2  # the pre-training and its fine-tune
     assert all(r["status"] == "finished" and r["steps_done"] == 2 and "top1_dist" in r for r in results)
 

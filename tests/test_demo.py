@@ -6,16 +6,17 @@ import json
 
 import pytest
 
+from deit_ablate.rundir import RunDir, runs_root
 from tests.conftest import run_train
 
 
 @pytest.mark.slow
 def test_default_demo_learns_well_above_chance(tmp_path, data_cache):
     proc = run_train([], tmp_path, data_cache, extra_env={"OMP_NUM_THREADS": "2"}, timeout=900)
-    run_dir = next((tmp_path / "outputs" / "runs").glob("default-*"))
-    result = json.loads((run_dir / "result.json").read_text())
+    run_dir = next((runs_root(tmp_path / "outputs")).glob("default-*"))
+    result = json.loads(RunDir(run_dir).result.read_text())
     assert result["status"] == "finished" and result["epochs_done"] == 10
     assert result["top1"] >= 30.0  # 3x chance on 10 classes, with every ingredient of the recipe on
-    assert "rand-m9-mstd0.5-inc1" in (run_dir / ".hydra" / "config.yaml").read_text()
+    assert "rand-m9-mstd0.5-inc1" in RunDir(run_dir).hydra_config.read_text()
     print(f"demo: top-1 {result['top1']:.1f}% in {result['train_seconds']:.0f}s of training")
     assert "status    finished" in proc.stdout

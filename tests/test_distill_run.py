@@ -16,6 +16,7 @@ from deit_ablate.distributed import DistInfo
 from deit_ablate.engine import Trainer
 from deit_ablate.models import build_model, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler
+from deit_ablate.rundir import LAST, RESULT, RunDir, runs_root
 from tests.conftest import TINY, compose_config, run_train
 
 DATA = [item for item in TINY if not item.startswith("model.")]
@@ -25,7 +26,7 @@ STUDENT = ["model=vit_demo", "model.kwargs.depth=1", "model.kwargs.embed_dim=32"
 @pytest.fixture(scope="module")
 def teacher_checkpoint(tmp_path_factory) -> Path:
     """A resnet10t with 10 classes, saved the way our runs save checkpoints."""
-    path = tmp_path_factory.mktemp("teacher") / "checkpoint-last.pt"
+    path = tmp_path_factory.mktemp("teacher") / LAST
     torch.save({"model": timm.create_model("resnet10t", num_classes=10).state_dict()}, path)
     return path
 
@@ -58,21 +59,21 @@ def test_teacher_receives_exactly_the_mixed_batch_the_student_sees(teacher_check
 
 
 def _run_dir(cwd: Path, fragment: str) -> Path:
-    return next(p for p in (cwd / "outputs" / "runs").iterdir() if fragment in p.name)
+    return next(p for p in (runs_root(cwd / "outputs")).iterdir() if fragment in p.name)
 
 
 @pytest.mark.slow
 def test_table_3_ladder_from_one_command_trains_the_paper_models(tmp_path, data_cache):
     run_train(["model=cnn_demo"] + DATA, tmp_path, data_cache)
     teacher_run = _run_dir(tmp_path, "model=cnn_demo")
-    assert (teacher_run / "checkpoint-best.pt").exists()
+    assert RunDir(teacher_run).best_checkpoint.exists()
     # The README's Table 3 command: no model= named; the token kinds train the distilled twin by themselves.
     sweep = ["-m", "distill=none,soft,hard,hard_token,soft_token", "stage=pretrain,finetune", "train.max_steps=3",
              f"distill.teacher.checkpoint='{teacher_run}'"]
     proc = run_train(sweep + STUDENT[1:] + DATA, tmp_path, data_cache)
     results = {}
-    for path in (tmp_path / "outputs" / "runs").glob("*/result.json"):
-        overrides = (path.parent / ".hydra" / "overrides.yaml").read_text()
+    for path in (runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}"):
+        overrides = RunDir(path.parent).hydra_overrides.read_text()
         if "distill=" in overrides:
             kind = overrides.split("distill=")[1].split()[0]
             stage = "finetune" if "stage=finetune" in overrides else "pretrain"

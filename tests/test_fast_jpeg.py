@@ -26,6 +26,7 @@ from deit_ablate.data.fast_jpeg import (
 )
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
 from deit_ablate.errors import ConfigError
+from deit_ablate.rundir import RESULT, runs_root
 from deit_ablate.validate import validate_config
 from tests.conftest import TINY, compose_config, run_train
 
@@ -177,7 +178,7 @@ def test_train_py_trains_on_jpegs_with_the_fast_path_and_workers(tmp_path, data_
     assert dataset.loader is lazy_loader and isinstance(dataset.transform.transforms[0], FastRandomResizedCrop)
     assert build_dataset(cfg, "val", build_eval_transform(cfg)).loader is not lazy_loader
     run_train(args, tmp_path, data_cache)
-    result = json.loads(next((tmp_path / "outputs" / "runs").glob("*/result.json")).read_text())
+    result = json.loads(next((runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}")).read_text())
     assert result["status"] == "finished" and result["steps_done"] == 3
 
 

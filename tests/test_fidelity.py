@@ -17,6 +17,7 @@ from deit_ablate.engine import Trainer
 from deit_ablate.errors import ConfigError
 from deit_ablate.models import build_model, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
+from deit_ablate.rundir import LAST
 from deit_ablate.stages import load_pretrained, stage_recipe
 from deit_ablate.validate import plan_batch
 from tests.conftest import compose_config
@@ -208,7 +209,7 @@ def test_ema_row_finetunes_from_the_ema_weights(tmp_path):
     cfg = compose_config(["model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"])
     trained = build_model(cfg.model, num_classes=10, img_size=32)
     averaged = build_model(cfg.model, num_classes=10, img_size=32)
-    path = tmp_path / "checkpoint-last.pt"
+    path = tmp_path / LAST
     torch.save({"model": trained.state_dict(), "ema": averaged.state_dict(), "step": 1}, path)
     student = build_model(cfg.model, num_classes=10, img_size=48)
     load_pretrained(student, path)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from deit_ablate import atomic
 from deit_ablate.data import fingerprint as F
 from deit_ablate.data.fingerprint import CACHE_NAME, dataset_fingerprint, describe_fingerprint
 
@@ -232,17 +233,18 @@ def test_a_tree_changed_just_now_is_not_cached_yet(tmp_path, scans):
 
 
 def test_unwritable_root_caches_in_cache_dir(tmp_path, monkeypatch, scans):
-    """Simulated by failing the temp-file creation in the root, which is the write test the code uses (tests run as
-    root here, where chmod does not stop writes; the next test does it with chmod where it can)."""
+    """Simulated by failing the temp-file creation in the root, which is the write test the code uses (atomic.py's
+    temp file; tests run as root here, where chmod does not stop writes; the next test does it with chmod where it
+    can)."""
     root = make_tree(tmp_path / "d")
-    real = F.tempfile.mkstemp
+    real = atomic.tempfile.mkstemp
 
     def mkstemp(*a, dir=None, **kw):
         if os.path.samefile(dir, root):
             raise PermissionError(13, "Permission denied", str(dir))
         return real(*a, dir=dir, **kw)
 
-    monkeypatch.setattr(F.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp)
     fp = dataset_fingerprint(root, cache_dir=tmp_path / "cache")
     assert not (root / CACHE_NAME).exists()
     [cached] = (tmp_path / "cache").iterdir()

@@ -124,7 +124,8 @@ def test_the_data_counts_by_content_not_by_path(tmp_path, data_cache):
     assert "runtime.output_root" in proc.stderr  # the fix is named
     identity = json.loads(next((tmp_path / "outputs" / "runs").glob("*/identity.json")).read_text())
     result = json.loads(next((tmp_path / "outputs" / "runs").glob("*/result.json")).read_text())
-    assert identity["data"]["images"]["train"] == 300 and result["data_fingerprint"] == identity["data"]
+    assert identity["data_fingerprint"]["images"]["train"] == 300 and result["data_fingerprint"] == identity[
+        "data_fingerprint"]  # one name for the data's fingerprint in both files
     run_train(args + [f"data.root={other}", "runtime.output_root=elsewhere"], tmp_path, data_cache)
     elsewhere = json.loads(next((tmp_path / "elsewhere" / "runs").glob("*/result.json")).read_text())
     assert elsewhere["run_id"] != result["run_id"]  # two datasets never write to one wandb run

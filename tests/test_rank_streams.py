@@ -30,6 +30,7 @@ from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.loader import build_train_loader, build_train_sampler, seed_epoch_data
 from deit_ablate.data.transforms import build_train_pipeline
 from deit_ablate.mixing import build_mixup
+from deit_ablate.rundir import RESULT, RunDir, runs_root
 from deit_ablate.streams import SHARED, STREAMS_VERSION, RunStreams, Stream, copies_augmented_alike
 from deit_ablate.teacher import teacher_forward
 from tests.conftest import REPO, compose_config, run_train
@@ -243,7 +244,7 @@ def test_a_multi_rank_result_from_before_the_per_rank_streams_is_named_when_skip
     assert not copies_augmented_alike({**old, "nodes": {"cpu": [0]}}, repeats=3)  # one rank: never affected
     folder = tmp_path / "old_run"
     folder.mkdir()
-    (folder / "result.json").write_text(json.dumps(old))
+    RunDir(folder).result.write_text(json.dumps(old))
     proc = run_train(["data.builtin.train_per_class=30", "data.builtin.val_per_class=10", f"hydra.run.dir={folder}"],
                      tmp_path, data_cache)
     assert "already finished (top-1 50.00); skipping" in proc.stdout
@@ -325,7 +326,7 @@ def test_four_torchrun_ranks_augment_each_copy_differently_and_share_one_permuta
                  "runtime.num_workers=1", "runtime.eval_batch=8", "runtime.log_interval=2"]
     run_train(overrides, tmp_path, data_cache, module=torchrun,
               extra_env={"DEIT_STREAM_AUDIT": str(audit), "PYTHONPATH": str(REPO)})
-    (result,) = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")]
+    (result,) = [json.loads(p.read_text()) for p in (runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}")]
     assert result["streams"] == STREAMS_VERSION and not copies_augmented_alike(result, repeats=3)
     records = _audit_records(audit)
     images = [(r["index"], (r["rank"], r["sha"], r["ops"])) for r in records["image"] if r["split"] == "train"]

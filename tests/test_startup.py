@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from deit_ablate.rundir import HYDRA, HYDRA_CONFIG, MULTIRUN, RUNS, wandb_root
 from tests.conftest import TINY, compose_config, run_train
 
 ONE_STEP = TINY + ["train.max_steps=1"]
@@ -165,11 +166,11 @@ def test_an_output_root_that_cannot_hold_the_run_is_one_line_and_nothing_is_writ
         root = read_only_mount(tmp_path / "ro")
     else:
         root = tmp_path / "out"
-        read_only_mount(root / "wandb")
+        read_only_mount(wandb_root(root))
     before = _tree(tmp_path)
     proc = run_train(ONE_STEP + [f"runtime.output_root={root}"], tmp_path, data_cache, check=False)
     line = _one_line_error(proc, expected, "runtime.output_root")
-    assert str(root / "wandb" if case == "wandb_read_only" else root) in line
+    assert str(wandb_root(root) if case == "wandb_read_only" else root) in line
     assert _tree(tmp_path) == before
 
 
@@ -177,7 +178,7 @@ def test_a_read_only_wandb_folder_is_fine_when_tracking_is_disabled(tmp_path, re
     from deit_ablate.errors import ConfigError
     from deit_ablate.rundir import check_output_root
 
-    read_only_mount(tmp_path / "wandb")
+    read_only_mount(wandb_root(tmp_path))
     check_output_root(tmp_path, tracking=False)
     with pytest.raises(ConfigError, match="runtime.tracking.mode=disabled"):
         check_output_root(tmp_path, tracking=True)
@@ -201,7 +202,7 @@ def test_a_dry_run_leaves_every_file_under_the_output_root_as_it_was(tmp_path, d
     run_train(["-m", "seed=0"] + ONE_STEP, tmp_path, data_cache)  # a finished run, and the sweep's multirun.yaml
     outputs = tmp_path / "outputs"
     before = _tree(outputs)
-    assert any(key.endswith(".hydra/config.yaml") for key in before) and "runs/multirun.yaml" in before
+    assert any(key.endswith(f"{HYDRA}/{HYDRA_CONFIG}") for key in before) and f"{RUNS}/{MULTIRUN}" in before
     dry = ONE_STEP + ["runtime.dry_run=true"]
     slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2"]
     for args, plan in [(["seed=0"], ["skip (already finished)"]),

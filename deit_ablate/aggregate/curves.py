@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..rundir import METRICS, RunDir
 from .about import footer, headline
 from .paper import STAGE_NAMES
 from .plot import framed_figure
@@ -24,7 +25,7 @@ from .reader import RunInfo, is_api_source, read_histories
 from .stats import NO_SPREAD
 from .table import Table
 
-METRICS_CSV = "metrics.csv"
+METRICS_CSV = METRICS
 # Which per-epoch key draws which --metric (the first one a run has); anything else draws `val/top1`.
 CURVE_KEYS = {
     "top1": ("val_ema/top1", "val/top1"),  # the headline is EMA's when a run keeps an EMA
@@ -59,7 +60,7 @@ def csv_path(run: RunInfo) -> Path | None:
     if is_api_source(run.source) or not name or not run.source:
         return None
     parents = Path(run.source).parents
-    return parents[2] / "runs" / str(name) / METRICS_CSV if len(parents) > 2 else None
+    return RunDir.under(parents[2], str(name)).metrics if len(parents) > 2 else None
 
 
 def _number(text: str) -> Any:

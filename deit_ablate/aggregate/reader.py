@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from ..rundir import wandb_root
 from .wandb_log import read_log
 
 STATUSES = ("finished", "diverged", "failed", "unfinished")
@@ -119,13 +120,85 @@ def _epoch_row(record: Any) -> dict[str, Any] | None:
     return row if "epoch" in row and len(row) > 1 else None
 
 
+@dataclass
+class _Records:
+    """What a pass over a log's records gathered, before it becomes a RunInfo."""
+
+    run: Any = None
+    config: dict[str, Any] = field(default_factory=dict)
+    summary_items: dict[str | tuple[str, ...], str | None] = field(default_factory=dict)  # key or path -> JSON
+    last_history: bytes | None = None
+    history_rows: int = 0
+    exit_code: int | None = None
+    epochs: list[dict[str, Any]] | None = None
+
+
+def _gather(records: Iterable[bytes], path: Path, history: bool, warnings: list[str]) -> _Records:
+    """One pass over a log's records (with `history`, keeping the per-epoch evaluation rows)."""
+    from wandb.proto.wandb_internal_pb2 import Record, RunRecord
+
+    record, got = Record(), _Records(epochs=[] if history else None)
+    for payload in records:
+        try:
+            record.ParseFromString(payload)
+        except Exception as exc:  # a damaged record inside an intact frame: keep what came before
+            warnings.append(f"{path}: undecodable record skipped ({exc})")
+            continue
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            got.history_rows += 1
+            got.last_history = payload
+            if got.epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
+                row = _epoch_row(record)
+                if row is not None:
+                    got.epochs.append(row)
+        elif kind == "summary":  # the hot loop: most records are summary updates
+            for item in record.summary.update:
+                key = item.key
+                got.summary_items[key or tuple(item.nested_key)] = item.value_json
+            for item in record.summary.remove:
+                got.summary_items[item.key or tuple(item.nested_key)] = None
+        elif kind == "config":
+            _apply_items(got.config, record.config.update, record.config.remove)
+        elif kind == "run":
+            got.run = RunRecord()
+            got.run.CopyFrom(record.run)
+            _apply_items(got.config, got.run.config.update, got.run.config.remove)
+            for item in got.run.summary.update:
+                got.summary_items.setdefault(item.key or tuple(item.nested_key), item.value_json)
+        elif kind == "exit":
+            got.exit_code = record.exit.exit_code
+    return got
+
+
+def _run_info(got: _Records, path: Path, problem: str | None) -> RunInfo:
+    """The RunInfo of a log whose records were gathered (it has a run record)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    summary: dict[str, Any] = {}
+    for key, text in got.summary_items.items():
+        if text is not None:
+            _set_path(summary, (key,) if isinstance(key, str) else key, _loads(text))
+    last: dict[str, Any] = {}
+    if got.last_history is not None:
+        record = Record()
+        record.ParseFromString(got.last_history)
+        for item in record.history.item:
+            _set_path(last, _item_path(item), _history_value(item))
+    got.config.pop("_wandb", None)
+    run = got.run
+    return RunInfo(run_id=run.run_id or path.stem.removeprefix("run-"), name=run.display_name, project=run.project,
+                   entity=run.entity, group=run.run_group, tags=tuple(run.tags), config=got.config, summary=summary,
+                   start_time=_timestamp(run.start_time), source=str(path), history_rows=got.history_rows,
+                   last_history=last, exit_code=got.exit_code, problem=problem, history=got.epochs,
+                   commit=run.git.commit)
+
+
 def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | None, list[str]]:
     """Parse one `run-*.wandb` file with wandb's protobuf `Record`; return the run and any warnings.
 
     With `history`, the per-epoch evaluation rows are kept too (`RunInfo.history`, for curves).
     """
-    from wandb.proto.wandb_internal_pb2 import Record, RunRecord
-
     path = Path(path)
     warnings: list[str] = []
     try:
@@ -137,76 +210,11 @@ def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | No
             f"{path}: {log.problem}; read up to the last complete record "
             f"({len(log.records)} records, {log.stopped_at} of {log.size} bytes)"
         )
-    record = Record()
-    run: Any = None
-    config: dict[str, Any] = {}
-    summary_items: dict[str | tuple[str, ...], str | None] = {}  # flat key or nested path -> JSON
-    last_history: bytes | None = None
-    history_rows = 0
-    exit_code: int | None = None
-    epochs: list[dict[str, Any]] | None = [] if history else None
-    for payload in log.records:
-        try:
-            record.ParseFromString(payload)
-        except Exception as exc:  # a damaged record inside an intact frame: keep what came before
-            warnings.append(f"{path}: undecodable record skipped ({exc})")
-            continue
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            history_rows += 1
-            last_history = payload
-            if epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
-                row = _epoch_row(record)
-                if row is not None:
-                    epochs.append(row)
-        elif kind == "summary":  # the hot loop: most records are summary updates
-            for item in record.summary.update:
-                key = item.key
-                summary_items[key or tuple(item.nested_key)] = item.value_json
-            for item in record.summary.remove:
-                summary_items[item.key or tuple(item.nested_key)] = None
-        elif kind == "config":
-            _apply_items(config, record.config.update, record.config.remove)
-        elif kind == "run":
-            run = RunRecord()
-            run.CopyFrom(record.run)
-            _apply_items(config, run.config.update, run.config.remove)
-            for item in run.summary.update:
-                summary_items.setdefault(item.key or tuple(item.nested_key), item.value_json)
-        elif kind == "exit":
-            exit_code = record.exit.exit_code
-    if run is None:
+    got = _gather(log.records, path, history, warnings)
+    if got.run is None:
         warnings.append(f"{path}: no run record (the log ends before wandb.init was written); run skipped")
         return None, warnings
-    summary: dict[str, Any] = {}
-    for key, text in summary_items.items():
-        if text is not None:
-            _set_path(summary, (key,) if isinstance(key, str) else key, _loads(text))
-    last: dict[str, Any] = {}
-    if last_history is not None:
-        record.ParseFromString(last_history)
-        for item in record.history.item:
-            _set_path(last, _item_path(item), _history_value(item))
-    config.pop("_wandb", None)
-    info = RunInfo(
-        run_id=run.run_id or path.stem.removeprefix("run-"),
-        name=run.display_name,
-        project=run.project,
-        entity=run.entity,
-        group=run.run_group,
-        tags=tuple(run.tags),
-        config=config,
-        summary=summary,
-        start_time=_timestamp(run.start_time),
-        source=str(path),
-        history_rows=history_rows,
-        last_history=last,
-        exit_code=exit_code,
-        problem=log.problem,
-        history=epochs,
-        commit=run.git.commit,
-    )
-    return info, warnings
+    return _run_info(got, path, log.problem), warnings
 
 
 MAX_LOG_BYTES = 4 * 1024**3  # a run log above this is skipped (a 300-epoch DeiT run writes a few MB)
@@ -251,8 +259,8 @@ def find_run_files(path: str | Path, warn: Warn = stderr_warn) -> list[Path]:
     found = list(root.glob("run-*.wandb"))
     if not found:
         found = list(root.glob("*/run-*.wandb"))
-    if not found and (root / "wandb").is_dir():
-        found = list((root / "wandb").glob("*/run-*.wandb"))
+    if not found and wandb_root(root).is_dir():
+        found = list(wandb_root(root).glob("*/run-*.wandb"))
     if not found:
         found = list(root.rglob("run-*.wandb"))
     unique: dict[Path, Path] = {}

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from deit_ablate.atomic import atomic_folder
 from deit_ablate.bench.env import synchronize, torch_threads
 from deit_ablate.data.builtin import CLASSES, draw_image
 from deit_ablate.data.datasets import build_dataset
@@ -40,24 +39,19 @@ def ensure_jpeg_set(count: int, root: Path | None = None, seed: int = 0) -> Path
     marker = target / "COMPLETE.json"
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".jpeg-", dir=target.parent))
-    try:
-        side = max(JPEG_WIDTH, JPEG_HEIGHT)
-        top = (side - JPEG_HEIGHT) // 2
+    side = max(JPEG_WIDTH, JPEG_HEIGHT)
+    top = (side - JPEG_HEIGHT) // 2
+
+    def fill(staging: Path) -> None:
         for index in range(count):
             label = index % len(CLASSES)
             folder = staging / "train" / CLASSES[label]
             folder.mkdir(parents=True, exist_ok=True)
             image = draw_image(label, side, np.random.default_rng([seed, index]))
             image.crop((0, top, JPEG_WIDTH, top + JPEG_HEIGHT)).save(folder / f"{index:06d}.jpg", quality=JPEG_QUALITY)
-        marker_tmp = staging / "COMPLETE.json"
-        marker_tmp.write_text(json.dumps(spec))
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        (staging / "COMPLETE.json").write_text(json.dumps(spec))
+
+    atomic_folder(target, fill, complete=lambda: marker.exists() and json.loads(marker.read_text()) == spec)
     return target
 
 

@@ -6,13 +6,13 @@ import colorsys
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
+
+from deit_ablate.atomic import atomic_folder
 
 CLASSES = (
     "disc", "ring", "square", "triangle", "plus", "cross", "stripes", "checker", "diamond", "crescent",
@@ -122,25 +122,15 @@ def ensure_builtin_dataset(root: str | os.PathLike, image_size: int = 40, train_
     marker = target / _MARKER
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     print(f"[data] drawing the built-in dataset into {target} ({len(CLASSES)} classes, "
           f"{train_per_class}+{val_per_class} images per class) ...", flush=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{tag}-", dir=target.parent))
-    try:
+
+    def fill(staging: Path) -> None:
         _write_split(staging, "train", train_per_class, image_size, seed)
         _write_split(staging, "val", val_per_class, image_size, seed)
         (staging / _MARKER).write_text(json.dumps(spec))
-        if target.exists() and not (marker.exists() and json.loads(marker.read_text()) == spec):
-            shutil.rmtree(target)  # an incomplete or outdated earlier attempt
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not marker.exists():  # lost a race to another process only if it finished the same set
-                raise
-            shutil.rmtree(staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    atomic_folder(target, fill, complete=lambda: marker.exists() and json.loads(marker.read_text()) == spec)
     print(f"[data] built-in dataset ready in {time.perf_counter() - start:.1f}s", flush=True)
     return target

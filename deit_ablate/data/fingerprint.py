@@ -21,13 +21,14 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from deit_ablate.atomic import write_json_atomic
 from deit_ablate.data.images import is_hidden, scan_class
+from deit_ablate.errors import RunError
 
 CACHE_NAME = ".deit_fingerprint.json"
 VERSION = 2  # 2: the dataset's file rule (data/images.py)
@@ -108,20 +109,12 @@ def _cached(path: Path, root: Path, stamp: list) -> dict | None:
 
 
 def _write(path: Path, data: dict) -> bool:
-    """Write JSON atomically (a hidden temp file beside it, then os.replace); False when the folder is not writable."""
+    """Write the cache file atomically (atomic.write_json_atomic); False when it cannot be written there."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    except OSError:
+        write_json_atomic(path, data, indent=None)
+    except (OSError, RunError):  # a read-only folder, or a full disk (RunError): the fallback, or no cache
         return False
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        return False
+    return True
 
 
 def dataset_fingerprint(root: str | Path, splits: Sequence[str] = ("train", "val"), cache_dir: Path | None = None,
