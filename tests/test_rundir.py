@@ -202,13 +202,15 @@ def _old_folder(tmp_path: Path, data: dict) -> RunDir:
 
 def test_a_folder_with_the_old_names_skips_and_still_refuses_other_data(tmp_path):
     from deit_ablate.data.datasets import data_fingerprint
-    from deit_ablate.run import data_identity, launch_plan
+    from deit_ablate.distributed import DistInfo
+    from deit_ablate.lifecycle import launch_plan
+    from deit_ablate.plan import data_identity, make_plan
 
     cfg = compose_config(TINY + [f"runtime.output_root={tmp_path}"])
     current = data_fingerprint(cfg)
     run = _old_folder(tmp_path, current)
     assert data_identity(cfg, run) == current  # the same data: the run is this one
-    assert launch_plan(cfg, run) == "skip (already finished)"
+    assert launch_plan(make_plan(cfg, DistInfo(), run, [])) == "skip (already finished)"
     assert run.read_summary() == {"status": "finished", "top1": 12.5}  # what a lost wandb log is replayed from
     (tmp_path / "o").mkdir()
     other = _old_folder(tmp_path / "o", {**current, "digest": "0" * 16})
