@@ -38,6 +38,7 @@ from deit_ablate.engine import Diverged, Trainer, evaluate
 from deit_ablate.errors import ConfigError, RunError
 from deit_ablate.identity import (
     RunIdentity,
+    composed_choices,
     current_run_dir,
     identity_from_hydra,
     run_identity,
@@ -328,7 +329,8 @@ def launch_plan(cfg: DictConfig, run_dir: RunDir) -> str:
 
 def dry_run_line(cfg: DictConfig, run_dir: RunDir, overrides: list[str]) -> str:
     """The dry run's line for one run launched with `overrides`: its folder, wandb id and what a launch would do."""
-    identity = with_run_teacher(with_data(run_identity(cfg, overrides), data_identity(cfg, run_dir)), cfg, run_dir)
+    identity = run_identity(cfg, overrides, composed_choices(cfg))
+    identity = with_run_teacher(with_data(identity, data_identity(cfg, run_dir)), cfg, run_dir)
     return f"[dry run] {run_dir.name} (wandb id {identity.run_id}): {launch_plan(cfg, run_dir)}"
 
 

@@ -15,7 +15,14 @@ from deit_ablate.config import CONF_DIR, compose_run_config
 from deit_ablate.data.datasets import data_fingerprint
 from deit_ablate.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import folder_name, pretrain_overrides, run_identity, swap_overrides, task_overrides
+from deit_ablate.identity import (
+    composed_choices,
+    folder_name,
+    pretrain_overrides,
+    run_identity,
+    swap_overrides,
+    task_overrides,
+)
 from deit_ablate.models import resize_pos_embed_state
 from deit_ablate.rundir import RunDir
 
@@ -49,7 +56,7 @@ def pretrain_run_dir(cfg: DictConfig) -> RunDir:
     overrides = pretrain_overrides(task_overrides())
     upstream = compose_run_config(overrides)
     runs_root = Path(cfg.runtime.output_root) / "runs"
-    return RunDir(runs_root / folder_name(run_identity(upstream, overrides), runs_root))
+    return RunDir(runs_root / folder_name(run_identity(upstream, overrides, composed_choices(upstream)), runs_root))
 
 
 def pretrain_status(cfg: DictConfig) -> str:
@@ -158,7 +165,8 @@ def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> 
                           "LayerScale from ε (its model.kwargs.init_values is unset, or its diagonal is fixed). Name a "
                           "row that learns it, e.g. depth18_layerscale.")
     runs_root = Path(cfg.runtime.output_root) / "runs"
-    return RunDir(runs_root / folder_name(run_identity(upstream, source_overrides), runs_root))
+    identity = run_identity(upstream, source_overrides, composed_choices(upstream))
+    return RunDir(runs_root / folder_name(identity, runs_root))
 
 
 def _train_command(overrides: list[str]) -> str:

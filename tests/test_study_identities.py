@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deit_ablate.identity import run_identity
-from tests.conftest import compose_config
+from tests.conftest import identity_of
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "run_identities.json").read_text())
 
@@ -23,5 +22,5 @@ def test_the_golden_file_covers_table_8_and_cait():
 @pytest.mark.parametrize("golden", GOLDEN, ids=lambda g: ",".join(g["overrides"]))
 def test_run_identities_are_unchanged(golden):
     overrides = golden["overrides"]
-    identity = run_identity(compose_config(overrides), overrides)
+    identity = identity_of(overrides)
     assert (identity.name, identity.run_id, identity.group) == (golden["name"], golden["run_id"], golden["group"])
