@@ -6,10 +6,11 @@ same experiment (one cell), `table` groups rows and stages, `stats` gives each Î
 result, `cli` ties them together.
 """
 
+from .cells import Table
 from .paper import PaperTable, paper_table
 from .reader import RunInfo, read_api, read_offline, read_run_file
 from .select import RunFilter, dedup
-from .table import Table, build_table
+from .table import build_table
 
 __all__ = [
     "PaperTable",

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from .about import footer, headline
+from .cells import Table
 from .paper import STAGE_NAMES
 from .plot import framed_figure
 from .reader import RunInfo, is_api_source, read_histories
 from .stats import NO_SPREAD
-from .table import Table
 
 METRICS_CSV = "metrics.csv"
 # Which per-epoch key draws which --metric (the first one a run has); anything else draws `val/top1`.
