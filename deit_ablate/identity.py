@@ -28,8 +28,8 @@ from deit_ablate.studies import study_names
 FINETUNE_ONLY = ("finetune",)
 # Overrides that pick the stage of a run rather than the experiment it continues.
 STAGE_OVERRIDES = ("stage", "resolution")
-# What a shortened folder name keeps in front, in this order: the study row and the seed tell a sweep's runs apart.
-KEPT_VISIBLE = (*study_names(), "seed")
+# What a shortened folder name keeps in front after the study rows (all studies, Table 8's first): the seed.
+KEPT_VISIBLE = ("seed",)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9=,._+@-]+")
 _MAX_READABLE = 100
@@ -116,14 +116,16 @@ def _readable(item: str) -> str:
 
 
 def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
-                       keep_visible: tuple[str, ...] = KEPT_VISIBLE) -> str:
+                       keep_visible: tuple[str, ...] | None = None) -> str:
     """The experiment's overrides, sorted, comma-joined and folder-safe (empty when there are none); when too long,
-    those of `keep_visible` go first and the rest is cut, marked by `~`."""
+    those of `keep_visible` (default: the study rows, then the seed: they tell a sweep's runs apart) go first and
+    the rest is cut, marked by `~`."""
     items = sorted(_readable(item) for item in overrides if _is_identity_override(item)
                    and _override_key(item).split(".", 1)[0] not in drop_keys)
     text = _UNSAFE.sub("_", ",".join(items))
     if len(text) <= _MAX_READABLE:
         return text
+    keep_visible = (*study_names(), *KEPT_VISIBLE) if keep_visible is None else keep_visible
     first = [item for key in keep_visible for item in items if item.split("=", 1)[0] == key]
     text = _UNSAFE.sub("_", ",".join(first + [item for item in items if item not in first]))
     return f"{text[:_MAX_READABLE]}~"
