@@ -10,9 +10,10 @@ from typing import Any
 
 from deit_ablate.studies import studies as all_studies
 
+from .api import read_api
 from .cells import METRICS, Table
 from .paper import paper_table, table_names
-from .reader import API_PREFIX, RunInfo, Warn, is_api_source, read_api, read_offline, stderr_warn
+from .reader import API_PREFIX, RunInfo, Warn, is_api_source, read_offline, stderr_warn
 from .render import FORMATS, STAGE_NAMES, render, split_text
 from .select import MISSING, ROW_ALIASES, RunFilter, dedup, format_value, get_key, matches, parse_when
 from .settings import choices_of, flatten

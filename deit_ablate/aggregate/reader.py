@@ -7,7 +7,7 @@ import math
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -119,13 +119,100 @@ def _epoch_row(record: Any) -> dict[str, Any] | None:
     return row if "epoch" in row and len(row) > 1 else None
 
 
+@dataclass
+class _Scan:
+    """What one pass over a run log's records gathers."""
+
+    run: Any = None  # the RunRecord
+    config: dict[str, Any] = field(default_factory=dict)
+    summary_items: dict[str | tuple[str, ...], str | None] = field(default_factory=dict)  # key or path -> JSON
+    last_history: bytes | None = None
+    history_rows: int = 0
+    exit_code: int | None = None
+    epochs: list[dict[str, Any]] | None = None
+
+
+def _scan(records: list[bytes], path: Path, history: bool, warnings: list[str]) -> _Scan:
+    """One pass over the records: config, summary, the last history row (and the per-epoch ones with `history`)."""
+    from wandb.proto.wandb_internal_pb2 import Record, RunRecord
+
+    out = _Scan(epochs=[] if history else None)
+    record = Record()
+    summary_items = out.summary_items
+    for payload in records:
+        try:
+            record.ParseFromString(payload)
+        except Exception as exc:  # a damaged record inside an intact frame: keep what came before
+            warnings.append(f"{path}: undecodable record skipped ({exc})")
+            continue
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            out.history_rows += 1
+            out.last_history = payload
+            if out.epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
+                row = _epoch_row(record)
+                if row is not None:
+                    out.epochs.append(row)
+        elif kind == "summary":  # the hot loop: most records are summary updates
+            for item in record.summary.update:
+                key = item.key
+                summary_items[key or tuple(item.nested_key)] = item.value_json
+            for item in record.summary.remove:
+                summary_items[item.key or tuple(item.nested_key)] = None
+        elif kind == "config":
+            _apply_items(out.config, record.config.update, record.config.remove)
+        elif kind == "run":
+            out.run = RunRecord()
+            out.run.CopyFrom(record.run)
+            _apply_items(out.config, out.run.config.update, out.run.config.remove)
+            for item in out.run.summary.update:
+                summary_items.setdefault(item.key or tuple(item.nested_key), item.value_json)
+        elif kind == "exit":
+            out.exit_code = record.exit.exit_code
+    return out
+
+
+def _run_info(scan: _Scan, path: Path, log: Any) -> RunInfo:
+    """The run a scan of its log found (`scan.run` set)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    summary: dict[str, Any] = {}
+    for key, text in scan.summary_items.items():
+        if text is not None:
+            _set_path(summary, (key,) if isinstance(key, str) else key, _loads(text))
+    last: dict[str, Any] = {}
+    if scan.last_history is not None:
+        record = Record()
+        record.ParseFromString(scan.last_history)
+        for item in record.history.item:
+            _set_path(last, _item_path(item), _history_value(item))
+    scan.config.pop("_wandb", None)
+    run = scan.run
+    return RunInfo(
+        run_id=run.run_id or path.stem.removeprefix("run-"),
+        name=run.display_name,
+        project=run.project,
+        entity=run.entity,
+        group=run.run_group,
+        tags=tuple(run.tags),
+        config=scan.config,
+        summary=summary,
+        start_time=_timestamp(run.start_time),
+        source=str(path),
+        history_rows=scan.history_rows,
+        last_history=last,
+        exit_code=scan.exit_code,
+        problem=log.problem,
+        history=scan.epochs,
+        commit=run.git.commit,
+    )
+
+
 def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | None, list[str]]:
     """Parse one `run-*.wandb` file with wandb's protobuf `Record`; return the run and any warnings.
 
     With `history`, the per-epoch evaluation rows are kept too (`RunInfo.history`, for curves).
     """
-    from wandb.proto.wandb_internal_pb2 import Record, RunRecord
-
     path = Path(path)
     warnings: list[str] = []
     try:
@@ -137,76 +224,11 @@ def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | No
             f"{path}: {log.problem}; read up to the last complete record "
             f"({len(log.records)} records, {log.stopped_at} of {log.size} bytes)"
         )
-    record = Record()
-    run: Any = None
-    config: dict[str, Any] = {}
-    summary_items: dict[str | tuple[str, ...], str | None] = {}  # flat key or nested path -> JSON
-    last_history: bytes | None = None
-    history_rows = 0
-    exit_code: int | None = None
-    epochs: list[dict[str, Any]] | None = [] if history else None
-    for payload in log.records:
-        try:
-            record.ParseFromString(payload)
-        except Exception as exc:  # a damaged record inside an intact frame: keep what came before
-            warnings.append(f"{path}: undecodable record skipped ({exc})")
-            continue
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            history_rows += 1
-            last_history = payload
-            if epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
-                row = _epoch_row(record)
-                if row is not None:
-                    epochs.append(row)
-        elif kind == "summary":  # the hot loop: most records are summary updates
-            for item in record.summary.update:
-                key = item.key
-                summary_items[key or tuple(item.nested_key)] = item.value_json
-            for item in record.summary.remove:
-                summary_items[item.key or tuple(item.nested_key)] = None
-        elif kind == "config":
-            _apply_items(config, record.config.update, record.config.remove)
-        elif kind == "run":
-            run = RunRecord()
-            run.CopyFrom(record.run)
-            _apply_items(config, run.config.update, run.config.remove)
-            for item in run.summary.update:
-                summary_items.setdefault(item.key or tuple(item.nested_key), item.value_json)
-        elif kind == "exit":
-            exit_code = record.exit.exit_code
-    if run is None:
+    scan = _scan(log.records, path, history, warnings)
+    if scan.run is None:
         warnings.append(f"{path}: no run record (the log ends before wandb.init was written); run skipped")
         return None, warnings
-    summary: dict[str, Any] = {}
-    for key, text in summary_items.items():
-        if text is not None:
-            _set_path(summary, (key,) if isinstance(key, str) else key, _loads(text))
-    last: dict[str, Any] = {}
-    if last_history is not None:
-        record.ParseFromString(last_history)
-        for item in record.history.item:
-            _set_path(last, _item_path(item), _history_value(item))
-    config.pop("_wandb", None)
-    info = RunInfo(
-        run_id=run.run_id or path.stem.removeprefix("run-"),
-        name=run.display_name,
-        project=run.project,
-        entity=run.entity,
-        group=run.run_group,
-        tags=tuple(run.tags),
-        config=config,
-        summary=summary,
-        start_time=_timestamp(run.start_time),
-        source=str(path),
-        history_rows=history_rows,
-        last_history=last,
-        exit_code=exit_code,
-        problem=log.problem,
-        history=epochs,
-        commit=run.git.commit,
-    )
-    return info, warnings
+    return _run_info(scan, path, log), warnings
 
 
 MAX_LOG_BYTES = 4 * 1024**3  # a run log above this is skipped (a 300-epoch DeiT run writes a few MB)
@@ -296,72 +318,6 @@ def read_offline(
         if info is not None:
             runs.append(info)
     return runs
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _summary_dict(summary: Any) -> dict[str, Any]:
-    if summary is None:
-        return {}
-    if isinstance(summary, Mapping):
-        return _plain(summary)
-    return {k: _plain(summary.get(k)) for k in summary.keys()}
-
-
-def _parse_time(value: Any) -> datetime | None:
-    if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-    if not value:
-        return None
-    text = str(value).replace("Z", "+00:00")
-    try:
-        parsed = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
-
-
-def _api_commit(run: Any) -> str:
-    try:  # a public-API Run answers attribute reads from its GraphQL fields; a stand-in may have none
-        return str(getattr(run, "commit", "") or "")
-    except Exception:
-        return ""
-
-
-def api_run_info(run: Any, path: str) -> RunInfo:
-    """Convert one `wandb.apis.public.Run` (or anything with its attributes) into a `RunInfo`."""
-    summary = _summary_dict(getattr(run, "summary", None))
-    return RunInfo(
-        run_id=str(run.id),
-        name=str(getattr(run, "name", "") or ""),
-        project=path.split("/")[-1],
-        entity=path.split("/")[0] if "/" in path else "",
-        group=str(getattr(run, "group", "") or ""),
-        tags=tuple(getattr(run, "tags", None) or ()),
-        config={k: _plain(v) for k, v in dict(getattr(run, "config", None) or {}).items() if k != "_wandb"},
-        summary=summary,
-        start_time=_parse_time(getattr(run, "created_at", None)),
-        source=f"{API_PREFIX}{path}/{run.id}",
-        last_history={},
-        handle=run,
-        commit=_api_commit(run),
-    )
-
-
-def read_api(path: str, filters: dict[str, Any] | None = None, api: Any = None) -> list[RunInfo]:
-    """Read runs of `ENTITY/PROJECT` through `wandb.Api().runs(path, filters=...)`."""
-    if api is None:
-        import wandb
-
-        api = wandb.Api()
-    runs = api.runs(path, filters=filters or None, per_page=500, lazy=False)
-    return [api_run_info(run, path) for run in runs]
 
 
 def is_api_source(source: str) -> bool:
