@@ -7,6 +7,9 @@ relaunch with other execution settings resumes the same run. The folder name put
 the hash so that people can read it. The data and the teacher are known only once the run looks at them: they
 enter the wandb id and group (with_data, with_teacher), and the run folder records them (identity.json), so a
 relaunch on other data or other teacher weights is refused rather than resumed or skipped (run.py, teacher.py).
+Which keys enter it is deit_ablate/keys.py's. Study rows are Hydra choices, not keys, so `run_identity` takes the
+choices too: Table 8's row enters the digest as the schema key it once was (keys.LEGACY_CHOICE_KEYS), which keeps
+the folders and wandb ids of runs from before it became a choice.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from deit_ablate.keys import NOT_EXPERIMENT, NOT_IDENTITY, is_default_leaf, legacy_keys
+from deit_ablate.keys import DATA_BACKEND, NOT_EXPERIMENT, NOT_IDENTITY, is_default_leaf, legacy_keys
 from deit_ablate.studies import study_names
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
@@ -80,9 +83,8 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
         out[str(key)] = str(value) if hasattr(value, "value") else value  # an Enum leaf
     for dotted in NOT_IDENTITY:
         _pop(out, dotted)
-    for dotted in ("data.backend",):
-        if is_default_leaf(dotted, _leaf(out, dotted)):  # runs from before data.backend keep their identity
-            _pop(out, dotted)
+    if is_default_leaf(DATA_BACKEND, _leaf(out, DATA_BACKEND)):  # runs from before data.backend keep their identity
+        _pop(out, DATA_BACKEND)
     if choices is not None:
         out.update({k: v for k, v in legacy_keys(choices).items() if k not in drop})
     return out
