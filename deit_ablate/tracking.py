@@ -121,8 +121,8 @@ def loggable_config(cfg: DictConfig) -> dict[str, Any]:
 def run_tags(choices: dict[str, str], stage: str, preset: str) -> list[str]:
     """A run's wandb tags: Table 8's row (bare, as before it became a choice), the stage and the scale, and each
     other study's row it has as `<study>=<row>`."""
-    return [*legacy_keys(choices).values(), stage, preset] + [f"{s}={choices[s]}" for s in study_names()
-                                     if s in choices and s not in LEGACY_CHOICE_KEYS]
+    others = [f"{s}={choices[s]}" for s in study_names() if s in choices and s not in LEGACY_CHOICE_KEYS]
+    return [*legacy_keys(choices).values(), stage, preset, *others]
 
 
 def hydra_choices() -> dict[str, str]:
