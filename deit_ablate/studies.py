@@ -52,7 +52,11 @@ def paper_tables(conf_dir: Path = CONF_DIR) -> dict[str, dict[str, Any]]:
     and its `group` (the folder)."""
     tables: dict[str, dict[str, Any]] = {}
     for path in _numbers_files(conf_dir):
-        for name, raw in json.loads(path.read_text(encoding="utf-8")).items():
+        try:
+            numbers = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+        for name, raw in numbers.items():
             if name in tables:
                 raise ValueError(f"{path}: paper table {name!r} is already in {tables[name]['group']}/{NUMBERS}")
             tables[name] = {"rows_key": path.parent.name, **raw, "group": path.parent.name}
