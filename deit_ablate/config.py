@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
+
+from deit_ablate.studies import CONF_DIR, defaults_list
 
 
 class Choice(str, Enum):
@@ -228,7 +229,6 @@ class Config:
     """A whole run: the experiment (every node but `runtime`) and how it executes (`runtime`)."""
 
     preset: str = "demo"
-    ablation: str = "baseline"
     stage: Stage = Stage.pretrain
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -243,20 +243,21 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
 def compose_run_config(overrides: list[str]) -> DictConfig:
-    """The config `python train.py <overrides>` runs (inside a Hydra app, through its own config search path)."""
+    """The config `python train.py <overrides>` runs (inside a Hydra app, through its own config search path), with
+    Hydra's node: its `hydra.runtime.choices` name the study rows, which a run's identity needs."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
 def register_configs() -> None:
-    """Put the schema into Hydra's ConfigStore as `deit_schema`, the base of conf/config.yaml."""
-    ConfigStore.instance().store(name="deit_schema", node=Config)
+    """Put the schema into Hydra's ConfigStore as `deit_schema`, the base of conf/config.yaml, and the studies' groups
+    with their default rows as `studies` (conf/config.yaml's defaults take it; see deit_ablate/studies.py)."""
+    store = ConfigStore.instance()
+    store.store(name="deit_schema", node=Config)
+    store.store(name="studies", node={"defaults": defaults_list()})

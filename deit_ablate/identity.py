@@ -7,6 +7,9 @@ relaunch with other execution settings resumes the same run. The folder name put
 the hash so that people can read it. The data and the teacher are known only once the run looks at them: they
 enter the wandb id and group (with_data, with_teacher), and the run folder records them (identity.json), so a
 relaunch on other data or other teacher weights is refused rather than resumed or skipped (run.py, teacher.py).
+Which keys enter it is deit_ablate/keys.py's. Study rows are Hydra choices, not keys, so `run_identity` takes the
+choices too: Table 8's row enters the digest as the schema key it once was (keys.LEGACY_CHOICE_KEYS), which keeps
+the folders and wandb ids of runs from before it became a choice.
 """
 
 from __future__ import annotations
@@ -14,28 +17,23 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from deit_ablate.keys import DATA_BACKEND, NOT_EXPERIMENT, NOT_IDENTITY, is_default_leaf, legacy_keys
 from deit_ablate.rundir import runs_root
+from deit_ablate.studies import study_names
 
-# Top-level nodes that are not the experiment: how it runs, and Hydra's own settings.
-NOT_EXPERIMENT = ("runtime", "hydra")
-# Where the data lies is not which data it is: the data's fingerprint (recorded in the run folder) stands for it.
-DATA_LOCATION = "data.root"
-# The default input pipeline, left out of the digest: data.backend=dali (other pixels) is another run.
-DEFAULT_BACKEND = "pil"
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
 FINETUNE_ONLY = ("finetune",)
 # Overrides that pick the stage of a run rather than the experiment it continues.
 STAGE_OVERRIDES = ("stage", "resolution")
-# A permission, not the experiment: the teacher's weights (recorded in the run folder, see with_teacher) stand for it.
-TEACHER_PERMISSION = "allow_unfinished"
-# What a shortened folder name keeps in front, in this order: the study row and the seed tell a sweep's runs apart.
-KEPT_VISIBLE = ("ablation", "cait", "seed")
+# What a shortened folder name keeps in front after the study rows (all studies, Table 8's first): the seed.
+KEPT_VISIBLE = ("seed",)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9=,._+@-]+")
 _MAX_READABLE = 100
@@ -56,8 +54,26 @@ def _short_hash(text: str, length: int = 8) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:length]
 
 
-def experiment(cfg: DictConfig, drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The resolved experiment part of `cfg` as plain data (top-level keys in `drop` left out too)."""
+def _pop(tree: dict[str, Any], dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        tree = tree.get(key)
+        if not isinstance(tree, dict):
+            return
+    tree.pop(leaf, None)
+
+
+def _leaf(tree: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
+def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The resolved experiment part of `cfg` as plain data (top-level keys in `drop` left out too); with Hydra's
+    group `choices`, also the legacy keys every digest carries (keys.legacy_keys: Table 8's row)."""
     out: dict[str, Any] = {}
     for key in cfg:
         if key in NOT_EXPERIMENT or key in drop:
@@ -66,17 +82,18 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = ()) -> dict[str, Any]:
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value, resolve=True, enum_to_str=True)
         out[str(key)] = str(value) if hasattr(value, "value") else value  # an Enum leaf
-    section, leaf = DATA_LOCATION.split(".")
-    out.get(section, {}).pop(leaf, None)
-    if out.get("data", {}).get("backend") == DEFAULT_BACKEND:  # runs from before data.backend keep their identity
-        out["data"].pop("backend")
-    out.get("distill", {}).get("teacher", {}).pop(TEACHER_PERMISSION, None)
+    for dotted in NOT_IDENTITY:
+        _pop(out, dotted)
+    if is_default_leaf(DATA_BACKEND, _leaf(out, DATA_BACKEND)):  # runs from before data.backend keep their identity
+        _pop(out, DATA_BACKEND)
+    if choices is not None:
+        out.update({k: v for k, v in legacy_keys(choices).items() if k not in drop})
     return out
 
 
-def experiment_digest(cfg: DictConfig, drop: tuple[str, ...] = ()) -> str:
-    """A short stable hash of the experiment part of `cfg`."""
-    return _short_hash(json.dumps(experiment(cfg, drop), sort_keys=True, default=str), 10)
+def experiment_digest(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None) -> str:
+    """A short stable hash of the experiment part of `cfg` (see `experiment`)."""
+    return _short_hash(json.dumps(experiment(cfg, drop, choices), sort_keys=True, default=str), 10)
 
 
 def _override_key(item: str) -> str:
@@ -86,8 +103,8 @@ def _override_key(item: str) -> str:
 def _is_identity_override(item: str) -> bool:
     """Overrides that name the experiment: not runtime/Hydra settings, the data's location or a permission."""
     key = _override_key(item)
-    return not (key.split(".", 1)[0] in NOT_EXPERIMENT or key.startswith("hydra/") or key == DATA_LOCATION
-                or key == f"distill.teacher.{TEACHER_PERMISSION}" or item == "stage=pretrain")
+    return not (key.split(".", 1)[0] in NOT_EXPERIMENT or key.startswith("hydra/") or key in NOT_IDENTITY
+                or item == "stage=pretrain")
 
 
 def _readable(item: str) -> str:
@@ -102,14 +119,16 @@ def _readable(item: str) -> str:
 
 
 def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
-                       keep_visible: tuple[str, ...] = KEPT_VISIBLE) -> str:
+                       keep_visible: tuple[str, ...] | None = None) -> str:
     """The experiment's overrides, sorted, comma-joined and folder-safe (empty when there are none); when too long,
-    those of `keep_visible` go first and the rest is cut, marked by `~`."""
+    those of `keep_visible` (default: the study rows, then the seed: they tell a sweep's runs apart) go first and
+    the rest is cut, marked by `~`."""
     items = sorted(_readable(item) for item in overrides if _is_identity_override(item)
                    and _override_key(item).split(".", 1)[0] not in drop_keys)
     text = _UNSAFE.sub("_", ",".join(items))
     if len(text) <= _MAX_READABLE:
         return text
+    keep_visible = (*study_names(), *KEPT_VISIBLE) if keep_visible is None else keep_visible
     first = [item for key in keep_visible for item in items if item.split("=", 1)[0] == key]
     text = _UNSAFE.sub("_", ",".join(first + [item for item in items if item not in first]))
     return f"{text[:_MAX_READABLE]}~"
@@ -120,16 +139,26 @@ def _stage_drop(cfg: DictConfig) -> tuple[str, ...]:
     return FINETUNE_ONLY if str(cfg.stage) == "pretrain" else ()
 
 
-def run_identity(cfg: DictConfig, overrides: list[str]) -> RunIdentity:
-    """The identity of the run `cfg` describes, launched with `overrides` (Hydra's task overrides)."""
+def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, Any]) -> RunIdentity:
+    """The identity of the run `cfg` describes, launched with `overrides` (Hydra's task overrides), whose group
+    options are `choices` (Hydra's `runtime.choices`; see `composed_choices`)."""
     drop = _stage_drop(cfg)
-    digest = experiment_digest(cfg, drop)
+    digest = experiment_digest(cfg, drop, choices)
     name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
     # groups keep the names they had (no key put first), so the seeds of one setting stay in one wandb group
     group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop, ()) or "default"
-    group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',))}"
+    group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',), choices)}"
     # The wandb id follows the experiment, not the spelling of its overrides (ablation=baseline = no override).
     return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)
+
+
+def composed_choices(cfg: DictConfig) -> dict[str, Any]:
+    """The group options of a config composed with Hydra's node (`compose(..., return_hydra_config=True)`, or the
+    `_root_` of a resolver); a ValueError for a config without it, whose study rows are unknown."""
+    if "hydra" not in cfg:
+        raise ValueError("the config has no `hydra` node, so its study rows (Hydra's choices) are unknown: compose it "
+                         "with return_hydra_config=True")
+    return dict(OmegaConf.to_container(cfg.hydra.runtime.choices, resolve=False))
 
 
 def with_data(identity: RunIdentity, data: dict[str, Any]) -> RunIdentity:
@@ -187,15 +216,31 @@ def current_run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
 
 
-def identity_from_hydra(cfg: DictConfig) -> RunIdentity:
-    """The identity of the current Hydra job, named by the folder Hydra gave it."""
-    identity = run_identity(cfg, task_overrides())
-    return RunIdentity(current_run_dir().name, identity.run_id, identity.group, identity.digest)
+def task_choices() -> dict[str, Any]:
+    """The running Hydra job's group options (empty outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return dict(OmegaConf.to_container(HydraConfig.get().runtime.choices)) if HydraConfig.initialized() else {}
+
+
+# folder name and overrides -> the identity the ${run_name:} resolver computed for it in this process
+_named: dict[tuple[str, tuple[str, ...]], RunIdentity] = {}
+
+
+def folder_identity(cfg: DictConfig, folder: str, overrides: list[str], choices: Mapping[str, Any]) -> RunIdentity:
+    """The identity of the run whose folder is `folder`: the one the resolver computed when Hydra named the folder
+    (once per launch), else computed now."""
+    identity = _named.get((folder, tuple(overrides))) or run_identity(cfg, overrides, choices)
+    return replace(identity, name=folder)
 
 
 def _run_name_resolver(*, _root_: DictConfig) -> str:
-    overrides = list(_root_.hydra.overrides.task) if "hydra" in _root_ else []
-    return folder_name(run_identity(_root_, overrides), runs_root(_root_.runtime.output_root))
+    hydra = "hydra" in _root_
+    overrides = list(_root_.hydra.overrides.task) if hydra else []
+    identity = run_identity(_root_, overrides, composed_choices(_root_) if hydra else {})
+    name = folder_name(identity, runs_root(_root_.runtime.output_root))
+    _named[(name, tuple(overrides))] = identity
+    return name
 
 
 def _at_scale_resolver(paper: Any, demo: Any, *, _root_: DictConfig) -> Any:

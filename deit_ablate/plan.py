@@ -8,7 +8,7 @@ pieces; none of them resolves the config again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -17,7 +17,15 @@ from deit_ablate.config import Stage
 from deit_ablate.data.datasets import data_fingerprint, describe_data
 from deit_ablate.distributed import DistInfo, agree
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import RunIdentity, current_run_dir, run_identity, task_overrides, with_data
+from deit_ablate.identity import (
+    RunIdentity,
+    composed_choices,
+    current_run_dir,
+    folder_identity,
+    task_choices,
+    task_overrides,
+    with_data,
+)
 from deit_ablate.models import student_model_name
 from deit_ablate.rundir import RunDir
 from deit_ablate.stages import StageRecipe, pretrain_run_dir, stage_recipe
@@ -67,7 +75,8 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     OmegaConf.set_readonly(cfg, True)
     run_dir = run_dir or RunDir(current_run_dir())
     overrides = task_overrides() if overrides is None else overrides
-    named = replace(run_identity(cfg, overrides), name=run_dir.name)  # the folder Hydra made, or found
+    choices = composed_choices(cfg) if "hydra" in cfg else task_choices()
+    named = folder_identity(cfg, run_dir.name, overrides, choices)  # the folder Hydra made, or found
     data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
     # the teacher's weights, refused when they are not those the run folder records
     identity = agree(info, lambda: with_run_teacher(with_data(named, data), cfg, run_dir))

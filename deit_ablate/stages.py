@@ -15,7 +15,14 @@ from deit_ablate.config import CONF_DIR, Stage, compose_run_config
 from deit_ablate.data.datasets import data_fingerprint
 from deit_ablate.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import folder_name, pretrain_overrides, run_identity, swap_overrides, task_overrides
+from deit_ablate.identity import (
+    composed_choices,
+    folder_name,
+    pretrain_overrides,
+    run_identity,
+    swap_overrides,
+    task_overrides,
+)
 from deit_ablate.models import resize_pos_embed_state
 from deit_ablate.rundir import LAST, RUNS, RunDir, runs_root
 
@@ -51,8 +58,8 @@ def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> Run
         return None
     upstream_overrides = pretrain_overrides(task_overrides() if overrides is None else overrides)
     upstream = compose_run_config(upstream_overrides)
-    return RunDir.under(cfg.runtime.output_root,
-                        folder_name(run_identity(upstream, upstream_overrides), runs_root(cfg.runtime.output_root)))
+    identity = run_identity(upstream, upstream_overrides, composed_choices(upstream))
+    return RunDir.under(cfg.runtime.output_root, folder_name(identity, runs_root(cfg.runtime.output_root)))
 
 
 def pretrain_status(cfg: DictConfig, upstream: RunDir | None) -> str:
@@ -157,8 +164,8 @@ def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> 
         raise ConfigError(f"model.kwargs.layer_scale_from={cfg.model.kwargs.layer_scale_from}: that row does not learn "
                           "LayerScale from ε (its model.kwargs.init_values is unset, or its diagonal is fixed). Name a "
                           "row that learns it, e.g. depth18_layerscale.")
-    return RunDir.under(cfg.runtime.output_root,
-                        folder_name(run_identity(upstream, source_overrides), runs_root(cfg.runtime.output_root)))
+    identity = run_identity(upstream, source_overrides, composed_choices(upstream))
+    return RunDir.under(cfg.runtime.output_root, folder_name(identity, runs_root(cfg.runtime.output_root)))
 
 
 def _train_command(overrides: list[str]) -> str:

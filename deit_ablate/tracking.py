@@ -23,15 +23,14 @@ from omegaconf import DictConfig, OmegaConf
 from deit_ablate.atomic import write_text_atomic
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import RunIdentity
+from deit_ablate.keys import LEGACY_CHOICE_KEYS, legacy_keys
 from deit_ablate.rundir import METRICS, wandb_root
+from deit_ablate.studies import study_names
 
 # Keys of the resolved config that never go to wandb (they could carry credentials or host details).
 _PRIVATE_KEYS = ("runtime.tracking.entity",)
 METRICS_CSV = METRICS
 
-
-# Config groups that hold the rows of a study other than Table 8 (one `# @package _global_` option per row).
-STUDIES = ("cait",)
 # How long an online run's start waits for the wandb server to accept a connection.
 CONNECT_TIMEOUT_S = 4.0
 
@@ -118,6 +117,13 @@ def loggable_config(cfg: DictConfig) -> dict[str, Any]:
             node = node.get(key, {})
         node.pop(leaf, None)
     return config
+
+
+def run_tags(choices: dict[str, str], stage: str, preset: str) -> list[str]:
+    """A run's wandb tags: Table 8's row (bare, as before it became a choice), the stage and the scale, and each
+    other study's row it has as `<study>=<row>`."""
+    others = [f"{s}={choices[s]}" for s in study_names() if s in choices and s not in LEGACY_CHOICE_KEYS]
+    return [*legacy_keys(choices).values(), stage, preset, *others]
 
 
 def hydra_choices() -> dict[str, str]:
@@ -216,11 +222,10 @@ class Tracker:
         wandb_dir.mkdir(parents=True, exist_ok=True)
         quiet_wandb()
         choices = hydra_choices()
-        config = {**loggable_config(cfg), "run_id": identity.run_id, "run_name": identity.name,
-                  "experiment_digest": identity.digest, "data_fingerprint": data, "choices": choices,
-                  "git_commit": code_commit()}
-        # Table 8's row, the stage and the scale; a run of another study (conf/cait) also its row there.
-        tags = [cfg.ablation, str(cfg.stage), cfg.preset] + [f"{g}={choices[g]}" for g in STUDIES if g in choices]
+        config = {**loggable_config(cfg), **legacy_keys(choices), "run_id": identity.run_id,
+                  "run_name": identity.name, "experiment_digest": identity.digest, "data_fingerprint": data,
+                  "choices": choices, "git_commit": code_commit()}
+        tags = run_tags(choices, str(cfg.stage), str(cfg.preset))
         self.run = wandb.init(
             project=cfg.runtime.tracking.project,
             entity=cfg.runtime.tracking.entity,

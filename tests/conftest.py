@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from deit_ablate.config import register_configs
-from deit_ablate.identity import register_resolvers
+from deit_ablate.identity import RunIdentity, composed_choices, register_resolvers, run_identity
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -39,6 +39,13 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """The config `python train.py <overrides>` would run, composed without running it."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=overrides or [], return_hydra_config=False)
+
+
+def identity_of(overrides: list[str], conf: Path = CONF) -> RunIdentity:
+    """The identity `python train.py <overrides>` would run under (composed with Hydra's node, for its choices)."""
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    return run_identity(cfg, overrides, composed_choices(cfg))
 
 
 @pytest.fixture(scope="session")

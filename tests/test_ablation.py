@@ -7,13 +7,14 @@ import re
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.identity import pretrain_overrides, run_identity
+from deit_ablate.identity import composed_choices, experiment, pretrain_overrides
 from deit_ablate.models import build_model, resize_pos_embed_state
 from deit_ablate.stages import load_pretrained
-from tests.conftest import CONF, TINY, compose_config, run_train
+from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
 
 # Table 8's rows and the one ingredient each changes (DeiT, Table 8).
 ROWS = {
@@ -33,6 +34,11 @@ ROWS = {
 }
 
 
+def _composed(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
 def _flat(cfg) -> dict:
     out = {}
 
@@ -43,7 +49,8 @@ def _flat(cfg) -> dict:
             else:
                 out[f"{prefix}{key}"] = value
 
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    experiment_part = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # Hydra's node: choices
+    walk(OmegaConf.to_container(experiment_part, resolve=True), "")
     return out
 
 
@@ -55,21 +62,25 @@ def test_every_row_of_table_8_has_an_option_and_nothing_else_does():
 @pytest.mark.parametrize("stage", ["pretrain", "finetune"])
 @pytest.mark.parametrize("row", sorted(ROWS))
 def test_row_differs_from_baseline_only_in_its_ingredient_and_tag(row, stage, preset):
-    base = _flat(compose_config([f"preset={preset}", f"stage={stage}", "ablation=baseline"]))
-    ours = _flat(compose_config([f"preset={preset}", f"stage={stage}", f"ablation={row}"]))
-    diff = {key: ours[key] for key in ours if ours[key] != base.get(key)}
-    assert set(ours) == set(base)
-    expected = {"ablation": row, **ROWS[row]} if row != "baseline" else {}
-    assert diff == expected
+    base = _composed([f"preset={preset}", f"stage={stage}", "ablation=baseline"])
+    ours = _composed([f"preset={preset}", f"stage={stage}", f"ablation={row}"])
+    flat_base, flat_ours = _flat(base), _flat(ours)
+    diff = {key: flat_ours[key] for key in flat_ours if flat_ours[key] != flat_base.get(key)}
+    assert set(flat_ours) == set(flat_base)
+    assert diff == ROWS[row]
+    # the row's tag: Hydra's choice, which the experiment (its name and wandb id) carries as `ablation`
+    assert ours.hydra.runtime.choices.ablation == row
+    assert experiment(ours, choices=composed_choices(ours))["ablation"] == row
 
 
 def test_pretrained_rows_find_their_own_pretraining_same_seed():
     finetune = ["ablation=no_mixup", "seed=2", "stage=finetune", "resolution=384px", "finetune.lr=1e-3"]
     assert pretrain_overrides(finetune) == ["ablation=no_mixup", "seed=2"]
-    upstream = run_identity(compose_config(pretrain_overrides(finetune)), pretrain_overrides(finetune))
+    upstream = identity_of(pretrain_overrides(finetune))
     pretrain = ["ablation=no_mixup", "seed=2", "finetune.lr=1e-3"]  # the fine-tune recipe never counts in pre-training
-    assert upstream == run_identity(compose_config(pretrain), pretrain)
-    assert upstream != run_identity(compose_config(["ablation=no_mixup", "seed=1"]), ["ablation=no_mixup", "seed=1"])
+    assert upstream == identity_of(pretrain)
+    assert upstream != identity_of(["ablation=no_mixup", "seed=1"])
+    assert upstream != identity_of(["seed=2"])  # the row is in the identity
 
 
 def test_finetune_resizes_position_embeddings_bicubically_and_keeps_the_class_token():

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from deit_ablate.aggregate import cli
 from deit_ablate.aggregate.curves import load_histories, plot_curves
 from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.aggregate.settings import EXECUTION_KEYS, experiment_settings, is_execution_key
+from deit_ablate.aggregate.settings import experiment_settings, is_execution_key
 from deit_ablate.identity import RunIdentity
 from deit_ablate.rundir import RunDir, runs_root, wandb_root
 from deit_ablate.tracking import METRICS_CSV, Tracker, code_commit
@@ -181,7 +181,7 @@ def test_dropped_paper_column_says_why(outputs: Path, capsys: pytest.CaptureFixt
 
 
 def test_execution_keys_never_split_a_cell() -> None:
-    from deit_ablate.identity import DATA_LOCATION, NOT_EXPERIMENT
+    from deit_ablate.keys import DATA_LOCATION, EXECUTION_KEYS, NOT_EXPERIMENT
 
     # What never enters a run's identity never splits a cell.
     assert all(is_execution_key(k) for k in (*NOT_EXPERIMENT[:1], DATA_LOCATION, "runtime.tracking.mode"))
@@ -189,6 +189,19 @@ def test_execution_keys_never_split_a_cell() -> None:
     a = {"seed": 0, "train": {"device": "cpu", "epochs": 2}, "runtime": {"x": 1}, "choices": {"mix": "none"}}
     b = {"seed": 1, "train": {"device": "cuda", "epochs": 2}, "runtime": {"x": 2}, "choices": {"mix": "none"}}
     assert experiment_settings(a) == experiment_settings(b) == {"train.epochs": 2}
+
+
+def test_the_default_backend_is_one_rule_for_the_identity_and_the_aggregator() -> None:
+    from deit_ablate.identity import experiment
+    from tests.conftest import compose_config
+
+    # a run logged before data.backend existed, and one of today's runs on the default backend: one setting
+    old = {"seed": 0, "data": {"name": "builtin"}, "train": {"epochs": 2}}
+    new = {"seed": 1, "data": {"name": "builtin", "backend": "pil"}, "train": {"epochs": 2}}
+    dali = {"seed": 2, "data": {"name": "builtin", "backend": "dali"}, "train": {"epochs": 2}}
+    assert experiment_settings(old) == experiment_settings(new) != experiment_settings(dali)
+    assert "backend" not in experiment(compose_config(["data.backend=pil"]))["data"]
+    assert experiment(compose_config(["data.backend=dali"]))["data"]["backend"] == "dali"
 
 
 def test_metrics_csv_after_a_resume_holds_each_epoch_once(tmp_path: Path) -> None:

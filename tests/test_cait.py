@@ -32,12 +32,12 @@ from deit_ablate.deeper import (
     set_layer_scale,
 )
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import experiment, run_identity
+from deit_ablate.identity import composed_choices, experiment, run_identity
 from deit_ablate.models import build_model, resize_pos_embed_state
 from deit_ablate.stages import fix_layer_scale, layer_scale_run_dir
 from deit_ablate.validate import validate_config
 from hydra_plugins.deit_ablate_launcher.slurm import submission_order, upstream_jobs
-from tests.conftest import CONF, REPO, TINY, compose_config, run_train
+from tests.conftest import CONF, REPO, TINY, compose_config, identity_of, run_train
 from tests.test_ablation import _flat
 
 # Each row: the row it extends, and the one ingredient it changes, at paper scale and at demo scale.
@@ -117,9 +117,12 @@ def test_table_8_is_unchanged_by_the_study():
         plain = compose("config", overrides=["ablation=no_mixup"], return_hydra_config=True)
     assert plain.hydra.runtime.choices.cait is None  # left out of the logged choices (tracking.hydra_choices)
     assert set(experiment(plain)) == {f.name for f in fields(Config)} - {"runtime"}
+    # with the choices, Table 8's row as the schema key it was (keys.legacy_keys), and nothing of the study
+    assert set(experiment(plain, choices=composed_choices(plain))) == {f.name for f in fields(Config)} - {"runtime"} | {
+        "ablation"}
     assert dict(plain.model.kwargs) == {"patch_size": 8, "embed_dim": 128, "depth": 6, "num_heads": 4}
-    assert run_identity(plain, ["ablation=no_mixup"]).name.startswith("ablation=no_mixup-")
-    assert run_identity(compose_config(["cait=depth24"]), ["cait=depth24"]).name.startswith("cait=depth24-")
+    assert run_identity(plain, ["ablation=no_mixup"], composed_choices(plain)).name.startswith("ablation=no_mixup-")
+    assert identity_of(["cait=depth24"]).name.startswith("cait=depth24-")
 
 
 def _build(row: str, **extra) -> torch.nn.Module:

@@ -12,10 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from deit_ablate.identity import run_identity
-from tests.conftest import CONF, REPO, TINY, compose_config, run_train
+from tests.conftest import CONF, REPO, TINY, compose_config, identity_of, run_train
 
 RUNTIME_CHANGES = ["runtime.cpu_threads=1", "runtime.num_workers=2", "runtime.worker_nice=5", "runtime.compile=true",
                    "runtime.log_interval=3", "runtime.checkpoint_every_steps=7", "runtime.checkpoint_every_minutes=1",
@@ -29,9 +27,7 @@ EXPERIMENT_CHANGES = ["model=deit_small", "data=imagefolder", "data.num_classes=
 
 
 def _identity(overrides: list[str], conf: Path = CONF):
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    return run_identity(cfg, overrides)
+    return identity_of(overrides, conf)
 
 
 @pytest.mark.parametrize("change", RUNTIME_CHANGES)

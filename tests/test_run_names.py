@@ -11,9 +11,9 @@ import timm
 import yaml
 
 from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.identity import _UNSAFE, _is_identity_override, _readable, run_identity
+from deit_ablate.identity import _UNSAFE, _is_identity_override, _readable
 from deit_ablate.models import architecture, build_model, describe_architecture
-from tests.conftest import TINY, compose_config, run_train
+from tests.conftest import TINY, compose_config, identity_of, run_train
 
 # TINY's overrides alone are longer than a folder name keeps.
 LONG = TINY + ["train.max_steps=1"]
@@ -64,7 +64,7 @@ def test_a_cnn_is_described_by_its_parameters():
 
 
 def _identity(overrides: list[str]):
-    return run_identity(compose_config(overrides), overrides)
+    return identity_of(overrides)
 
 
 def test_shortened_names_keep_the_seed_and_the_study_row():

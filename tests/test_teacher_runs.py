@@ -15,10 +15,10 @@ import torch
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.checkpoint import read_weights
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import run_identity, with_teacher
+from deit_ablate.identity import with_teacher
 from deit_ablate.rundir import RunDir
 from deit_ablate.teacher import teacher_identity, weights_digest
-from tests.conftest import TINY, compose_config, run_train
+from tests.conftest import TINY, compose_config, identity_of, run_train
 
 DATA = [item for item in TINY if not item.startswith(("model.", "train.epochs="))]
 STUDENT = ["model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2", "distill=hard_token",
@@ -134,7 +134,7 @@ def test_the_weights_digest_is_of_the_weights_not_of_the_file(tmp_path):
 
 
 def test_the_teacher_changes_the_wandb_id_of_distilled_runs_only():
-    plain = run_identity(compose_config(["seed=1"]), ["seed=1"])
+    plain = identity_of(["seed=1"])
     assert with_teacher(plain, None) == plain
     teacher = {"run": None, "checkpoint": "/t.pt", "digest": "a" * 40}
     one = with_teacher(plain, teacher)
@@ -159,10 +159,10 @@ BEFORE = [
 
 @pytest.mark.parametrize(("overrides", "name", "run_id"), BEFORE)
 def test_existing_run_names_and_wandb_ids_are_unchanged(overrides, name, run_id):
-    identity = run_identity(compose_config(overrides), overrides)
+    identity = identity_of(overrides)
     assert (identity.name, identity.run_id) == (name, run_id)
     allowed = [*overrides, "distill.teacher.allow_unfinished=true"]  # a permission, not the experiment
-    assert run_identity(compose_config(allowed), allowed) == identity
+    assert identity_of(allowed) == identity
 
 
 def test_allowing_an_unfinished_teacher_never_splits_a_table_cell():

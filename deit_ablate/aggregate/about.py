@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from .cells import Table
 from .paper import STAGE_NAMES
 from .reader import RunInfo
 from .select import MISSING, format_value, get_key
-from .table import Table
 
 NOT_RECORDED = "not recorded"
 COMMIT_KEYS = ("git_commit", "commit", "git.commit")  # where a config or summary may hold the code's commit

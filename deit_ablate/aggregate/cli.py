@@ -8,12 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .paper import load_numbers, paper_table, table_names
-from .reader import API_PREFIX, RunInfo, Warn, is_api_source, read_api, read_offline, stderr_warn
+from deit_ablate.studies import studies as all_studies
+
+from .api import read_api
+from .cells import METRICS, Table
+from .paper import paper_table, table_names
+from .reader import API_PREFIX, RunInfo, Warn, is_api_source, read_offline, stderr_warn
 from .render import FORMATS, STAGE_NAMES, render, split_text
 from .select import MISSING, ROW_ALIASES, RunFilter, dedup, format_value, get_key, matches, parse_when
 from .settings import choices_of, flatten
-from .table import METRICS, Table, build_table, row_spec
+from .table import build_table, row_spec
 
 ALL_FORMATS = (*FORMATS, "html")
 
@@ -235,19 +239,20 @@ def _report(table: Table, warn: Warn) -> None:
 
 
 def studies() -> list[str]:
-    """Config groups whose options are the rows of a paper table other than Table 8 (`cait`)."""
-    return [key for key in load_numbers()["defaults"] if "." not in key and key != "ablation"]
+    """Studies whose rows a run has only when launched with one (`cait`; not Table 8, whose default row every run
+    has), from the registry (deit_ablate/studies.py)."""
+    return [study.name for study in all_studies() if study.default is None]
 
 
 def default_rows(args: argparse.Namespace, runs: list[RunInfo]) -> str:
     """--rows when not given: the rows of the --paper table named, else the study (a config group with a paper
-    table, such as `cait`) every run was launched with, else `ablation` (Table 8)."""
+    table, such as `cait`) every run was launched with, else the study with a default row (`ablation`: Table 8)."""
     if args.paper not in (None, "auto", "none") and args.paper in table_names():
         return paper_table(args.paper).rows_key
     for study in studies():
         if runs and all(choices_of(run.config).get(study) for run in runs):
             return study
-    return "ablation"
+    return next(study.name for study in all_studies() if study.default is not None)
 
 
 def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:

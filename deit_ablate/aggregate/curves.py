@@ -19,11 +19,11 @@ from typing import Any
 
 from ..rundir import METRICS, RunDir
 from .about import footer, headline
+from .cells import Table
 from .paper import STAGE_NAMES
 from .plot import framed_figure
 from .reader import RunInfo, is_api_source, read_histories
 from .stats import NO_SPREAD
-from .table import Table
 
 METRICS_CSV = METRICS
 # Which per-epoch key draws which --metric (the first one a run has); anything else draws `val/top1`.

@@ -13,8 +13,8 @@ from datetime import datetime, timezone
 from html import escape
 
 from .about import facts, headline, page_title
+from .cells import Table
 from .render import _caption, _cells, _footnotes, _headers
-from .table import Table
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 2em;

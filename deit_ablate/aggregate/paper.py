@@ -1,12 +1,11 @@
-"""The papers' numbers (DeiT Tables 3, 8 and 10; CaiT's ablations), shipped as package data in `paper_numbers.json`."""
+"""The papers' numbers (DeiT Tables 3, 8 and 10; CaiT's ablations), read from the numbers files of the config
+folders (`conf/<group>/numbers.json`, see deit_ablate/studies.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from functools import lru_cache
-from importlib import resources
-from typing import Any
+
+from deit_ablate.studies import default_tables, paper_tables
 
 STAGES = ("pretrain", "finetune")
 STAGE_NAMES = {"pretrain": "pre-train", "finetune": "fine-tune"}
@@ -43,29 +42,22 @@ class PaperTable:
         return next((r for r in self.rows if r.key == key), None)
 
 
-@lru_cache(maxsize=1)
-def load_numbers() -> dict[str, Any]:
-    """The raw JSON shipped with the package."""
-    text = resources.files(__package__).joinpath("paper_numbers.json").read_text(encoding="utf-8")
-    return json.loads(text)
-
-
 def table_names() -> list[str]:
-    """Names of the shipped tables (`table8`, `table3`, ...)."""
-    return sorted(load_numbers()["tables"])
+    """Names of the paper tables (`table8`, `table3`, ...)."""
+    return sorted(paper_tables())
 
 
 def default_table(rows_key: str) -> str | None:
     """The table that matches a row grouping (`ablation` -> table8), if any."""
-    return load_numbers()["defaults"].get(rows_key)
+    return default_tables().get(rows_key)
 
 
 def paper_table(name: str, metric: str = "top1") -> PaperTable:
     """One table; for rows with per-metric numbers (the distillation token's heads) `metric` picks them."""
-    data = load_numbers()
-    if name not in data["tables"]:
-        raise KeyError(f"unknown paper table {name!r}; known: {', '.join(table_names())}")
-    raw = data["tables"][name]
+    tables = paper_tables()
+    if name not in tables:
+        raise KeyError(f"unknown paper table {name!r}; known: {', '.join(sorted(tables))}")
+    raw = tables[name]
     rows = []
     for r in raw["rows"]:
         r = {**r, **r.get("by_metric", {}).get(metric, {})}
@@ -87,6 +79,6 @@ def paper_table(name: str, metric: str = "top1") -> PaperTable:
         baseline=raw["baseline"],
         columns=dict(raw["columns"]),
         rows=tuple(rows),
-        citation=raw.get("citation", data["citation"]),
+        citation=raw["citation"],
         absent=raw.get("absent", ""),
     )

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .about import footer, headline
+from .cells import Cell, Row, Table
 from .paper import STAGE_NAMES
-from .table import Cell, Row, Table
 
 # ours / paper, per stage: a dark and a light shade of one hue
 COLORS = {"pretrain": ("#1f5f9f", "#9cc3e6"), "finetune": ("#b5541b", "#f2b48a")}

@@ -7,7 +7,7 @@ import math
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -121,10 +121,10 @@ def _epoch_row(record: Any) -> dict[str, Any] | None:
 
 
 @dataclass
-class _Records:
-    """What a pass over a log's records gathered, before it becomes a RunInfo."""
+class _Scan:
+    """What one pass over a run log's records gathers."""
 
-    run: Any = None
+    run: Any = None  # the RunRecord
     config: dict[str, Any] = field(default_factory=dict)
     summary_items: dict[str | tuple[str, ...], str | None] = field(default_factory=dict)  # key or path -> JSON
     last_history: bytes | None = None
@@ -133,11 +133,13 @@ class _Records:
     epochs: list[dict[str, Any]] | None = None
 
 
-def _gather(records: Iterable[bytes], path: Path, history: bool, warnings: list[str]) -> _Records:
-    """One pass over a log's records (with `history`, keeping the per-epoch evaluation rows)."""
+def _scan(records: list[bytes], path: Path, history: bool, warnings: list[str]) -> _Scan:
+    """One pass over the records: config, summary, the last history row (and the per-epoch ones with `history`)."""
     from wandb.proto.wandb_internal_pb2 import Record, RunRecord
 
-    record, got = Record(), _Records(epochs=[] if history else None)
+    out = _Scan(epochs=[] if history else None)
+    record = Record()
+    summary_items = out.summary_items
     for payload in records:
         try:
             record.ParseFromString(payload)
@@ -146,52 +148,65 @@ def _gather(records: Iterable[bytes], path: Path, history: bool, warnings: list[
             continue
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            got.history_rows += 1
-            got.last_history = payload
-            if got.epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
+            out.history_rows += 1
+            out.last_history = payload
+            if out.epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
                 row = _epoch_row(record)
                 if row is not None:
-                    got.epochs.append(row)
+                    out.epochs.append(row)
         elif kind == "summary":  # the hot loop: most records are summary updates
             for item in record.summary.update:
                 key = item.key
-                got.summary_items[key or tuple(item.nested_key)] = item.value_json
+                summary_items[key or tuple(item.nested_key)] = item.value_json
             for item in record.summary.remove:
-                got.summary_items[item.key or tuple(item.nested_key)] = None
+                summary_items[item.key or tuple(item.nested_key)] = None
         elif kind == "config":
-            _apply_items(got.config, record.config.update, record.config.remove)
+            _apply_items(out.config, record.config.update, record.config.remove)
         elif kind == "run":
-            got.run = RunRecord()
-            got.run.CopyFrom(record.run)
-            _apply_items(got.config, got.run.config.update, got.run.config.remove)
-            for item in got.run.summary.update:
-                got.summary_items.setdefault(item.key or tuple(item.nested_key), item.value_json)
+            out.run = RunRecord()
+            out.run.CopyFrom(record.run)
+            _apply_items(out.config, out.run.config.update, out.run.config.remove)
+            for item in out.run.summary.update:
+                summary_items.setdefault(item.key or tuple(item.nested_key), item.value_json)
         elif kind == "exit":
-            got.exit_code = record.exit.exit_code
-    return got
+            out.exit_code = record.exit.exit_code
+    return out
 
 
-def _run_info(got: _Records, path: Path, problem: str | None) -> RunInfo:
-    """The RunInfo of a log whose records were gathered (it has a run record)."""
+def _run_info(scan: _Scan, path: Path, log: Any) -> RunInfo:
+    """The run a scan of its log found (`scan.run` set)."""
     from wandb.proto.wandb_internal_pb2 import Record
 
     summary: dict[str, Any] = {}
-    for key, text in got.summary_items.items():
+    for key, text in scan.summary_items.items():
         if text is not None:
             _set_path(summary, (key,) if isinstance(key, str) else key, _loads(text))
     last: dict[str, Any] = {}
-    if got.last_history is not None:
+    if scan.last_history is not None:
         record = Record()
-        record.ParseFromString(got.last_history)
+        record.ParseFromString(scan.last_history)
         for item in record.history.item:
             _set_path(last, _item_path(item), _history_value(item))
-    got.config.pop("_wandb", None)
-    run = got.run
-    return RunInfo(run_id=run.run_id or path.stem.removeprefix("run-"), name=run.display_name, project=run.project,
-                   entity=run.entity, group=run.run_group, tags=tuple(run.tags), config=got.config, summary=summary,
-                   start_time=_timestamp(run.start_time), source=str(path), history_rows=got.history_rows,
-                   last_history=last, exit_code=got.exit_code, problem=problem, history=got.epochs,
-                   commit=run.git.commit)
+    scan.config.pop("_wandb", None)
+    run = scan.run
+    return RunInfo(
+        run_id=run.run_id or path.stem.removeprefix("run-"),
+        name=run.display_name,
+        project=run.project,
+        entity=run.entity,
+        group=run.run_group,
+        tags=tuple(run.tags),
+        config=scan.config,
+        summary=summary,
+        start_time=_timestamp(run.start_time),
+        source=str(path),
+        history_rows=scan.history_rows,
+        last_history=last,
+        exit_code=scan.exit_code,
+        problem=log.problem,
+        history=scan.epochs,
+        commit=run.git.commit,
+    )
 
 
 def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | None, list[str]]:
@@ -210,11 +225,11 @@ def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | No
             f"{path}: {log.problem}; read up to the last complete record "
             f"({len(log.records)} records, {log.stopped_at} of {log.size} bytes)"
         )
-    got = _gather(log.records, path, history, warnings)
-    if got.run is None:
+    scan = _scan(log.records, path, history, warnings)
+    if scan.run is None:
         warnings.append(f"{path}: no run record (the log ends before wandb.init was written); run skipped")
         return None, warnings
-    return _run_info(got, path, log.problem), warnings
+    return _run_info(scan, path, log), warnings
 
 
 MAX_LOG_BYTES = 4 * 1024**3  # a run log above this is skipped (a 300-epoch DeiT run writes a few MB)
@@ -304,72 +319,6 @@ def read_offline(
         if info is not None:
             runs.append(info)
     return runs
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _summary_dict(summary: Any) -> dict[str, Any]:
-    if summary is None:
-        return {}
-    if isinstance(summary, Mapping):
-        return _plain(summary)
-    return {k: _plain(summary.get(k)) for k in summary.keys()}
-
-
-def _parse_time(value: Any) -> datetime | None:
-    if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-    if not value:
-        return None
-    text = str(value).replace("Z", "+00:00")
-    try:
-        parsed = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
-
-
-def _api_commit(run: Any) -> str:
-    try:  # a public-API Run answers attribute reads from its GraphQL fields; a stand-in may have none
-        return str(getattr(run, "commit", "") or "")
-    except Exception:
-        return ""
-
-
-def api_run_info(run: Any, path: str) -> RunInfo:
-    """Convert one `wandb.apis.public.Run` (or anything with its attributes) into a `RunInfo`."""
-    summary = _summary_dict(getattr(run, "summary", None))
-    return RunInfo(
-        run_id=str(run.id),
-        name=str(getattr(run, "name", "") or ""),
-        project=path.split("/")[-1],
-        entity=path.split("/")[0] if "/" in path else "",
-        group=str(getattr(run, "group", "") or ""),
-        tags=tuple(getattr(run, "tags", None) or ()),
-        config={k: _plain(v) for k, v in dict(getattr(run, "config", None) or {}).items() if k != "_wandb"},
-        summary=summary,
-        start_time=_parse_time(getattr(run, "created_at", None)),
-        source=f"{API_PREFIX}{path}/{run.id}",
-        last_history={},
-        handle=run,
-        commit=_api_commit(run),
-    )
-
-
-def read_api(path: str, filters: dict[str, Any] | None = None, api: Any = None) -> list[RunInfo]:
-    """Read runs of `ENTITY/PROJECT` through `wandb.Api().runs(path, filters=...)`."""
-    if api is None:
-        import wandb
-
-        api = wandb.Api()
-    runs = api.runs(path, filters=filters or None, per_page=500, lazy=False)
-    return [api_run_info(run, path) for run in runs]
 
 
 def is_api_source(source: str) -> bool:

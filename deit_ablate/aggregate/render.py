@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 from .about import fact_lines, facts, headline
+from .cells import Cell, Row, Split, Table
 from .paper import STAGE_NAMES
-from .table import Cell, Row, Split, Table
 
 FORMATS = ("markdown", "csv", "latex", "json")
 ZERO_MARK = "○"  # after a Δ whose 95% interval contains 0

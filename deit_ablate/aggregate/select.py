@@ -13,7 +13,8 @@ from .reader import RunInfo
 MISSING = object()
 STATUS_RANK = {"finished": 3, "diverged": 2, "failed": 1, "unfinished": 0}
 
-# Short names for --rows; a tuple of several keys makes one row per combination of their values.
+# Short names for --rows; a tuple of several keys makes one row per combination of their values. A study's rows
+# are its chosen options (Hydra's choices), logs without choices fall back to the key (Table 8's `ablation`).
 ROW_ALIASES: dict[str, tuple[str, ...]] = {
     "ablation": ("ablation",),
     "distill": ("distill.type",),
@@ -30,7 +31,7 @@ ROW_ALIASES: dict[str, tuple[str, ...]] = {
 # logged before the choices were fall back to the alias keys. Any other group in the runs' choices works too.
 CHOICE_ROWS = ("mix", "augment", "optimizer", "model", "data")
 # Aliases that stay plain config keys: the paper tables are keyed by their values.
-PLAIN_ROWS = ("ablation", "distill", "resolution", "preset", "seed")
+PLAIN_ROWS = ("distill", "resolution", "preset", "seed")
 
 
 def row_keys(rows: str) -> tuple[str, ...]:

@@ -11,50 +11,32 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from deit_ablate.keys import LEGACY_CHOICE_KEYS, is_default_leaf, is_execution_key
+from deit_ablate.studies import default_choices, preset_choices
+
+from .paper import default_table, paper_table
 from .select import format_value
 
-# Config keys that never change a result: where and how a run executes (the run's identity leaves them out too).
-EXECUTION_KEYS = (
-    "runtime",
-    "data.root",  # where the data lies; which data it is, is `data_fingerprint`
-    "distill.teacher.allow_unfinished",  # a permission; which teacher weights were used is the summary's `teacher`
-    # the same settings in logs written before they moved under `runtime`
-    "tracking",
-    "output_root",
-    "data.num_workers",
-    "data.worker_nice",
-    "data.on_bad_image",
-    "train.log_interval",
-    "train.device",
-    "train.compile",
-    "train.max_batch_per_device",
-    "train.eval_batch",
-    "train.cpu_threads",
-    "train.checkpoint_every_steps",
-    "train.checkpoint_every_minutes",
-    "train.wait_for_lock",
-)
 # Keys that name one run rather than its experiment (the stage is the table's column).
 RUN_KEYS = ("seed", "run_id", "run_name", "experiment_digest", "choices", "stage")
 # What makes a setting a row's main one when its runs differ: Table 8's baseline, no distillation, and the
 # recipe's default group options (the resolution group's default is `<preset>_<stage>`).
-PREFERRED = {"ablation": "baseline", "distill.type": "none"}
-DEFAULT_CHOICES = {"preset": "demo", "ablation": "baseline", "distill": "none", "mix": "mixup_cutmix",
-                   "augment": "randaugment", "optimizer": "adamw"}
-# Each preset's own model (conf/preset/*.yaml): the demo's ViT, not the CNN teacher trained beside it.
-PRESET_MODELS = {"demo": "vit_demo", "paper": "deit_base"}
+PREFERRED = {table.rows_key: table.baseline
+             for table in (paper_table(str(default_table(key))) for key in (*LEGACY_CHOICE_KEYS, "distill.type"))}
+# The recipe's default group options (conf/config.yaml, the studies' default rows) and each preset's own (its model:
+# the demo's ViT, not the CNN teacher trained beside it), read from the config folders.
+DEFAULT_CHOICES = default_choices()
+PRESET_CHOICES = preset_choices()
 # Groups that set many others (`@package _global_`): named first in a sub-row label.
-LEADING_GROUPS = ("preset", "ablation", "stage")
+LEADING_GROUPS = ("preset", *LEGACY_CHOICE_KEYS, "stage")
 LABEL_ITEMS = 3  # settings named in a sub-row label before `+k more`
 
 
-def is_execution_key(key: str) -> bool:
-    """Whether a dotted config key only says how a run executes (never what it computes)."""
-    return any(key == k or key.startswith(k + ".") for k in EXECUTION_KEYS)
-
-
-def _ignored(key: str) -> bool:
-    return is_execution_key(key) or any(key == k or key.startswith(k + ".") for k in RUN_KEYS)
+def _ignored(key: str, value: Any) -> bool:
+    """Keys left out of a run's settings: execution keys, run names, and defaults the run's identity leaves out
+    (`data.backend=pil`, which runs from before the key do not have)."""
+    return (is_execution_key(key) or any(key == k or key.startswith(k + ".") for k in RUN_KEYS)
+            or is_default_leaf(key, value))
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -73,7 +55,7 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def experiment_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The settings that decide a run's result: the flat config without seed, run names and execution keys."""
-    return {k: v for k, v in flatten(config).items() if not _ignored(k)}
+    return {k: v for k, v in flatten(config).items() if not _ignored(k, v)}
 
 
 def signature(settings: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -128,9 +110,8 @@ def default_options(settings: dict[str, Any], choices: dict[str, str]) -> int:
     """How many of a setting's group options are the recipe's defaults (Table 8's baseline, no distillation, the
     preset's model...)."""
     preset = settings.get("preset")
-    defaults = {**DEFAULT_CHOICES, "resolution": f"{preset}_{choices.get('stage', 'pretrain')}"}
-    if preset in PRESET_MODELS:
-        defaults["model"] = PRESET_MODELS[preset]
+    defaults = {**DEFAULT_CHOICES, **PRESET_CHOICES.get(str(preset), {}),
+                "resolution": f"{preset}_{choices.get('stage', 'pretrain')}"}
     by_choice = sum(1 for g, v in defaults.items() if choices.get(g) == v)
     return by_choice + sum(1 for k, v in PREFERRED.items() if settings.get(k) == v)
 

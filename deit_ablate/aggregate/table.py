@@ -2,168 +2,40 @@
 
 from __future__ import annotations
 
-import math
 import re
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from deit_ablate.studies import studies, study_names
+
+from .cells import Cell, Row, Split, Table, metric_key
+from .deltas import fill_deltas
 from .paper import STAGES, PaperTable, default_table, paper_table
 from .reader import RunInfo, metric_value
 from .select import CHOICE_ROWS, PLAIN_ROWS, ROW_ALIASES, format_value, get_key, row_keys
-from .settings import choices_of, describe_difference, experiment_settings, pick_main, signature, varied_keys
-from .stats import NO_SPREAD, ZERO_SPREAD, Interval, pooled_std, seeds_needed, welch
-
-# --metric choices and the summary key each reads (any other value is taken as a summary key itself).
-METRICS = {
-    "top1": "top1",
-    "final": "top1_final",
-    "best": "top1_best",
-    "ema": "top1_ema_final",
-    "ema_best": "top1_ema_best",
-    "fused": "top1_fused",
-    "fused_alt": "top1_fused_alt",
-    "cls": "top1_cls",
-    "dist": "top1_dist",
-}
+from .settings import (
+    DEFAULT_CHOICES,
+    choices_of,
+    describe_difference,
+    experiment_settings,
+    pick_main,
+    signature,
+    varied_keys,
+)
 
 
-# Δ is measured against this row when the paper table does not say (e.g. with --paper none).
-DEFAULT_BASELINES = {
-    "ablation": "baseline",
-    "distill.type": "none",
-    "resolution.train_size": "224",
-    "mix": "mixup_cutmix",
-    "augment": "randaugment",
-    "optimizer": "adamw",
-}
+def default_baseline(rows_key: str) -> str | None:
+    """The row Δ is measured against when no paper table says (e.g. with --paper none): the baseline of the paper
+    table for these rows, else the recipe's default option of the group (`mix`: mixup_cutmix)."""
+    table = default_table(rows_key)
+    return paper_table(table).baseline if table else DEFAULT_CHOICES.get(rows_key)
 
 
-def metric_key(metric: str) -> str:
-    """The summary key behind a --metric choice."""
-    return METRICS.get(metric, metric)
-
-
-@dataclass
-class Cell:
-    """The runs of one row at one stage: finished values, and counts of the runs that gave none."""
-
-    values: list[float] = field(default_factory=list)
-    seeds: list[Any] = field(default_factory=list)
-    run_ids: list[str] = field(default_factory=list)
-    n_diverged: int = 0
-    n_failed: int = 0
-    n_unfinished: int = 0
-    n_no_metric: int = 0  # finished, but without the chosen summary key
-    same_seed: list[str] = field(default_factory=list)  # run ids of finished runs repeating a counted seed
-    delta: float | None = None
-    paper: float | None = None
-    paper_std: float | None = None
-    paper_delta: float | None = None
-    paper_absent: str = ""  # what the paper column says where the paper's row has no number
-    ci: Interval | None = None  # Welch's 95% interval of Δ over seeds (none: `ci.why`)
-    ci_note: str = ""  # why there is no comparison at all (`no baseline`)
-    pooled_std: float | None = None  # of the row and its baseline, for the seeds the paper's Δ needs
-    seeds_needed: int | None = None  # per arm, to resolve the paper's Δ at the pooled std (80 % power, 5 %)
-    seeds_note: str = ""  # why there is no seed count
-
-    @property
-    def n(self) -> int:
-        """Number of finished runs with a value (the seeds averaged)."""
-        return len(self.values)
-
-    @property
-    def mean(self) -> float | None:
-        """Mean over seeds, or None without values."""
-        return statistics.fmean(self.values) if self.values else None
-
-    @property
-    def std(self) -> float | None:
-        """Sample standard deviation over seeds (n - 1), or None for fewer than two."""
-        return statistics.stdev(self.values) if len(self.values) >= 2 else None
-
-    @property
-    def n_runs(self) -> int:
-        """All runs that landed in this cell."""
-        return self.n + self.n_diverged + self.n_failed + self.n_unfinished + self.n_no_metric
-
-    @property
-    def state(self) -> str:
-        """`ok` when there is a number, else why not: diverged, unfinished, failed, n/a or missing."""
-        if self.values:
-            return "ok"
-        if self.n_diverged and self.n_diverged == self.n_runs:
-            return "diverged"
-        if self.n_unfinished:
-            return "unfinished"
-        if self.n_failed:
-            return "failed"
-        if self.n_diverged:
-            return "diverged"
-        if self.n_no_metric:
-            return "n/a"
-        return "missing"
-
-    def add(self, run: RunInfo, value: float | None) -> bool:
-        """Count one run; a finished run whose seed is already counted is only noted (False)."""
-        status = run.status
-        seed = run.config.get("seed")
-        if status == "finished" and value is not None:
-            if seed is not None and seed in self.seeds:
-                self.same_seed.append(run.run_id)
-                return False
-            self.values.append(value)
-            self.seeds.append(run.config.get("seed"))
-            self.run_ids.append(run.run_id)
-        elif status == "finished":
-            self.n_no_metric += 1
-        else:
-            setattr(self, f"n_{status}", getattr(self, f"n_{status}") + 1)
-        return True
-
-
-@dataclass
-class Row:
-    """One row: a config value (with `· setting` on a sub-row), the paper's label and note, a cell per stage."""
-
-    key: str
-    cells: dict[str, Cell]
-    label: str = ""
-    note: str = ""
-    in_paper: bool = False
-    base: str = ""  # the row key's value; == key except on sub-rows
-    delta_to: str = ""  # the row its Δ is measured against, where the paper table gives each row its own
-
-    @property
-    def has_runs(self) -> bool:
-        """Whether any run landed in this row."""
-        return any(c.n_runs or c.same_seed for c in self.cells.values())
-
-
-@dataclass
-class Table:
-    """A whole aggregated table and how it was made."""
-
-    rows_key: str
-    metric: str
-    metric_key: str
-    stages: list[str]
-    rows: list[Row]
-    baseline: str | None
-    paper: PaperTable | None
-    stage_sizes: dict[str, list[int]]
-    counted: list[tuple[str, str, RunInfo, float | None]] = field(default_factory=list)
-    repeated: list[tuple[str, str, RunInfo, float | None]] = field(default_factory=list)  # same seed, not averaged
-    other_stage: int = 0
-    splits: list[Split] = field(default_factory=list)
-    left_out: list[RunInfo] = field(default_factory=list)  # runs not matching the baseline (match_baseline)
-    paper_note: str = ""  # why a paper table was left out
-    per_row_baselines: bool = False  # Δ to each row's own baseline (Row.delta_to), as the paper table defines them
-    meta: dict[str, Any] = field(default_factory=dict)  # run counts and warnings, filled in by the caller
-
-    def row(self, key: str) -> Row | None:
-        """The row for a config value."""
-        return next((r for r in self.rows if r.key == key), None)
+def study_table(rows_key: str, metric: str = "top1") -> PaperTable | None:
+    """A study's own paper table when the rows are a study's (`ablation`, `cait`): its rows' order, labels and
+    columns hold even with --paper none."""
+    study = next((s for s in studies() if s.name == rows_key), None)
+    return paper_table(study.table, metric) if study else None
 
 
 def _natural(key: str) -> tuple[Any, ...]:
@@ -197,6 +69,8 @@ class RowSpec:
 def row_spec(rows: str, groups: set[str] | None = None) -> RowSpec:
     """--rows as a RowSpec: a config group (`mix`: its option names), else an alias or dotted key(s)."""
     groups = groups or set()
+    if rows in study_names():
+        return RowSpec(name=rows, keys=ROW_ALIASES.get(rows, (rows,)), group=rows)
     if rows not in PLAIN_ROWS and (rows in CHOICE_ROWS or rows in groups):
         return RowSpec(name=rows, keys=ROW_ALIASES.get(rows, (rows,)), group=rows)
     keys = row_keys(rows)
@@ -208,18 +82,6 @@ def _resolve_paper(paper: str | None, rows_key: str, metric: str) -> PaperTable 
         return None
     name = default_table(rows_key) if paper == "auto" else paper
     return paper_table(name, metric) if name else None
-
-
-@dataclass
-class Split:
-    """Runs under one row key at one stage that differ in more than the seed: split into sub-rows."""
-
-    row: str
-    stage: str
-    varied: list[str]
-    rows: list[str]  # labels, the main setting's first
-    runs: list[int]  # runs per label
-    left_out: bool = False  # with match_baseline: only the main setting was kept
 
 
 def _by_settings(runs: list[RunInfo]) -> list[tuple[dict[str, Any], dict[str, str], list[RunInfo]]]:
@@ -282,7 +144,7 @@ def _split(
 
 def _paper_fit(ptable: PaperTable | None, rows_key: str, bases: set[str]) -> tuple[PaperTable | None, str]:
     """The paper table, or None and why it was left out (none of its rows is a row of ours)."""
-    if ptable is None or rows_key == "ablation" or not bases or any(r.key in bases for r in ptable.rows):
+    if ptable is None or rows_key in study_names() or not bases or any(r.key in bases for r in ptable.rows):
         return ptable, ""
     theirs = ", ".join(r.key for r in ptable.rows)
     ours = ", ".join(sorted(bases, key=_natural))
@@ -403,23 +265,24 @@ def build_table(
     buckets, sizes, other_stage = _bucket(runs, spec)
     bases = {b for _, b in buckets}
     ptable, paper_note = _paper_fit(_resolve_paper(paper, rows_key, metric), rows_key, bases)
-    order_by = ptable or (paper_table("table8") if rows_key == "ablation" else None)  # Table 8 order always
+    study = study_table(rows_key, metric)
+    order_by = ptable or study  # a study's order always
     order = [r.key for r in order_by.rows] if order_by else []
     order += sorted((k for k in bases if k not in order), key=_natural)
     per_row = baseline is None and ptable is not None and any(r.baseline for r in ptable.rows)
     if baseline is None:
-        default = order_by.baseline if order_by else DEFAULT_BASELINES.get(rows_key)
+        default = order_by.baseline if order_by else default_baseline(rows_key)
         baseline = default if default in order else None
     filled = _fill(buckets, baseline, key, match_baseline)
     table_rows = _table_rows(order, filled, order_by, only_present)
     stages = [
         s
         for s in STAGES
-        if rows_key == "ablation" or any(c[1] == s for c in filled.counted) or (ptable and s in ptable.columns)
+        if any(c[1] == s for c in filled.counted) or any(t and s in t.columns for t in (ptable, study))
     ]
     if only_present:
         stages = [s for s in stages if any(_has_runs(r.cells[s]) for r in table_rows)] or stages[:1]
-    _fill_deltas(table_rows, stages, baseline, ptable, per_row)
+    fill_deltas(table_rows, stages, baseline, ptable, per_row)
     return Table(
         rows_key=rows_key,
         metric=metric,
@@ -441,63 +304,3 @@ def build_table(
 
 def _has_runs(cell: Cell) -> bool:
     return bool(cell.n_runs or cell.same_seed)
-
-
-def _diff(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
-        return None
-    return a - b
-
-
-def _fill_deltas(
-    rows: list[Row], stages: list[str], baseline: str | None, ptable: PaperTable | None, per_row: bool = False
-) -> None:
-    """Δ of every cell to the baseline row's (with `per_row`: to the row the paper table names for each row)."""
-    by_key = {r.key: r for r in rows}
-    for row in rows:
-        prow = ptable.row(row.key) if ptable else None
-        own = ptable.row(row.base or row.key) if per_row and ptable else None
-        ref = own.baseline if own is not None and own.baseline else baseline
-        base = by_key.get(ref) if ref else None
-        pbase = ptable.row(ref) if ptable and ref else None
-        if per_row:
-            row.delta_to = ref or ""
-        for stage in stages:
-            cell = row.cells[stage]
-            if base is not None:
-                cell.delta = _diff(cell.mean, base.cells[stage].mean)
-            if prow is not None:
-                cell.paper = prow.values.get(stage)
-                cell.paper_std = prow.stds.get(stage)
-                cell.paper_absent = ptable.absent if cell.paper is None else ""
-                if pbase is not None:
-                    delta = _diff(cell.paper, pbase.values.get(stage))
-                    cell.paper_delta = None if delta is None else round(delta, 6)
-            if ref and base is not row:
-                _compare(cell, base.cells[stage] if base is not None else None)
-
-
-def _compare(cell: Cell, base: Cell | None) -> None:
-    """Welch's interval of a cell's Δ to its baseline's cell, and the seeds per arm the paper's Δ would need."""
-    if not cell.values:
-        return
-    if base is None or not base.values:
-        cell.ci_note = "no baseline"
-        return
-    cell.ci = welch(cell.values, base.values)
-    cell.pooled_std = pooled_std(cell.values, base.values)
-    cell.seeds_needed, cell.seeds_note = _seeds(cell.pooled_std, cell.paper_delta)
-
-
-def _seeds(std: float | None, paper_delta: float | None) -> tuple[int | None, str]:
-    """Seeds per arm (at least 2) for the paper's Δ at the pooled std, or why there is no count."""
-    if paper_delta is None:
-        return None, ""
-    if std is None:
-        return None, NO_SPREAD
-    if std == 0:
-        return None, ZERO_SPREAD
-    n = seeds_needed(std, paper_delta)
-    if n is None:
-        return None, "paper Δ 0"
-    return max(2, math.ceil(n - 1e-9)), ""

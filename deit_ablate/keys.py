@@ -1,0 +1,58 @@
+"""Which config keys make a run's identity and which only say how it executes, in one place: the run's digest
+(identity.py) and the aggregator's "same setting" (aggregate/settings.py) both read them from here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Top-level nodes that are not the experiment: how it runs, and Hydra's own settings.
+NOT_EXPERIMENT = ("runtime", "hydra")
+# Where the data lies is not which data it is: the data's fingerprint (recorded in the run folder) stands for it.
+DATA_LOCATION = "data.root"
+# The input pipeline; its default is left out (runs from before the key keep their identity), dali is another run.
+DATA_BACKEND = "data.backend"
+DEFAULT_BACKEND = "pil"
+# A permission, not the experiment: the teacher's weights (recorded in the run folder) stand for it.
+TEACHER_PERMISSION = "distill.teacher.allow_unfinished"
+# Leaves of the experiment that never enter its identity.
+NOT_IDENTITY = (DATA_LOCATION, TEACHER_PERMISSION)
+# Execution settings as logs written before they moved under `runtime` have them (the aggregator still reads those).
+LEGACY_EXECUTION_KEYS = (
+    "tracking",
+    "output_root",
+    "data.num_workers",
+    "data.worker_nice",
+    "data.on_bad_image",
+    "train.log_interval",
+    "train.device",
+    "train.compile",
+    "train.max_batch_per_device",
+    "train.eval_batch",
+    "train.cpu_threads",
+    "train.checkpoint_every_steps",
+    "train.checkpoint_every_minutes",
+    "train.wait_for_lock",
+)
+# Config keys that never change a result, for the aggregator: the above and the old spellings of execution keys.
+EXECUTION_KEYS = (*NOT_EXPERIMENT, *NOT_IDENTITY, *LEGACY_EXECUTION_KEYS)
+
+# Legacy: Table 8 was a schema key `ablation: <row>` (default `baseline`) before it became a Hydra choice like the
+# other studies, and every run's digest and logged config carried it (a CaiT run's too, as `baseline`). The row
+# is put back from Hydra's choices, so run folders, wandb ids and groups stay what they were and old and new logs
+# compare equal: group -> the value when the group has no row chosen.
+LEGACY_CHOICE_KEYS = {"ablation": "baseline"}
+
+
+def legacy_keys(choices: dict[str, Any]) -> dict[str, str]:
+    """The top-level keys the old schema had and Hydra's `choices` now give (`{"ablation": "no_mixup"}`)."""
+    return {group: str(choices.get(group) or unset) for group, unset in LEGACY_CHOICE_KEYS.items()}
+
+
+def is_default_leaf(dotted: str, value: Any) -> bool:
+    """Whether a leaf holds a default that the identity leaves out (`data.backend=pil`), as if it were unset."""
+    return dotted == DATA_BACKEND and value == DEFAULT_BACKEND
+
+
+def is_execution_key(dotted: str) -> bool:
+    """Whether a dotted config key only says how a run executes (never what it computes)."""
+    return any(dotted == k or dotted.startswith(k + ".") for k in EXECUTION_KEYS)
