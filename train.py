@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from deit_ablate.config import register_configs
 from deit_ablate.errors import ConfigError, RunError
-from deit_ablate.identity import register_resolvers
+from deit_ablate.resolvers import register_resolvers
 from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
 
 register_configs()

@@ -25,7 +25,6 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from deit_ablate.keys import DATA_BACKEND, NOT_EXPERIMENT, NOT_IDENTITY, is_default_leaf, legacy_keys
-from deit_ablate.rundir import runs_root
 from deit_ablate.studies import study_names
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
@@ -221,36 +220,3 @@ def task_choices() -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
     return dict(OmegaConf.to_container(HydraConfig.get().runtime.choices)) if HydraConfig.initialized() else {}
-
-
-# folder name and overrides -> the identity the ${run_name:} resolver computed for it in this process
-_named: dict[tuple[str, tuple[str, ...]], RunIdentity] = {}
-
-
-def folder_identity(cfg: DictConfig, folder: str, overrides: list[str], choices: Mapping[str, Any]) -> RunIdentity:
-    """The identity of the run whose folder is `folder`: the one the resolver computed when Hydra named the folder
-    (once per launch), else computed now."""
-    identity = _named.get((folder, tuple(overrides))) or run_identity(cfg, overrides, choices)
-    return replace(identity, name=folder)
-
-
-def _run_name_resolver(*, _root_: DictConfig) -> str:
-    hydra = "hydra" in _root_
-    overrides = list(_root_.hydra.overrides.task) if hydra else []
-    identity = run_identity(_root_, overrides, composed_choices(_root_) if hydra else {})
-    name = folder_name(identity, runs_root(_root_.runtime.output_root))
-    _named[(name, tuple(overrides))] = identity
-    return name
-
-
-def _at_scale_resolver(paper: Any, demo: Any, *, _root_: DictConfig) -> Any:
-    return demo if _root_.get("preset") == "demo" else paper
-
-
-def register_resolvers() -> None:
-    """Make `${run_name:}` (the run's folder name, from the whole config) and `${at_scale:PAPER,DEMO}` (the first
-    value, or the second under `preset=demo`: how a study's rows give a number at both scales) available."""
-    if not OmegaConf.has_resolver("run_name"):
-        OmegaConf.register_new_resolver("run_name", _run_name_resolver)
-    if not OmegaConf.has_resolver("at_scale"):
-        OmegaConf.register_new_resolver("at_scale", _at_scale_resolver)

@@ -21,12 +21,12 @@ from deit_ablate.identity import (
     RunIdentity,
     composed_choices,
     current_run_dir,
-    folder_identity,
     task_choices,
     task_overrides,
     with_data,
 )
 from deit_ablate.models import student_model_name
+from deit_ablate.resolvers import folder_identity
 from deit_ablate.rundir import RunDir
 from deit_ablate.stages import StageRecipe, pretrain_run_dir, stage_recipe
 from deit_ablate.teacher import with_run_teacher

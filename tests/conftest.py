@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from deit_ablate.config import register_configs
-from deit_ablate.identity import RunIdentity, composed_choices, register_resolvers, run_identity
+from deit_ablate.identity import RunIdentity, composed_choices, run_identity
+from deit_ablate.resolvers import register_resolvers
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

@@ -18,7 +18,7 @@ def _register() -> None:
     global _registered
     if not _registered:
         from deit_ablate.config import register_configs
-        from deit_ablate.identity import register_resolvers
+        from deit_ablate.resolvers import register_resolvers
 
         register_configs()
         register_resolvers()
