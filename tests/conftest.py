@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -63,10 +65,16 @@ def run_train(args: list[str], cwd: Path, cache: Path, extra_env: dict | None = 
 def train_straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path) -> tuple[dict, dict, dict]:
     """Train two epochs straight, and one epoch (8 steps) + a resume + one; the checkpoints of the straight run,
     the resumed run and the first half."""
+    return straight_and_resumed(two_epochs, cwd, cache)[0]
+
+
+def straight_and_resumed(two_epochs: list[str], cwd: Path,
+                         cache: Path) -> tuple[tuple[dict, dict, dict], subprocess.CompletedProcess]:
+    """What train_straight_and_resumed returns, and the straight run's process (its folder: `cwd`/straight)."""
     import torch
 
     straight, resumed = cwd / "straight", cwd / "resumed"
-    run_train(two_epochs + [f"hydra.run.dir={straight}"], cwd, cache)
+    straight_proc = run_train(two_epochs + [f"hydra.run.dir={straight}"], cwd, cache)
     run_train(two_epochs + ["train.max_steps=8", f"hydra.run.dir={resumed}"], cwd, cache)
     first_half = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
     (resumed / "result.json").unlink()  # as if the job had been stopped after its first epoch
@@ -77,4 +85,51 @@ def train_straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path) ->
     assert a["step"] == b["step"] == 16
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
-    return a, b, first_half
+    return (a, b, first_half), straight_proc
+
+
+# --- end-to-end runs shared by the tests of a session ---------------------------------------------------------------
+# A test that only reads a run asserts on the shared one; a test that changes it (a relaunch, a deleted or damaged
+# file) works on a copy in its own tmp_path (SharedRun.copy_into), never on the shared folder.
+
+@dataclass(frozen=True)
+class SharedRun:
+    """A train.py launch made once per session: the folder it ran in (`cwd`, outputs under it) and its process."""
+
+    cwd: Path
+    proc: subprocess.CompletedProcess
+
+    @property
+    def outputs(self) -> Path:
+        """Its output root: runs/ and wandb/."""
+        return self.cwd / "outputs"
+
+    def run_dir(self, fragment: str = "") -> Path:
+        """Its one run folder (or the one whose name holds `fragment`)."""
+        (found,) = [p for p in (self.outputs / "runs").iterdir() if p.is_dir() and fragment in p.name]
+        return found
+
+    def copy_into(self, cwd: Path) -> Path:
+        """Copy its outputs/ (run folders and wandb logs) under `cwd` for a test that changes them; the copy."""
+        shutil.copytree(self.outputs, cwd / "outputs", symlinks=True, dirs_exist_ok=True)
+        return cwd / "outputs"
+
+
+def shared_run(factory: pytest.TempPathFactory, cache: Path, name: str, args: list[str]) -> SharedRun:
+    """Launch train.py with `args` in a fresh session folder; the SharedRun."""
+    cwd = factory.mktemp(name)
+    return SharedRun(cwd, run_train(args, cwd, cache))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(data_cache: Path) -> Path:
+    """TINY's built-in dataset, drawn in this process (what a dry run of TINY draws); its folder."""
+    from deit_ablate.data.builtin import ensure_builtin_dataset
+
+    return ensure_builtin_dataset(data_cache / "builtin", 40, 30, 10, 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
+    """TINY trained once: one epoch of 8 steps, finished."""
+    return shared_run(tmp_path_factory, data_cache, "tiny_run", TINY)

@@ -22,7 +22,7 @@ from deit_ablate.errors import ConfigError
 from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
 from deit_ablate.teacher import load_teacher
 from deit_ablate.validate import validate_config
-from tests.conftest import REPO, TINY, compose_config, run_train
+from tests.conftest import REPO, TINY, SharedRun, compose_config, run_train
 
 
 def _no_run_left(cwd: Path, output_root: str = "outputs") -> bool:
@@ -118,8 +118,9 @@ def test_epochs_done_counts_only_completed_epochs_after_max_steps(tmp_path, data
     assert (result["epochs_done"], result["steps_done"]) == (0, 5) and "top1" in result
 
 
-def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache):
-    run_train(TINY, tmp_path, data_cache)
+def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache,
+                                                                             tiny_run: SharedRun):
+    tiny_run.copy_into(tmp_path)  # TINY, trained once
     run_dir = _run_dir(tmp_path)
     first = json.loads((run_dir / "result.json").read_text())
     # What a kill between the final checkpoint and result.json leaves; earlier launches took 1000 s.
@@ -324,13 +325,14 @@ def test_run_lock_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())  # no lock, empty or not
 
 
-def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper):
-    run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache)
+def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper,
+                                                                   tiny_run: SharedRun):
+    tiny_run.copy_into(tmp_path)  # TINY, trained once
     run_dir = _run_dir(tmp_path)
     (run_dir / "result.json").unlink()
     (run_dir / LOCK_NAME).write_text(_lock_record(sleeper.pid, proc_start=None))
     before = sorted(p.name for p in (tmp_path / "outputs" / "wandb").iterdir())
-    proc = run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache, check=False)
+    proc = run_train(TINY, tmp_path, data_cache, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"is in use by another launch of the same run: pid {sleeper.pid} on host" in proc.stderr
     assert "runtime.wait_for_lock=true" in proc.stderr and f"delete {run_dir / LOCK_NAME}" in proc.stderr

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deit_ablate.aggregate.reader import read_offline
-from tests.conftest import TINY, run_train, train_straight_and_resumed
+from tests.conftest import TINY, SharedRun, run_train, train_straight_and_resumed
 
 
 def _only_run_dir(cwd: Path) -> Path:
@@ -19,9 +19,9 @@ def _only_run_dir(cwd: Path) -> Path:
     return runs[0]
 
 
-def test_tiny_run_trains_evaluates_checkpoints_and_logs(tmp_path, data_cache):
-    proc = run_train(TINY, tmp_path, data_cache)
-    run_dir = _only_run_dir(tmp_path)
+def test_tiny_run_trains_evaluates_checkpoints_and_logs(tiny_run: SharedRun):
+    proc, cwd = tiny_run.proc, tiny_run.cwd
+    run_dir = _only_run_dir(cwd)
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "finished" and result["steps_done"] == 8  # 256 repeated images / batch 32
     assert 0.0 <= result["top1"] <= 100.0 and result["top5_final"] >= result["top1"]
@@ -32,9 +32,9 @@ def test_tiny_run_trains_evaluates_checkpoints_and_logs(tmp_path, data_cache):
     assert "status    finished" in proc.stdout and "top-1" in proc.stdout
     assert "img_s=" in proc.stderr and "lr=" in proc.stderr and "loss=" in proc.stderr  # the progress bar
     assert "global batch 32 = 1 x 32 per rank (1 accumulation step(s) of 32)" in proc.stdout
-    offline = list((tmp_path / "outputs" / "wandb").glob(f"offline-run-*-{result['run_id']}"))
+    offline = list((cwd / "outputs" / "wandb").glob(f"offline-run-*-{result['run_id']}"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
-    (logged,) = read_offline(tmp_path / "outputs" / "wandb")
+    (logged,) = read_offline(cwd / "outputs" / "wandb")
     assert logged.config["ablation"] == "baseline" and logged.config["mix"]["mixup_alpha"] == 0.8
     assert {"baseline", "pretrain", "demo"} == set(logged.tags)
     assert logged.summary["status"] == "finished" and logged.summary["top1"] == result["top1"]
@@ -42,8 +42,8 @@ def test_tiny_run_trains_evaluates_checkpoints_and_logs(tmp_path, data_cache):
     assert not re.search(r"api_key|password|secret|token\b|WANDB_", json.dumps(logged.config), re.I)
 
 
-def test_relaunch_skips_a_finished_run(tmp_path, data_cache):
-    run_train(TINY, tmp_path, data_cache)
+def test_relaunch_skips_a_finished_run(tmp_path, data_cache, tiny_run: SharedRun):
+    tiny_run.copy_into(tmp_path)  # TINY, trained once
     proc = run_train(TINY, tmp_path, data_cache)
     assert "already finished" in proc.stdout and "skipping" in proc.stdout
     assert len(list((tmp_path / "outputs" / "wandb").glob("offline-run-*"))) == 1
