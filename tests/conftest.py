@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,3 +134,39 @@ def tiny_data(data_cache: Path) -> Path:
 def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
     """TINY trained once: one epoch of 8 steps, finished."""
     return shared_run(tmp_path_factory, data_cache, "tiny_run", TINY)
+
+
+def two_epochs(workers: int = 0) -> list[str]:
+    """TINY for two epochs with `workers` loader workers; its min lr above the peak lr (a warning in train.log)."""
+    tiny = [item for item in TINY if not item.startswith("runtime.num_workers=")] + [f"runtime.num_workers={workers}"]
+    return tiny + ["train.epochs=2", "mix=mixup_cutmix", "optimizer.min_lr=0.5"]
+
+
+@dataclass(frozen=True)
+class ResumedRuns:
+    """two_epochs(workers) trained straight (folder `cwd`/straight, process `run.proc`) and 1 + resume + 1
+    (`cwd`/resumed), the weights equal (checked); the checkpoints: straight, resumed, first half."""
+
+    run: SharedRun
+    args: list[str]
+    checkpoints: tuple[dict, dict, dict]
+
+    @property
+    def straight(self) -> Path:
+        """The straight run's folder."""
+        return self.run.cwd / "straight"
+
+
+@pytest.fixture(scope="session")
+def resumed_runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Callable[[int], ResumedRuns]:
+    """ResumedRuns for a worker count, trained on first use."""
+    made: dict[int, ResumedRuns] = {}
+
+    def get(workers: int) -> ResumedRuns:
+        if workers not in made:
+            cwd, args = tmp_path_factory.mktemp(f"resumed_w{workers}"), two_epochs(workers)
+            checkpoints, proc = straight_and_resumed(args, cwd, data_cache)
+            made[workers] = ResumedRuns(SharedRun(cwd, proc), args, checkpoints)
+        return made[workers]
+
+    return get

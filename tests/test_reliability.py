@@ -101,10 +101,9 @@ def _result(cwd: Path) -> dict:
     return json.loads((_run_dir(cwd) / "result.json").read_text())
 
 
-@pytest.mark.slow
-def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(tmp_path, data_cache):
-    proc = run_train(TINY + ["train.epochs=2", "optimizer.min_lr=0.5"], tmp_path, data_cache)  # min lr > peak: warns
-    log = (_run_dir(tmp_path) / "train.log").read_text()
+def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(resumed_runs):
+    runs = resumed_runs(0)  # two epochs, optimizer.min_lr=0.5: min lr > peak, it warns
+    proc, log = runs.run.proc, (runs.straight / "train.log").read_text()
     assert "pretrain at 32px" in log and "global batch 32 = 1 x 32 per rank" in log  # the start line
     assert "[epoch 0] train loss" in log and "[epoch 1] train loss" in log
     assert "status    finished after 16 steps" in log and "top-1" in log
@@ -140,24 +139,25 @@ def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tm
 
 
 @pytest.mark.slow
-def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache):
-    run_train(TINY + ["train.max_steps=3"], tmp_path, data_cache)
+def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache, tiny_run: SharedRun):
+    tiny_run.copy_into(tmp_path)  # TINY, trained once: 8 steps
     run_dir = _run_dir(tmp_path)
     for garbage in ("{not json", "[1, 2]"):
         (run_dir / "result.json").write_text(garbage)
-        proc = run_train(TINY + ["train.max_steps=3"], tmp_path, data_cache)
+        proc = run_train(TINY, tmp_path, data_cache)
         assert "Traceback" not in proc.stderr
         assert f"{run_dir / 'result.json'} is not a run result" in proc.stderr
         assert "Treated as unfinished" in proc.stderr
         result = _result(tmp_path)
-        assert result["status"] == "finished" and result["steps_done"] == 3 and "top1" in result
+        assert result["status"] == "finished" and result["steps_done"] == 8 and "top1" in result
 
 
 @pytest.mark.slow
-def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, data_cache):
-    args = TINY + ["train.epochs=2"]
-    run_train(args, tmp_path, data_cache)
-    run_dir = _run_dir(tmp_path)
+def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, data_cache, resumed_runs):
+    runs = resumed_runs(0)  # two epochs, finished
+    run_dir = tmp_path / "straight"
+    shutil.copytree(runs.straight, run_dir)
+    args = runs.args + [f"hydra.run.dir={run_dir}"]
     assert torch.load(run_dir / "checkpoint-prev.pt", weights_only=True)["step"] == 8  # one older good copy
     (run_dir / "result.json").unlink()
     last = run_dir / "checkpoint-last.pt"
@@ -169,7 +169,7 @@ def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, da
     assert "checkpoint-last.pt cannot be read" in proc.stderr and "Falling back to checkpoint-prev.pt" in proc.stderr
     assert "epoch 1 (batch 0), step 8" in proc.stdout and not stale.exists()
     assert (run_dir / "checkpoint-last.pt.unreadable").exists()
-    result = _result(tmp_path)
+    result = json.loads((run_dir / "result.json").read_text())
     assert (result["steps_done"], result["epochs_done"]) == (16, 2) and "top1" in result
     assert "cannot be read" in (run_dir / "train.log").read_text()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deit_ablate.aggregate.reader import read_offline
-from tests.conftest import TINY, SharedRun, run_train, train_straight_and_resumed
+from tests.conftest import TINY, SharedRun, run_train
 
 
 def _only_run_dir(cwd: Path) -> Path:
@@ -58,10 +58,8 @@ def test_divergence_ends_the_run_as_a_result_with_exit_status_0(tmp_path, data_c
 
 
 @pytest.mark.parametrize("workers", [0, 2])  # loader workers must take run.py's per-epoch seeds too
-def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(tmp_path, data_cache, workers):
-    tiny = [item for item in TINY if not item.startswith("runtime.num_workers=")] + [f"runtime.num_workers={workers}"]
-    two = tiny + ["train.epochs=2", "mix=mixup_cutmix"]
-    a, _, first_half = train_straight_and_resumed(two, tmp_path, data_cache)
+def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(resumed_runs, workers):
+    a, _, first_half = resumed_runs(workers).checkpoints  # the weights are equal, checked by the helper
     assert first_half["epoch"] == 1 and first_half["step"] == 8
     assert not torch.equal(a["model"]["head.weight"], first_half["model"]["head.weight"])
 
