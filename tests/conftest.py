@@ -170,3 +170,11 @@ def resumed_runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> 
         return made[workers]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def teacher_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
+    """A demo CNN teacher run on TINY's data, finished after 8 steps: 1 of its 2 epochs (run_dir("model=cnn_demo"))."""
+    data = [item for item in TINY if not item.startswith(("model.", "train.epochs="))]
+    return shared_run(tmp_path_factory, data_cache, "teacher", ["model=cnn_demo", "train.epochs=2",
+                                                                "train.max_steps=8"] + data)
