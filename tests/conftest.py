@@ -111,9 +111,17 @@ class SharedRun:
         return found
 
     def copy_into(self, cwd: Path) -> Path:
-        """Copy its outputs/ (run folders and wandb logs) under `cwd` for a test that changes them; the copy."""
-        shutil.copytree(self.outputs, cwd / "outputs", symlinks=True, dirs_exist_ok=True)
-        return cwd / "outputs"
+        """Copy its outputs/ (run folders and wandb logs) under `cwd` for a test that changes them, beside what is
+        there already; the copy."""
+        target = cwd / "outputs"
+
+        def links_there(folder: str, names: list[str]) -> list[str]:
+            """wandb's links (latest-run, debug.log) that `target` has already: its own are kept."""
+            there = target / Path(folder).relative_to(self.outputs)
+            return [name for name in names if (Path(folder) / name).is_symlink() and (there / name).is_symlink()]
+
+        shutil.copytree(self.outputs, target, symlinks=True, dirs_exist_ok=True, ignore=links_there)
+        return target
 
 
 def shared_run(factory: pytest.TempPathFactory, cache: Path, name: str, args: list[str]) -> SharedRun:
@@ -178,3 +186,10 @@ def teacher_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> S
     data = [item for item in TINY if not item.startswith(("model.", "train.epochs="))]
     return shared_run(tmp_path_factory, data_cache, "teacher", ["model=cnn_demo", "train.epochs=2",
                                                                 "train.max_steps=8"] + data)
+
+
+@pytest.fixture(scope="session")
+def mix_sweep(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
+    """`-m mix=none,mixup_only,cutmix_only` at TINY's scale for two epochs: three runs in one sweep folder."""
+    two_epochs = [item for item in TINY if not item.startswith("train.epochs=")] + ["train.epochs=2"]
+    return shared_run(tmp_path_factory, data_cache, "mix_sweep", ["-m", "mix=none,mixup_only,cutmix_only", *two_epochs])

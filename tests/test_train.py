@@ -64,8 +64,8 @@ def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(resumed_runs,
     assert not torch.equal(a["model"]["head.weight"], first_half["model"]["head.weight"])
 
 
-def test_mix_sweep_runs_three_runs_in_one_sweep_folder(tmp_path, data_cache):
-    proc = run_train(["-m", "mix=none,mixup_only,cutmix_only"] + TINY, tmp_path, data_cache)
+def test_mix_sweep_runs_three_runs_in_one_sweep_folder(mix_sweep: SharedRun):
+    proc, tmp_path = mix_sweep.proc, mix_sweep.cwd  # -m mix=none,mixup_only,cutmix_only, trained once
     runs = sorted(p.name for p in (tmp_path / "outputs" / "runs").iterdir() if p.is_dir())
     assert len(runs) == 3 and all(name.startswith("data.builtin") for name in runs)
     assert {name.split("mix=")[1].split(",")[0] for name in runs} == {"none", "mixup_only", "cutmix_only"}
