@@ -193,3 +193,9 @@ def mix_sweep(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Sha
     """`-m mix=none,mixup_only,cutmix_only` at TINY's scale for two epochs: three runs in one sweep folder."""
     two_epochs = [item for item in TINY if not item.startswith("train.epochs=")] + ["train.epochs=2"]
     return shared_run(tmp_path_factory, data_cache, "mix_sweep", ["-m", "mix=none,mixup_only,cutmix_only", *two_epochs])
+
+
+@pytest.fixture(scope="session")
+def one_step_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
+    """TINY for one step (`train.max_steps=1`) with 2 torch threads (a runtime setting: not the experiment)."""
+    return shared_run(tmp_path_factory, data_cache, "one_step", TINY + ["train.max_steps=1", "runtime.cpu_threads=2"])

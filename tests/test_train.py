@@ -120,8 +120,8 @@ def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache):
     assert (final["epoch"], final["step"]) == (1, 8)  # the same step count as a run never interrupted
 
 
-def test_cpu_threads_sets_torch_threads_and_zero_is_refused(tmp_path, data_cache):
-    proc = run_train(TINY + ["train.max_steps=1", "runtime.cpu_threads=2"], tmp_path, data_cache)  # env: 1 thread
+def test_cpu_threads_sets_torch_threads_and_zero_is_refused(tmp_path, data_cache, one_step_run: SharedRun):
+    proc = one_step_run.proc  # TINY + train.max_steps=1 runtime.cpu_threads=2; the environment says 1 thread
     assert "device cpu, 2 torch thread(s)" in proc.stdout
     proc = run_train(TINY + ["runtime.cpu_threads=0", "runtime.output_root=zero"], tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "runtime.cpu_threads=0 must be >= 1" in proc.stderr
