@@ -197,5 +197,17 @@ def mix_sweep(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Sha
 
 @pytest.fixture(scope="session")
 def one_step_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
-    """TINY for one step (`train.max_steps=1`) with 2 torch threads (a runtime setting: not the experiment)."""
-    return shared_run(tmp_path_factory, data_cache, "one_step", TINY + ["train.max_steps=1", "runtime.cpu_threads=2"])
+    """TINY for one step (`train.max_steps=1`) with 2 torch threads and micro-batches of 8 (runtime settings: not
+    the experiment)."""
+    return shared_run(tmp_path_factory, data_cache, "one_step", TINY + ["train.max_steps=1", "runtime.cpu_threads=2",
+                                                                        "runtime.max_batch_per_device=8"])
+
+
+@pytest.fixture(scope="session")
+def stopped_at_step_3(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> tuple[SharedRun, list[str]]:
+    """TINY saving every 2 steps, stopped by `train.max_steps=3` mid-epoch (run folder `cwd`/run); the overrides
+    without max_steps and run folder, which finish it."""
+    args = TINY + ["runtime.checkpoint_every_steps=2"]
+    cwd = tmp_path_factory.mktemp("stopped_at_step_3")
+    proc = run_train(args + ["train.max_steps=3", f"hydra.run.dir={cwd / 'run'}"], cwd, data_cache)
+    return SharedRun(cwd, proc), args

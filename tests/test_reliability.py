@@ -111,10 +111,10 @@ def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(res
     assert "status    finished after 16 steps" in proc.stdout and "[epoch 1]" in proc.stdout  # and the console
 
 
-def test_epochs_done_counts_only_completed_epochs_after_max_steps(tmp_path, data_cache):
-    run_train(TINY + ["train.epochs=2", "train.max_steps=5"], tmp_path, data_cache)
-    result = _result(tmp_path)
-    assert (result["epochs_done"], result["steps_done"]) == (0, 5) and "top1" in result
+def test_epochs_done_counts_only_completed_epochs_after_max_steps(stopped_at_step_3):
+    stopped, _ = stopped_at_step_3  # TINY (8 steps an epoch) stopped by train.max_steps=3
+    result = json.loads((stopped.cwd / "run" / "result.json").read_text())
+    assert (result["epochs_done"], result["steps_done"]) == (0, 3) and "top1" in result
 
 
 def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,15 +103,16 @@ def test_unknown_model_name_is_a_clear_error(tmp_path, data_cache):
     assert proc.returncode == 2 and "timm has no model named 'deit_tinny_patch16_224'" in proc.stderr
 
 
-def test_accumulation_kicks_in_when_a_batch_does_not_fit(tmp_path, data_cache):
-    proc = run_train(TINY + ["runtime.max_batch_per_device=8"], tmp_path, data_cache)
+def test_accumulation_kicks_in_when_a_batch_does_not_fit(one_step_run: SharedRun):
+    proc = one_step_run.proc  # TINY + runtime.max_batch_per_device=8 (and one step)
     assert "global batch 32 = 1 x 32 per rank (4 accumulation step(s) of 8)" in proc.stdout
 
 
-def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache):
+def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache, stopped_at_step_3):
+    stopped, args = stopped_at_step_3  # TINY + runtime.checkpoint_every_steps=2, run with train.max_steps=3
     run_dir = tmp_path / "run"
-    args = TINY + ["runtime.checkpoint_every_steps=2", f"hydra.run.dir={run_dir}"]
-    run_train(args + ["train.max_steps=3"], tmp_path, data_cache)
+    shutil.copytree(stopped.cwd / "run", run_dir)
+    args = args + [f"hydra.run.dir={run_dir}"]
     state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
     assert (state["epoch"], state["batches_done"], state["step"]) == (0, 3, 3)
     (run_dir / "result.json").unlink()  # as if the job had been preempted after step 3
