@@ -22,7 +22,7 @@ from deit_ablate.errors import ConfigError
 from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
 from deit_ablate.teacher import load_teacher
 from deit_ablate.validate import validate_config
-from tests.conftest import REPO, TINY, SharedRun, compose_config, run_train
+from tests.conftest import REPO, TINY, compose_config, run_train
 
 
 def _no_run_left(cwd: Path, output_root: str = "outputs") -> bool:
@@ -117,8 +117,7 @@ def test_epochs_done_counts_only_completed_epochs_after_max_steps(stopped_at_ste
     assert (result["epochs_done"], result["steps_done"]) == (0, 3) and "top1" in result
 
 
-def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache,
-                                                                             tiny_run: SharedRun):
+def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache, tiny_run):
     tiny_run.copy_into(tmp_path)  # TINY, trained once
     run_dir = _run_dir(tmp_path)
     first = json.loads((run_dir / "result.json").read_text())
@@ -139,7 +138,7 @@ def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tm
 
 
 @pytest.mark.slow
-def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache, tiny_run: SharedRun):
+def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache, tiny_run):
     tiny_run.copy_into(tmp_path)  # TINY, trained once: 8 steps
     run_dir = _run_dir(tmp_path)
     for garbage in ("{not json", "[1, 2]"):
@@ -325,8 +324,7 @@ def test_run_lock_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())  # no lock, empty or not
 
 
-def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper,
-                                                                   tiny_run: SharedRun):
+def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper, tiny_run):
     tiny_run.copy_into(tmp_path)  # TINY, trained once
     run_dir = _run_dir(tmp_path)
     (run_dir / "result.json").unlink()
