@@ -69,13 +69,16 @@ def train_straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path) ->
     return straight_and_resumed(two_epochs, cwd, cache)[0]
 
 
-def straight_and_resumed(two_epochs: list[str], cwd: Path,
-                         cache: Path) -> tuple[tuple[dict, dict, dict], subprocess.CompletedProcess]:
-    """What train_straight_and_resumed returns, and the straight run's process (its folder: `cwd`/straight)."""
+def straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path,
+                         straight_proc: subprocess.CompletedProcess | None = None,
+                         ) -> tuple[tuple[dict, dict, dict], subprocess.CompletedProcess]:
+    """What train_straight_and_resumed returns, and the straight run's process (its folder: `cwd`/straight; given
+    as `straight_proc` when it has been trained already)."""
     import torch
 
     straight, resumed = cwd / "straight", cwd / "resumed"
-    straight_proc = run_train(two_epochs + [f"hydra.run.dir={straight}"], cwd, cache)
+    if straight_proc is None:
+        straight_proc = run_train(two_epochs + [f"hydra.run.dir={straight}"], cwd, cache)
     run_train(two_epochs + ["train.max_steps=8", f"hydra.run.dir={resumed}"], cwd, cache)
     first_half = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
     (resumed / "result.json").unlink()  # as if the job had been stopped after its first epoch
@@ -159,22 +162,32 @@ class ResumedRuns:
     args: list[str]
     checkpoints: tuple[dict, dict, dict]
 
-    @property
-    def straight(self) -> Path:
-        """The straight run's folder."""
-        return self.run.cwd / "straight"
+
+@pytest.fixture(scope="session")
+def straight_runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Callable[[int], SharedRun]:
+    """two_epochs(workers) trained straight (run folder `cwd`/straight), on first use for a worker count."""
+    made: dict[int, SharedRun] = {}
+
+    def get(workers: int) -> SharedRun:
+        if workers not in made:
+            cwd = tmp_path_factory.mktemp(f"two_epochs_w{workers}")
+            proc = run_train(two_epochs(workers) + [f"hydra.run.dir={cwd / 'straight'}"], cwd, data_cache)
+            made[workers] = SharedRun(cwd, proc)
+        return made[workers]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def resumed_runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Callable[[int], ResumedRuns]:
-    """ResumedRuns for a worker count, trained on first use."""
+def resumed_runs(straight_runs: Callable[[int], SharedRun], data_cache: Path) -> Callable[[int], ResumedRuns]:
+    """ResumedRuns for a worker count (beside its straight run), trained on first use."""
     made: dict[int, ResumedRuns] = {}
 
     def get(workers: int) -> ResumedRuns:
         if workers not in made:
-            cwd, args = tmp_path_factory.mktemp(f"resumed_w{workers}"), two_epochs(workers)
-            checkpoints, proc = straight_and_resumed(args, cwd, data_cache)
-            made[workers] = ResumedRuns(SharedRun(cwd, proc), args, checkpoints)
+            run, args = straight_runs(workers), two_epochs(workers)
+            checkpoints, _ = straight_and_resumed(args, run.cwd, data_cache, straight_proc=run.proc)
+            made[workers] = ResumedRuns(run, args, checkpoints)
         return made[workers]
 
     return get

@@ -22,7 +22,7 @@ from deit_ablate.errors import ConfigError
 from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
 from deit_ablate.teacher import load_teacher
 from deit_ablate.validate import validate_config
-from tests.conftest import REPO, TINY, compose_config, run_train
+from tests.conftest import REPO, TINY, compose_config, run_train, two_epochs
 
 
 def _no_run_left(cwd: Path, output_root: str = "outputs") -> bool:
@@ -101,9 +101,9 @@ def _result(cwd: Path) -> dict:
     return json.loads((_run_dir(cwd) / "result.json").read_text())
 
 
-def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(resumed_runs):
-    runs = resumed_runs(0)  # two epochs, optimizer.min_lr=0.5: min lr > peak, it warns
-    proc, log = runs.run.proc, (runs.straight / "train.log").read_text()
+def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(straight_runs):
+    run = straight_runs(0)  # two epochs, optimizer.min_lr=0.5: min lr > peak, it warns
+    proc, log = run.proc, (run.cwd / "straight" / "train.log").read_text()
     assert "pretrain at 32px" in log and "global batch 32 = 1 x 32 per rank" in log  # the start line
     assert "[epoch 0] train loss" in log and "[epoch 1] train loss" in log
     assert "status    finished after 16 steps" in log and "top-1" in log
@@ -152,11 +152,10 @@ def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache, 
 
 
 @pytest.mark.slow
-def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, data_cache, resumed_runs):
-    runs = resumed_runs(0)  # two epochs, finished
+def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, data_cache, straight_runs):
     run_dir = tmp_path / "straight"
-    shutil.copytree(runs.straight, run_dir)
-    args = runs.args + [f"hydra.run.dir={run_dir}"]
+    shutil.copytree(straight_runs(0).cwd / "straight", run_dir)  # two epochs, finished
+    args = two_epochs(0) + [f"hydra.run.dir={run_dir}"]
     assert torch.load(run_dir / "checkpoint-prev.pt", weights_only=True)["step"] == 8  # one older good copy
     (run_dir / "result.json").unlink()
     last = run_dir / "checkpoint-last.pt"
