@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,10 +74,19 @@ def run_train(args: list[str], cwd: Path, cache: Path, extra_env: dict | None = 
 def train_straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path) -> tuple[dict, dict, dict]:
     """Train two epochs straight, and one epoch (8 steps) + a resume + one; the checkpoints of the straight run,
     the resumed run and the first half."""
+    return straight_and_resumed(two_epochs, cwd, cache)[0]
+
+
+def straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path,
+                         straight_proc: subprocess.CompletedProcess | None = None,
+                         ) -> tuple[tuple[dict, dict, dict], subprocess.CompletedProcess]:
+    """What train_straight_and_resumed returns, and the straight run's process (its folder: `cwd`/straight; given
+    as `straight_proc` when it has been trained already)."""
     import torch
 
     straight, resumed = cwd / "straight", cwd / "resumed"
-    run_train(two_epochs + [f"hydra.run.dir={straight}"], cwd, cache)
+    if straight_proc is None:
+        straight_proc = run_train(two_epochs + [f"hydra.run.dir={straight}"], cwd, cache)
     run_train(two_epochs + ["train.max_steps=8", f"hydra.run.dir={resumed}"], cwd, cache)
     first_half = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
     (resumed / "result.json").unlink()  # as if the job had been stopped after its first epoch
@@ -85,4 +97,138 @@ def train_straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path) ->
     assert a["step"] == b["step"] == 16
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
-    return a, b, first_half
+    return (a, b, first_half), straight_proc
+
+
+# --- end-to-end runs shared by the tests of a session ---------------------------------------------------------------
+# A test that only reads a run asserts on the shared one; a test that changes it (a relaunch, a deleted or damaged
+# file) works on a copy in its own tmp_path (SharedRun.copy_into), never on the shared folder.
+
+@dataclass(frozen=True)
+class SharedRun:
+    """A train.py launch made once per session: the folder it ran in (`cwd`, outputs under it) and its process."""
+
+    cwd: Path
+    proc: subprocess.CompletedProcess
+
+    @property
+    def outputs(self) -> Path:
+        """Its output root: runs/ and wandb/."""
+        return self.cwd / "outputs"
+
+    def run_dir(self, fragment: str = "") -> Path:
+        """Its one run folder (or the one whose name holds `fragment`)."""
+        (found,) = [p for p in (self.outputs / "runs").iterdir() if p.is_dir() and fragment in p.name]
+        return found
+
+    def copy_into(self, cwd: Path) -> Path:
+        """Copy its outputs/ (run folders and wandb logs) under `cwd` for a test that changes them, beside what is
+        there already; the copy."""
+        target = cwd / "outputs"
+
+        def links_there(folder: str, names: list[str]) -> list[str]:
+            """wandb's links (latest-run, debug.log) that `target` has already: its own are kept."""
+            there = target / Path(folder).relative_to(self.outputs)
+            return [name for name in names if (Path(folder) / name).is_symlink() and (there / name).is_symlink()]
+
+        shutil.copytree(self.outputs, target, symlinks=True, dirs_exist_ok=True, ignore=links_there)
+        return target
+
+
+def shared_run(factory: pytest.TempPathFactory, cache: Path, name: str, args: list[str]) -> SharedRun:
+    """Launch train.py with `args` in a fresh session folder; the SharedRun."""
+    cwd = factory.mktemp(name)
+    return SharedRun(cwd, run_train(args, cwd, cache))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(data_cache: Path) -> Path:
+    """TINY's built-in dataset, drawn in this process (what a dry run of TINY draws); its folder."""
+    from deit_ablate.data.builtin import ensure_builtin_dataset
+
+    return ensure_builtin_dataset(data_cache / "builtin", 40, 30, 10, 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
+    """TINY trained once: one epoch of 8 steps, finished."""
+    return shared_run(tmp_path_factory, data_cache, "tiny_run", TINY)
+
+
+def two_epochs(workers: int = 0) -> list[str]:
+    """TINY for two epochs with `workers` loader workers; its min lr above the peak lr (a warning in train.log)."""
+    tiny = [item for item in TINY if not item.startswith("runtime.num_workers=")] + [f"runtime.num_workers={workers}"]
+    return tiny + ["train.epochs=2", "mix=mixup_cutmix", "optimizer.min_lr=0.5"]
+
+
+@dataclass(frozen=True)
+class ResumedRuns:
+    """two_epochs(workers) trained straight (folder `cwd`/straight, process `run.proc`) and 1 + resume + 1
+    (`cwd`/resumed), the weights equal (checked); the checkpoints: straight, resumed, first half."""
+
+    run: SharedRun
+    args: list[str]
+    checkpoints: tuple[dict, dict, dict]
+
+
+@pytest.fixture(scope="session")
+def straight_runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Callable[[int], SharedRun]:
+    """two_epochs(workers) trained straight (run folder `cwd`/straight), on first use for a worker count."""
+    made: dict[int, SharedRun] = {}
+
+    def get(workers: int) -> SharedRun:
+        if workers not in made:
+            cwd = tmp_path_factory.mktemp(f"two_epochs_w{workers}")
+            proc = run_train(two_epochs(workers) + [f"hydra.run.dir={cwd / 'straight'}"], cwd, data_cache)
+            made[workers] = SharedRun(cwd, proc)
+        return made[workers]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def resumed_runs(straight_runs: Callable[[int], SharedRun], data_cache: Path) -> Callable[[int], ResumedRuns]:
+    """ResumedRuns for a worker count (beside its straight run), trained on first use."""
+    made: dict[int, ResumedRuns] = {}
+
+    def get(workers: int) -> ResumedRuns:
+        if workers not in made:
+            run, args = straight_runs(workers), two_epochs(workers)
+            checkpoints, _ = straight_and_resumed(args, run.cwd, data_cache, straight_proc=run.proc)
+            made[workers] = ResumedRuns(run, args, checkpoints)
+        return made[workers]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def teacher_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
+    """A demo CNN teacher run on TINY's data, finished after 8 steps: 1 of its 2 epochs (run_dir("model=cnn_demo"))."""
+    data = [item for item in TINY if not item.startswith(("model.", "train.epochs="))]
+    return shared_run(tmp_path_factory, data_cache, "teacher", ["model=cnn_demo", "train.epochs=2",
+                                                                "train.max_steps=8"] + data)
+
+
+@pytest.fixture(scope="session")
+def mix_sweep(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
+    """`-m mix=none,mixup_only,cutmix_only` at TINY's scale for two epochs: three runs in one sweep folder."""
+    two_epochs = [item for item in TINY if not item.startswith("train.epochs=")] + ["train.epochs=2"]
+    return shared_run(tmp_path_factory, data_cache, "mix_sweep", ["-m", "mix=none,mixup_only,cutmix_only", *two_epochs])
+
+
+@pytest.fixture(scope="session")
+def one_step_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
+    """TINY for one step (`train.max_steps=1`) as a sweep of one run (`-m seed=0`: the default seed, and Hydra's
+    runs/multirun.yaml), with 2 torch threads and micro-batches of 8 (runtime settings: not the experiment)."""
+    return shared_run(tmp_path_factory, data_cache, "one_step", ["-m", "seed=0"] + TINY + [
+        "train.max_steps=1", "runtime.cpu_threads=2", "runtime.max_batch_per_device=8"])
+
+
+@pytest.fixture(scope="session")
+def stopped_at_step_3(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> tuple[SharedRun, list[str]]:
+    """TINY saving every 2 steps, stopped by `train.max_steps=3` mid-epoch (run folder `cwd`/run); the overrides
+    without max_steps and run folder, which finish it."""
+    args = TINY + ["runtime.checkpoint_every_steps=2"]
+    cwd = tmp_path_factory.mktemp("stopped_at_step_3")
+    proc = run_train(args + ["train.max_steps=3", f"hydra.run.dir={cwd / 'run'}"], cwd, data_cache)
+    return SharedRun(cwd, proc), args

@@ -22,18 +22,18 @@ from deit_ablate.aggregate.settings import experiment_settings, is_execution_key
 from deit_ablate.identity import RunIdentity
 from deit_ablate.rundir import RunDir, runs_root, wandb_root
 from deit_ablate.tracking import METRICS_CSV, Tracker, code_commit
-from tests.conftest import TINY, run_train
+from tests.conftest import TINY, SharedRun, run_train
 
 TWO_EPOCHS = [o for o in TINY if not o.startswith("train.epochs=")] + ["train.epochs=2"]
 MIX_ROWS = {"none", "mixup_only", "cutmix_only", "mixup_cutmix"}
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
+def outputs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path, mix_sweep: SharedRun) -> Path:
     """The issue's runs, written by train.py into one outputs/ folder."""
     cwd = tmp_path_factory.mktemp("agg_runs")
     run_train(["-m", "ablation=baseline,sgd,no_mixup", "seed=0,1", *TWO_EPOCHS], cwd, data_cache)
-    run_train(["-m", "mix=none,mixup_only,cutmix_only", *TWO_EPOCHS], cwd, data_cache)
+    mix_sweep.copy_into(cwd)  # `-m mix=none,mixup_only,cutmix_only` with TWO_EPOCHS, trained once per session
     plain = run_train(TWO_EPOCHS, cwd, data_cache)
     assert "already finished" in plain.stdout  # the plain run is the same experiment as baseline seed 0
     return cwd / "outputs"

@@ -416,7 +416,7 @@ def test_ls_fixed_trains_with_the_diagonal_its_layerscale_run_learned(tmp_path, 
 
 
 def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_finds_the_study(tmp_path, data_cache,
-                                                                                            capsys):
+                                                                                            capsys, one_step_run):
     # Two Gloo processes, two steps of the class-attention model with a fixed LayerScale: a parameter left without
     # a gradient (a fixed diagonal counted as trainable, an unused token) would stop DDP at its second step.
     tiny = [a for a in TINY if not a.startswith("model.kwargs.")]
@@ -441,7 +441,7 @@ def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_fin
     present = [r["key"] for r in table["rows"] if r["cells"]["pretrain"]["n"]]
     assert present == ["depth12_rezero", "ca_10_2"]  # Table 1 before Table 2, as in the paper
     # Among other runs (a Table 8 run here), Table 8 by default; `--paper cait` picks the study's runs.
-    run_train(["train.max_steps=1"] + TINY, tmp_path, data_cache)
+    one_step_run.copy_into(tmp_path)  # TINY + train.max_steps=1, trained once per session
     assert cli.main([wandb_dir, "--format", "json", "--out", str(out), "-q"]) == 0
     assert json.loads(out.read_text())["paper"]["table"] == "table8"
     assert cli.main([wandb_dir, "--paper", "cait", "--format", "json", "--out", str(out)]) == 0

@@ -63,13 +63,13 @@ def _run_dir(cwd: Path, fragment: str) -> Path:
 
 
 @pytest.mark.slow
-def test_table_3_ladder_from_one_command_trains_the_paper_models(tmp_path, data_cache):
-    run_train(["model=cnn_demo"] + DATA, tmp_path, data_cache)
-    teacher_run = _run_dir(tmp_path, "model=cnn_demo")
-    assert RunDir(teacher_run).best_checkpoint.exists()
+def test_table_3_ladder_from_one_command_trains_the_paper_models(tmp_path, data_cache, teacher_run):
+    teacher_run.copy_into(tmp_path)  # a demo CNN teacher, trained once
+    teacher = _run_dir(tmp_path, "model=cnn_demo")
+    assert RunDir(teacher).best_checkpoint.exists()
     # The README's Table 3 command: no model= named; the token kinds train the distilled twin by themselves.
     sweep = ["-m", "distill=none,soft,hard,hard_token,soft_token", "stage=pretrain,finetune", "train.max_steps=3",
-             f"distill.teacher.checkpoint='{teacher_run}'"]
+             f"distill.teacher.checkpoint='{teacher}'"]
     proc = run_train(sweep + STUDENT[1:] + DATA, tmp_path, data_cache)
     results = {}
     for path in (runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}"):

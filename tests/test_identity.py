@@ -76,9 +76,8 @@ def _launch(args: list[str], cwd: Path, cache: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_relaunch_with_other_runtime_settings_resumes_the_same_run(tmp_path, data_cache):
-    args = TINY + ["train.epochs=3", "runtime.checkpoint_every_steps=1"]
-    run_train(args + ["runtime.dry_run=true"], tmp_path, data_cache)  # draws the data before the clock starts
+def test_relaunch_with_other_runtime_settings_resumes_the_same_run(tmp_path, data_cache, tiny_data):
+    args = TINY + ["train.epochs=3", "runtime.checkpoint_every_steps=1"]  # tiny_data: drawn before the clock starts
     proc = _launch(args, tmp_path, data_cache)
     runs = tmp_path / "outputs" / "runs"
     deadline = time.monotonic() + 300
@@ -103,10 +102,8 @@ def _imagefolder(source: Path, target: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_the_data_counts_by_content_not_by_path(tmp_path, data_cache):
-    run_train(TINY + ["runtime.dry_run=true"], tmp_path, data_cache)  # draws the built-in set
-    builtin = next((data_cache / "builtin").iterdir())
-    tree = _imagefolder(builtin, tmp_path / "mount_a" / "shapes")
+def test_the_data_counts_by_content_not_by_path(tmp_path, data_cache, tiny_data):
+    tree = _imagefolder(tiny_data, tmp_path / "mount_a" / "shapes")  # TINY's built-in set
     args = TINY + ["data=imagefolder", "data.num_classes=10"]
     run_train(args + [f"data.root={tree}"], tmp_path, data_cache)
     moved = tree.rename(tmp_path / "mount_b")  # the same tree on another mount: the same run, already finished

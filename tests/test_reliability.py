@@ -22,7 +22,7 @@ from deit_ablate.errors import ConfigError
 from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
 from deit_ablate.teacher import load_teacher
 from deit_ablate.validate import validate_config
-from tests.conftest import REPO, TINY, compose_config, run_train
+from tests.conftest import REPO, TINY, compose_config, run_train, two_epochs
 
 
 def _no_run_left(cwd: Path, output_root: str = "outputs") -> bool:
@@ -101,10 +101,9 @@ def _result(cwd: Path) -> dict:
     return json.loads((_run_dir(cwd) / "result.json").read_text())
 
 
-@pytest.mark.slow
-def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(tmp_path, data_cache):
-    proc = run_train(TINY + ["train.epochs=2", "optimizer.min_lr=0.5"], tmp_path, data_cache)  # min lr > peak: warns
-    log = (_run_dir(tmp_path) / "train.log").read_text()
+def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(straight_runs):
+    run = straight_runs(0)  # two epochs, optimizer.min_lr=0.5: min lr > peak, it warns
+    proc, log = run.proc, (run.cwd / "straight" / "train.log").read_text()
     assert "pretrain at 32px" in log and "global batch 32 = 1 x 32 per rank" in log  # the start line
     assert "[epoch 0] train loss" in log and "[epoch 1] train loss" in log
     assert "status    finished after 16 steps" in log and "top-1" in log
@@ -112,14 +111,14 @@ def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(tmp
     assert "status    finished after 16 steps" in proc.stdout and "[epoch 1]" in proc.stdout  # and the console
 
 
-def test_epochs_done_counts_only_completed_epochs_after_max_steps(tmp_path, data_cache):
-    run_train(TINY + ["train.epochs=2", "train.max_steps=5"], tmp_path, data_cache)
-    result = _result(tmp_path)
-    assert (result["epochs_done"], result["steps_done"]) == (0, 5) and "top1" in result
+def test_epochs_done_counts_only_completed_epochs_after_max_steps(stopped_at_step_3):
+    stopped, _ = stopped_at_step_3  # TINY (8 steps an epoch) stopped by train.max_steps=3
+    result = json.loads((stopped.cwd / "run" / "result.json").read_text())
+    assert (result["epochs_done"], result["steps_done"]) == (0, 3) and "top1" in result
 
 
-def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache):
-    run_train(TINY, tmp_path, data_cache)
+def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache, tiny_run):
+    tiny_run.copy_into(tmp_path)  # TINY, trained once
     run_dir = _run_dir(tmp_path)
     first = json.loads((run_dir / "result.json").read_text())
     # What a kill between the final checkpoint and result.json leaves; earlier launches took 1000 s.
@@ -139,24 +138,24 @@ def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tm
 
 
 @pytest.mark.slow
-def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache):
-    run_train(TINY + ["train.max_steps=3"], tmp_path, data_cache)
+def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache, tiny_run):
+    tiny_run.copy_into(tmp_path)  # TINY, trained once: 8 steps
     run_dir = _run_dir(tmp_path)
     for garbage in ("{not json", "[1, 2]"):
         (run_dir / "result.json").write_text(garbage)
-        proc = run_train(TINY + ["train.max_steps=3"], tmp_path, data_cache)
+        proc = run_train(TINY, tmp_path, data_cache)
         assert "Traceback" not in proc.stderr
         assert f"{run_dir / 'result.json'} is not a run result" in proc.stderr
         assert "Treated as unfinished" in proc.stderr
         result = _result(tmp_path)
-        assert result["status"] == "finished" and result["steps_done"] == 3 and "top1" in result
+        assert result["status"] == "finished" and result["steps_done"] == 8 and "top1" in result
 
 
 @pytest.mark.slow
-def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, data_cache):
-    args = TINY + ["train.epochs=2"]
-    run_train(args, tmp_path, data_cache)
-    run_dir = _run_dir(tmp_path)
+def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, data_cache, straight_runs):
+    run_dir = tmp_path / "straight"
+    shutil.copytree(straight_runs(0).cwd / "straight", run_dir)  # two epochs, finished
+    args = two_epochs(0) + [f"hydra.run.dir={run_dir}"]
     assert torch.load(run_dir / "checkpoint-prev.pt", weights_only=True)["step"] == 8  # one older good copy
     (run_dir / "result.json").unlink()
     last = run_dir / "checkpoint-last.pt"
@@ -168,7 +167,7 @@ def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, da
     assert "checkpoint-last.pt cannot be read" in proc.stderr and "Falling back to checkpoint-prev.pt" in proc.stderr
     assert "epoch 1 (batch 0), step 8" in proc.stdout and not stale.exists()
     assert (run_dir / "checkpoint-last.pt.unreadable").exists()
-    result = _result(tmp_path)
+    result = json.loads((run_dir / "result.json").read_text())
     assert (result["steps_done"], result["epochs_done"]) == (16, 2) and "top1" in result
     assert "cannot be read" in (run_dir / "train.log").read_text()
 
@@ -324,13 +323,13 @@ def test_run_lock_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())  # no lock, empty or not
 
 
-def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper):
-    run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache)
+def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper, tiny_run):
+    tiny_run.copy_into(tmp_path)  # TINY, trained once
     run_dir = _run_dir(tmp_path)
     (run_dir / "result.json").unlink()
     (run_dir / LOCK_NAME).write_text(_lock_record(sleeper.pid, proc_start=None))
     before = sorted(p.name for p in (tmp_path / "outputs" / "wandb").iterdir())
-    proc = run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache, check=False)
+    proc = run_train(TINY, tmp_path, data_cache, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"is in use by another launch of the same run: pid {sleeper.pid} on host" in proc.stderr
     assert "runtime.wait_for_lock=true" in proc.stderr and f"delete {run_dir / LOCK_NAME}" in proc.stderr

@@ -198,9 +198,8 @@ def _plan(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_dry_run_leaves_every_file_under_the_output_root_as_it_was(tmp_path, data_cache):
-    run_train(["-m", "seed=0"] + ONE_STEP, tmp_path, data_cache)  # a finished run, and the sweep's multirun.yaml
-    outputs = tmp_path / "outputs"
+def test_a_dry_run_leaves_every_file_under_the_output_root_as_it_was(tmp_path, data_cache, one_step_run):
+    outputs = one_step_run.copy_into(tmp_path)  # `-m seed=0` + ONE_STEP: a finished run, and the sweep's multirun.yaml
     before = _tree(outputs)
     assert any(key.endswith(f"{HYDRA}/{HYDRA_CONFIG}") for key in before) and f"{RUNS}/{MULTIRUN}" in before
     dry = ONE_STEP + ["runtime.dry_run=true"]

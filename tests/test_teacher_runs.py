@@ -18,17 +18,17 @@ from deit_ablate.errors import ConfigError
 from deit_ablate.identity import with_teacher
 from deit_ablate.rundir import RunDir
 from deit_ablate.teacher import teacher_identity, weights_digest
-from tests.conftest import TINY, compose_config, identity_of, run_train
+from tests.conftest import TINY, SharedRun, compose_config, identity_of, run_train
 
 DATA = [item for item in TINY if not item.startswith(("model.", "train.epochs="))]
 STUDENT = ["model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2", "distill=hard_token",
            "train.epochs=1", "train.max_steps=1"]
 
 
-def _train_teacher(cwd: Path, cache: Path, *extra: str) -> Path:
-    """A demo CNN teacher run (one epoch of 9 steps, or what `extra` says); its folder."""
-    run_train(["model=cnn_demo", *extra] + DATA, cwd, cache)
-    return next(p for p in (cwd / "outputs" / "runs").iterdir() if "model=cnn_demo" in p.name)
+def _copy_teacher(cwd: Path, teacher_run: SharedRun) -> Path:
+    """A copy under `cwd` of the shared demo CNN teacher run (8 steps, 1 of its 2 epochs); its folder."""
+    teacher_run.copy_into(cwd)
+    return cwd / "outputs" / "runs" / teacher_run.run_dir("model=cnn_demo").name
 
 
 def _student(teacher: Path | str, *extra: str) -> list[str]:
@@ -39,8 +39,8 @@ def _students(cwd: Path, teacher: Path, root: str = "outputs") -> list[Path]:
     return [p for p in (cwd / root / "runs").iterdir() if p.is_dir() and p != teacher]
 
 
-def test_an_unfinished_teacher_run_is_refused_before_anything_starts(tmp_path, data_cache):
-    teacher = _train_teacher(tmp_path, data_cache, "train.epochs=2", "train.max_steps=8")
+def test_an_unfinished_teacher_run_is_refused_before_anything_starts(tmp_path, data_cache, teacher_run):
+    teacher = _copy_teacher(tmp_path, teacher_run)
     (teacher / "result.json").unlink()  # killed after 1 of its 2 epochs
     proc = run_train(_student(teacher), tmp_path, data_cache, check=False)
     assert proc.returncode == 2, proc.stderr
@@ -66,8 +66,8 @@ def test_an_unfinished_teacher_run_is_refused_before_anything_starts(tmp_path, d
 
 
 @pytest.mark.slow
-def test_a_student_records_its_teacher_and_is_refused_when_the_teacher_changes(tmp_path, data_cache):
-    teacher = _train_teacher(tmp_path, data_cache, "train.epochs=1", "train.max_steps=2")
+def test_a_student_records_its_teacher_and_is_refused_when_the_teacher_changes(tmp_path, data_cache, teacher_run):
+    teacher = _copy_teacher(tmp_path, teacher_run)
     weights = teacher / "checkpoint-best.pt"
     digest = weights_digest(read_weights(weights))
     proc = run_train(_student(teacher), tmp_path, data_cache)

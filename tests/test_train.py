@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from deit_ablate.aggregate.reader import read_offline
-from tests.conftest import TINY, run_train, train_straight_and_resumed
+from tests.conftest import TINY, SharedRun, run_train
 
 
 def _only_run_dir(cwd: Path) -> Path:
@@ -19,9 +20,9 @@ def _only_run_dir(cwd: Path) -> Path:
     return runs[0]
 
 
-def test_tiny_run_trains_evaluates_checkpoints_and_logs(tmp_path, data_cache):
-    proc = run_train(TINY, tmp_path, data_cache)
-    run_dir = _only_run_dir(tmp_path)
+def test_tiny_run_trains_evaluates_checkpoints_and_logs(tiny_run: SharedRun):
+    proc, cwd = tiny_run.proc, tiny_run.cwd
+    run_dir = _only_run_dir(cwd)
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "finished" and result["steps_done"] == 8  # 256 repeated images / batch 32
     assert 0.0 <= result["top1"] <= 100.0 and result["top5_final"] >= result["top1"]
@@ -32,9 +33,9 @@ def test_tiny_run_trains_evaluates_checkpoints_and_logs(tmp_path, data_cache):
     assert "status    finished" in proc.stdout and "top-1" in proc.stdout
     assert "img_s=" in proc.stderr and "lr=" in proc.stderr and "loss=" in proc.stderr  # the progress bar
     assert "global batch 32 = 1 x 32 per rank (1 accumulation step(s) of 32)" in proc.stdout
-    offline = list((tmp_path / "outputs" / "wandb").glob(f"offline-run-*-{result['run_id']}"))
+    offline = list((cwd / "outputs" / "wandb").glob(f"offline-run-*-{result['run_id']}"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
-    (logged,) = read_offline(tmp_path / "outputs" / "wandb")
+    (logged,) = read_offline(cwd / "outputs" / "wandb")
     assert logged.config["ablation"] == "baseline" and logged.config["mix"]["mixup_alpha"] == 0.8
     assert {"baseline", "pretrain", "demo"} == set(logged.tags)
     assert logged.summary["status"] == "finished" and logged.summary["top1"] == result["top1"]
@@ -42,8 +43,8 @@ def test_tiny_run_trains_evaluates_checkpoints_and_logs(tmp_path, data_cache):
     assert not re.search(r"api_key|password|secret|token\b|WANDB_", json.dumps(logged.config), re.I)
 
 
-def test_relaunch_skips_a_finished_run(tmp_path, data_cache):
-    run_train(TINY, tmp_path, data_cache)
+def test_relaunch_skips_a_finished_run(tmp_path, data_cache, tiny_run: SharedRun):
+    tiny_run.copy_into(tmp_path)  # TINY, trained once
     proc = run_train(TINY, tmp_path, data_cache)
     assert "already finished" in proc.stdout and "skipping" in proc.stdout
     assert len(list((tmp_path / "outputs" / "wandb").glob("offline-run-*"))) == 1
@@ -58,16 +59,14 @@ def test_divergence_ends_the_run_as_a_result_with_exit_status_0(tmp_path, data_c
 
 
 @pytest.mark.parametrize("workers", [0, 2])  # loader workers must take run.py's per-epoch seeds too
-def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(tmp_path, data_cache, workers):
-    tiny = [item for item in TINY if not item.startswith("runtime.num_workers=")] + [f"runtime.num_workers={workers}"]
-    two = tiny + ["train.epochs=2", "mix=mixup_cutmix"]
-    a, _, first_half = train_straight_and_resumed(two, tmp_path, data_cache)
+def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(resumed_runs, workers):
+    a, _, first_half = resumed_runs(workers).checkpoints  # the weights are equal, checked by the helper
     assert first_half["epoch"] == 1 and first_half["step"] == 8
     assert not torch.equal(a["model"]["head.weight"], first_half["model"]["head.weight"])
 
 
-def test_mix_sweep_runs_three_runs_in_one_sweep_folder(tmp_path, data_cache):
-    proc = run_train(["-m", "mix=none,mixup_only,cutmix_only"] + TINY, tmp_path, data_cache)
+def test_mix_sweep_runs_three_runs_in_one_sweep_folder(mix_sweep: SharedRun):
+    proc, tmp_path = mix_sweep.proc, mix_sweep.cwd  # -m mix=none,mixup_only,cutmix_only, trained once
     runs = sorted(p.name for p in (tmp_path / "outputs" / "runs").iterdir() if p.is_dir())
     assert len(runs) == 3 and all(name.startswith("data.builtin") for name in runs)
     assert {name.split("mix=")[1].split(",")[0] for name in runs} == {"none", "mixup_only", "cutmix_only"}
@@ -104,15 +103,16 @@ def test_unknown_model_name_is_a_clear_error(tmp_path, data_cache):
     assert proc.returncode == 2 and "timm has no model named 'deit_tinny_patch16_224'" in proc.stderr
 
 
-def test_accumulation_kicks_in_when_a_batch_does_not_fit(tmp_path, data_cache):
-    proc = run_train(TINY + ["runtime.max_batch_per_device=8"], tmp_path, data_cache)
+def test_accumulation_kicks_in_when_a_batch_does_not_fit(one_step_run: SharedRun):
+    proc = one_step_run.proc  # TINY + runtime.max_batch_per_device=8 (and one step)
     assert "global batch 32 = 1 x 32 per rank (4 accumulation step(s) of 8)" in proc.stdout
 
 
-def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache):
+def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache, stopped_at_step_3):
+    stopped, args = stopped_at_step_3  # TINY + runtime.checkpoint_every_steps=2, run with train.max_steps=3
     run_dir = tmp_path / "run"
-    args = TINY + ["runtime.checkpoint_every_steps=2", f"hydra.run.dir={run_dir}"]
-    run_train(args + ["train.max_steps=3"], tmp_path, data_cache)
+    shutil.copytree(stopped.cwd / "run", run_dir)
+    args = args + [f"hydra.run.dir={run_dir}"]
     state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
     assert (state["epoch"], state["batches_done"], state["step"]) == (0, 3, 3)
     (run_dir / "result.json").unlink()  # as if the job had been preempted after step 3
@@ -122,8 +122,8 @@ def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache):
     assert (final["epoch"], final["step"]) == (1, 8)  # the same step count as a run never interrupted
 
 
-def test_cpu_threads_sets_torch_threads_and_zero_is_refused(tmp_path, data_cache):
-    proc = run_train(TINY + ["train.max_steps=1", "runtime.cpu_threads=2"], tmp_path, data_cache)  # env: 1 thread
+def test_cpu_threads_sets_torch_threads_and_zero_is_refused(tmp_path, data_cache, one_step_run: SharedRun):
+    proc = one_step_run.proc  # TINY + train.max_steps=1 runtime.cpu_threads=2; the environment says 1 thread
     assert "device cpu, 2 torch thread(s)" in proc.stdout
     proc = run_train(TINY + ["runtime.cpu_threads=0", "runtime.output_root=zero"], tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "runtime.cpu_threads=0 must be >= 1" in proc.stderr
