@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from deit_ablate.config import register_configs
 from deit_ablate.identity import RunIdentity, composed_choices, run_identity
 from deit_ablate.resolvers import register_resolvers
+from deit_ablate.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -88,12 +89,12 @@ def straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path,
     if straight_proc is None:
         straight_proc = run_train(two_epochs + [f"hydra.run.dir={straight}"], cwd, cache)
     run_train(two_epochs + ["train.max_steps=8", f"hydra.run.dir={resumed}"], cwd, cache)
-    first_half = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
-    (resumed / "result.json").unlink()  # as if the job had been stopped after its first epoch
+    first_half = torch.load(RunDir(resumed).last_checkpoint, weights_only=True)
+    RunDir(resumed).result.unlink()  # as if the job had been stopped after its first epoch
     proc = run_train(two_epochs + [f"hydra.run.dir={resumed}"], cwd, cache)
     assert "resuming" in proc.stdout
-    a = torch.load(straight / "checkpoint-last.pt", weights_only=True)
-    b = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
+    a = torch.load(RunDir(straight).last_checkpoint, weights_only=True)
+    b = torch.load(RunDir(resumed).last_checkpoint, weights_only=True)
     assert a["step"] == b["step"] == 16
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.identity import composed_choices, experiment, pretrain_overrides
 from deit_ablate.models import build_model, resize_pos_embed_state
+from deit_ablate.rundir import RESULT, RunDir, runs_root, wandb_root
 from deit_ablate.stages import load_pretrained
 from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
 
@@ -99,9 +100,9 @@ def test_finetune_resizes_position_embeddings_bicubically_and_keeps_the_class_to
 def test_load_pretrained_takes_a_checkpoint_of_another_resolution(tmp_path):
     cfg = compose_config([])
     small = build_model(cfg.model, 10, img_size=32)
-    torch.save({"model": small.state_dict(), "epoch": 3}, tmp_path / "checkpoint-last.pt")
+    torch.save({"model": small.state_dict(), "epoch": 3}, RunDir(tmp_path).last_checkpoint)
     large = build_model(cfg.model, 10, img_size=48)
-    load_pretrained(large, tmp_path / "checkpoint-last.pt")
+    load_pretrained(large, RunDir(tmp_path).last_checkpoint)
     assert torch.equal(large.blocks[0].attn.qkv.weight, small.blocks[0].attn.qkv.weight)
     assert large.pos_embed.shape[1] == 37
 
@@ -110,7 +111,7 @@ def test_load_pretrained_takes_a_checkpoint_of_another_resolution(tmp_path):
 def test_whole_table_both_stages_in_one_sweep_lands_26_runs(tmp_path, data_cache):
     proc = run_train(["-m", "ablation=glob(*)", "stage=pretrain,finetune", "train.max_steps=2"] + TINY, tmp_path,
                      data_cache)
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert len(runs) == 26 and len({run.run_id for run in runs}) == 26
     seen = {(run.config["ablation"], run.config["stage"]) for run in runs}
     assert seen == {(row, stage) for row in ROWS for stage in ("pretrain", "finetune")}
@@ -130,14 +131,14 @@ def test_relaunched_sweep_skips_finished_runs_and_resumes_the_rest(tmp_path, dat
     sweep = ["-m", "ablation=baseline,no_mixup", "stage=pretrain,finetune", "train.max_steps=9",
              "train.epochs=2"] + TINY
     run_train(sweep, tmp_path, data_cache)
-    runs_dir = tmp_path / "outputs" / "runs"
+    runs_dir = runs_root(tmp_path / "outputs")
     interrupted = next(p for p in runs_dir.glob("ablation=no_mixup,*")
-                       if "stage=finetune" in (p / ".hydra" / "overrides.yaml").read_text())
-    (interrupted / "result.json").unlink()  # killed after its first epoch's checkpoint
+                       if "stage=finetune" in RunDir(p).hydra_overrides.read_text())
+    RunDir(interrupted).result.unlink()  # killed after its first epoch's checkpoint
     proc = run_train(sweep, tmp_path, data_cache)
     assert proc.stdout.count("already finished") == 3
     assert proc.stdout.count("resuming") == 1
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert len({run.run_id for run in runs}) == 4  # one wandb run per identity, whatever the relaunches
 
 
@@ -145,17 +146,17 @@ def test_diverged_pretraining_gives_a_diverged_finetune_without_training(tmp_pat
     sweep = ["-m", "ablation=no_erasing", "stage=pretrain,finetune", "optimizer.lr=1e12",
              "optimizer.warmup_epochs=0"] + TINY
     run_train(sweep, tmp_path, data_cache)
-    results = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")]
+    results = [json.loads(p.read_text()) for p in (runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}")]
     assert sorted(r["status"] for r in results) == ["diverged", "diverged"]
     assert any("not fine-tuned" in r.get("note", "") for r in results)
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert sorted(r.summary["status"] for r in runs) == ["diverged", "diverged"]
 
 
 def test_finetune_before_pretraining_is_a_clear_error(tmp_path, data_cache):
     proc = run_train(["stage=finetune"] + TINY, tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "has not finished" in proc.stderr and "stage=pretrain,finetune" in proc.stderr
-    assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())
+    assert not (runs_root(tmp_path / "outputs")).exists() or not any((runs_root(tmp_path / "outputs")).iterdir())
 
 
 
@@ -165,7 +166,7 @@ def test_resolution_sweep_fine_tunes_one_pretrained_checkpoint_at_each_size(tmp_
                      data_cache)
     sizes = sorted(int(size) for size in re.findall(r"finetune at (\d+)px", proc.stdout))
     assert sizes == [24, 48]
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     finetunes = [r for r in runs if r.config["stage"] == "finetune"]
     assert sorted(r.config["resolution"]["train_size"] for r in finetunes) == [24, 48]
     assert all(r.summary["status"] == "finished" for r in runs)

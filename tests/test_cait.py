@@ -34,6 +34,7 @@ from deit_ablate.deeper import (
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import composed_choices, experiment, run_identity
 from deit_ablate.models import build_model, resize_pos_embed_state
+from deit_ablate.rundir import RunDir, runs_root, wandb_root
 from deit_ablate.stages import fix_layer_scale, layer_scale_run_dir
 from deit_ablate.validate import validate_config
 from hydra_plugins.deit_ablate_launcher.slurm import submission_order, upstream_jobs
@@ -306,7 +307,7 @@ def test_ls_fixed_refuses_to_start_before_its_layerscale_run_has_finished(tmp_pa
         fix_layer_scale(model, cfg, overrides)
     source = layer_scale_run_dir(cfg, overrides).path
     source.mkdir(parents=True)
-    (source / "result.json").write_text(json.dumps({"status": "diverged"}))
+    RunDir(source).result.write_text(json.dumps({"status": "diverged"}))
     with pytest.raises(ConfigError, match="which ended as diverged"):
         fix_layer_scale(model, cfg, overrides)
     # Only a row that learns LayerScale from epsilon can be the source.
@@ -394,25 +395,25 @@ def test_ls_fixed_trains_with_the_diagonal_its_layerscale_run_learned(tmp_path, 
     source_name = plan["depth18_layerscale"][0]
     assert plan["ls_fixed"][1] == f"wait for its LayerScale run {source_name}"
     run_train(["cait=depth18_layerscale"] + tiny, tmp_path, data_cache)
-    source = tmp_path / "outputs" / "runs" / source_name
-    state = torch.load(source / "checkpoint-last.pt", weights_only=True)
+    source = runs_root(tmp_path / "outputs") / source_name
+    state = torch.load(RunDir(source).last_checkpoint, weights_only=True)
     learned = layer_scale_values(state["model"])
     assert sorted(learned) == ["blocks.0.ls1.gamma", "blocks.0.ls2.gamma"]
     assert all(not torch.equal(g, torch.full_like(g, 0.1)) for g in learned.values())  # two steps moved them
     learned = {key: torch.rand_like(g) + 1.0 for key, g in learned.items()}  # far from epsilon, unlike each other
-    torch.save({**state, "model": {**state["model"], **learned}}, source / "checkpoint-last.pt")
+    torch.save({**state, "model": {**state["model"], **learned}}, RunDir(source).last_checkpoint)
     plan = _dry_run(run_train(["cait=ls_fixed", "runtime.dry_run=true"] + tiny, tmp_path, data_cache))
     assert plan["ls_fixed"][1] == f"train from step 0, LayerScale diagonal fixed at the values of {source_name}"
     run_train(["cait=ls_fixed"] + tiny, tmp_path, data_cache)
-    run = tmp_path / "outputs" / "runs" / plan["ls_fixed"][0]
-    fixed = layer_scale_values(torch.load(run / "checkpoint-last.pt", weights_only=True)["model"])
-    result = json.loads((run / "result.json").read_text())
+    run = runs_root(tmp_path / "outputs") / plan["ls_fixed"][0]
+    fixed = layer_scale_values(torch.load(RunDir(run).last_checkpoint, weights_only=True)["model"])
+    result = json.loads(RunDir(run).result.read_text())
     assert result["status"] == "finished" and result["steps_done"] == 2  # two steps later, still the source's values
     assert fixed.keys() == learned.keys() and all(torch.equal(fixed[key], g) for key, g in learned.items())
     assert all(g.min() >= 1.0 for g in fixed.values())  # not epsilon (0.1)
     assert result["layer_scale_from"] == {"run": source_name, "digest": layer_scale_digest(learned)}
     assert f"fixed at the values the run {source_name} learned (digest {layer_scale_digest(learned)})" in \
-        (run / "train.log").read_text()
+        RunDir(run).log.read_text()
 
 
 def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_finds_the_study(tmp_path, data_cache,
@@ -426,15 +427,15 @@ def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_fin
                 str(REPO / "train.py")]
     run_train(args, tmp_path, data_cache, module=torchrun)
     run_train(["cait=depth12_rezero", "model.kwargs.depth=1", "train.max_steps=2"] + tiny, tmp_path, data_cache)
-    results = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("cait=*/result.json")]
+    results = [json.loads(p.read_text()) for p in (runs_root(tmp_path / "outputs")).glob("cait=*/result.json")]
     assert sorted(r["status"] for r in results) == ["finished", "finished"]
     assert all(r["steps_done"] == 2 for r in results)
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert sorted(r.config["choices"]["cait"] for r in runs) == ["ca_10_2", "depth12_rezero"]
     assert sorted(tag for r in runs for tag in r.tags if tag.startswith("cait=")) == ["cait=ca_10_2",
                                                                                     "cait=depth12_rezero"]
     assert OmegaConf.create(runs[0].config).model.name == "deit_small_patch16_224"
-    wandb_dir, out = str(tmp_path / "outputs" / "wandb"), tmp_path / "cait.json"
+    wandb_dir, out = str(wandb_root(tmp_path / "outputs")), tmp_path / "cait.json"
     assert cli.main([wandb_dir, "--format", "json", "--out", str(out), "-q"]) == 0  # only the study's runs
     table = json.loads(out.read_text())
     assert table["rows_key"] == "cait" and table["paper"]["table"] == "cait"

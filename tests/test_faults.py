@@ -28,6 +28,7 @@ import torch
 
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.data.builtin import ensure_builtin_dataset
+from deit_ablate.rundir import LAST, PREV, RESULT, RunDir, runs_root, wandb_root
 from deit_ablate.runlock import LOCK_NAME
 from tests.conftest import REPO, TINY, run_train
 
@@ -104,19 +105,19 @@ def kill9(proc: subprocess.Popen) -> None:
 
 
 def is_checkpoint_temp(name: str) -> bool:
-    return name.startswith(".checkpoint-last.pt.") and name.endswith(".tmp")
+    return name.startswith(f".{LAST}.") and name.endswith(".tmp")
 
 
 def check_complete(cwd: Path, run_dir: Path, proc: subprocess.CompletedProcess) -> dict:
     """The relaunch finished the run: full step count, a full result, one wandb id, nothing half-written left."""
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    result = json.loads((run_dir / "result.json").read_text())
+    result = json.loads(RunDir(run_dir).result.read_text())
     assert result["status"] == "finished" and "top1" in result and "top5_final" in result, result
     assert (result["steps_done"], result["epochs_done"]) == (EPOCHS * STEPS_PER_EPOCH, EPOCHS), result
-    state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    state = torch.load(RunDir(run_dir).last_checkpoint, weights_only=True)
     assert state["step"] == EPOCHS * STEPS_PER_EPOCH and state["training_complete"]
     assert not list(run_dir.glob(".*.tmp")) and not (run_dir / LOCK_NAME).exists()
-    runs = read_offline(cwd / "outputs" / "wandb", warn=lambda message: None)  # killed logs are cut mid-record
+    runs = read_offline(wandb_root(cwd / "outputs"), warn=lambda message: None)  # killed logs are cut mid-record
     assert {r.run_id for r in runs} == {result["run_id"]}, [r.run_id for r in runs]
     assert any(r.summary.get("status") == "finished" and r.summary.get("top1") == result["top1"] for r in runs)
     return result
@@ -125,7 +126,7 @@ def check_complete(cwd: Path, run_dir: Path, proc: subprocess.CompletedProcess) 
 def killed_run(tmp_path: Path, cache: Path, name: str, kill_at: int, delay: float,
                args: list[str] | None = None) -> tuple[Path, str, bool]:
     """Launch, kill -9 at the `kill_at`-th checkpoint temp file plus `delay` s; (run folder, where, mid-write)."""
-    run_dir = tmp_path / name / "outputs" / "runs" / "run"
+    run_dir = tmp_path / runs_root(name / "outputs") / "run"
     run_dir.mkdir(parents=True)
     watch = Watch(run_dir)
     proc = launch((args or ARGS) + [f"hydra.run.dir={run_dir}"], run_dir.parents[2], cache)
@@ -135,7 +136,7 @@ def killed_run(tmp_path: Path, cache: Path, name: str, kill_at: int, delay: floa
     finally:
         kill9(proc)
         watch.close()
-    mid_write = bool(list(run_dir.glob(".checkpoint-*.tmp")))
+    mid_write = bool(list(run_dir.glob(f".{LAST}*.tmp")))
     where = f"checkpoint write #{kill_at} + {delay * 1000:.0f} ms" if reached else "after the run ended"
     return run_dir, where, mid_write
 
@@ -155,23 +156,23 @@ def test_kill_at_a_random_point_then_relaunch(tmp_path, cache, trial):
     kill_at = rng.randint(3 if trial == 1 else 1, 14)  # trial 1 truncates the newest checkpoint: let two exist
     run_dir, where, mid_write = killed_run(tmp_path, cache, f"t{trial}", kill_at,
                                            0.0 if during_write else rng.uniform(0.0, 0.4))
-    truncated = trial == 1 and (run_dir / "checkpoint-last.pt").exists()
+    truncated = trial == 1 and RunDir(run_dir).last_checkpoint.exists()
     if truncated:  # and the newest checkpoint is damaged too: the relaunch falls back to the copy before it
-        last = run_dir / "checkpoint-last.pt"
+        last = RunDir(run_dir).last_checkpoint
         last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
     proc = run_train(ARGS + [f"hydra.run.dir={run_dir}"], run_dir.parents[2], cache, check=False)
     result = check_complete(run_dir.parents[2], run_dir, proc)
     if mid_write:
         assert "removed .checkpoint-" in proc.stdout  # the temp file of the write it cut
-    if truncated and (run_dir / "checkpoint-prev.pt").exists():
-        assert "Falling back to checkpoint-prev.pt" in proc.stderr
+    if truncated and RunDir(run_dir).previous_checkpoint.exists():
+        assert f"Falling back to {PREV}" in proc.stderr
     SUMMARY.append(f"  kill -9 at {where}{' (inside the write)' if mid_write else ''}"
                    f"{', checkpoint-last.pt then truncated' if truncated else ''} -> relaunch: "
                    f"{result['status']}, {result['steps_done']} steps, top-1 {result['top1']:.1f}, 1 wandb id")
 
 
 def test_kill_between_the_final_checkpoint_and_the_result(tmp_path, cache):
-    run_dir = tmp_path / "outputs" / "runs" / "run"
+    run_dir = runs_root(tmp_path / "outputs") / "run"
     run_dir.mkdir(parents=True)
     watch = Watch(run_dir)
     proc = launch(ARGS + [f"hydra.run.dir={run_dir}"], tmp_path, cache)
@@ -179,19 +180,19 @@ def test_kill_between_the_final_checkpoint_and_the_result(tmp_path, cache):
         assert watch.wait_for(proc, is_checkpoint_temp), "no checkpoint was written"
         # Once training runs (stale temp files are removed at the start), result.json's temp file becomes a
         # FIFO: writing the result blocks right after the final checkpoint, until the kill.
-        os.mkfifo(run_dir / ".result.json.tmp")
+        os.mkfifo(run_dir / f".{RESULT}.tmp")
         deadline = time.monotonic() + 120
         while Path(f"/proc/{proc.pid}/wchan").read_text() != "wait_for_partner" and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.2)
-        state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
-        assert state["training_complete"] and not (run_dir / "result.json").exists()
+        state = torch.load(RunDir(run_dir).last_checkpoint, weights_only=True)
+        assert state["training_complete"] and not RunDir(run_dir).result.exists()
     finally:
         kill9(proc)
         watch.close()
     relaunch = run_train(ARGS + [f"hydra.run.dir={run_dir}"], tmp_path, cache, check=False)
     result = check_complete(tmp_path, run_dir, relaunch)
-    assert "training was complete at step 24" in relaunch.stdout and "removed .result.json.tmp" in relaunch.stdout
+    assert "training was complete at step 24" in relaunch.stdout and f"removed .{RESULT}.tmp" in relaunch.stdout
     SUMMARY.append(f"  kill -9 between the final checkpoint and result.json -> relaunch evaluates: "
                    f"{result['status']}, {result['steps_done']} steps, top-1 {result['top1']:.1f}, 1 wandb id")
 
@@ -211,13 +212,13 @@ def test_unreadable_image_survives_a_kill(tmp_path, cache):
     run_dir, where, _ = killed_run(tmp_path, cache, "img", 6, 0.1, args)
     proc = run_train(args + [f"hydra.run.dir={run_dir}"], run_dir.parents[2], cache, check=False)
     result = check_complete(run_dir.parents[2], run_dir, proc)
-    assert result["data/bad_images"] == 1 and f"unreadable image {bad}" in (run_dir / "train.log").read_text()
+    assert result["data/bad_images"] == 1 and f"unreadable image {bad}" in RunDir(run_dir).log.read_text()
     SUMMARY.append(f"  unreadable JPEG, kill -9 at {where} -> relaunch: {result['steps_done']} steps, "
                    f"data/bad_images {result['data/bad_images']}, named in train.log")
 
 
 def test_two_launches_of_one_run(tmp_path, cache):
-    run_dir = tmp_path / "outputs" / "runs" / "run"
+    run_dir = runs_root(tmp_path / "outputs") / "run"
     run_dir.mkdir(parents=True)
     args = ARGS + [f"hydra.run.dir={run_dir}"]
     watch = Watch(run_dir)
@@ -245,7 +246,7 @@ def test_two_launches_of_one_run(tmp_path, cache):
     _, wait_err = waiting.communicate(timeout=300)
     result = check_complete(tmp_path, run_dir, subprocess.CompletedProcess([], first.returncode, first_out, first_err))
     assert waiting.returncode == 0 and "already finished" in waiting_out.read_text(), wait_err[-3000:]
-    assert len(list((tmp_path / "outputs" / "wandb").glob("offline-run-*"))) == 1  # only the holder trained
+    assert len(list((wandb_root(tmp_path / "outputs")).glob("offline-run-*"))) == 1  # only the holder trained
 
     # Two launches started at the same moment: one trains, the other stops or finds it finished; never both.
     pair_dir = tmp_path / "pair"
@@ -255,7 +256,7 @@ def test_two_launches_of_one_run(tmp_path, cache):
     codes = sorted(p.returncode for p in pair)
     trained = [out for out, _ in outs if "status    finished after 24 steps" in out]
     assert len(trained) == 1 and codes in ([0, 0], [0, 1]), [err[-2000:] for _, err in outs]
-    assert len(list((pair_dir / "outputs" / "wandb").glob("offline-run-*"))) == 1
+    assert len(list((wandb_root(pair_dir / "outputs")).glob("offline-run-*"))) == 1
     SUMMARY.append(f"  two launches of one run: the second exits 1 naming the holder; with runtime.wait_for_lock it "
                    f"waits, then skips the finished run; started together: one trains (exit codes {codes}); "
                    f"{result['steps_done']} steps, 1 wandb id")
@@ -280,9 +281,9 @@ def test_disk_full_while_saving(tmp_path, cache, small_tmpfs):
     args = ARGS + [f"hydra.run.dir={run_dir}"]  # checkpoints on the tmpfs, wandb under ./outputs
     proc = run_train(args, tmp_path, cache, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert f"no space left on the device while writing {run_dir / 'checkpoint-last.pt'}" in proc.stderr
-    assert "free of" in proc.stderr and "The previous checkpoint-last.pt is intact" in proc.stderr
-    kept = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)["step"]  # loadable
+    assert f"no space left on the device while writing {RunDir(run_dir).last_checkpoint}" in proc.stderr
+    assert "free of" in proc.stderr and f"The previous {LAST} is intact" in proc.stderr
+    kept = torch.load(RunDir(run_dir).last_checkpoint, weights_only=True)["step"]  # loadable
     assert 0 < kept < EPOCHS * STEPS_PER_EPOCH and not list(run_dir.glob(".*.tmp"))
     subprocess.run(["mount", "-o", "remount,size=8m", str(small_tmpfs)], check=True)  # space freed
     relaunch = run_train(args, tmp_path, cache, check=False)

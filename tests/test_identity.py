@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from deit_ablate.rundir import IDENTITY, LAST, RESULT, RunDir, runs_root, wandb_root
 from tests.conftest import CONF, REPO, TINY, compose_config, identity_of, run_train
 
 RUNTIME_CHANGES = ["runtime.cpu_threads=1", "runtime.num_workers=2", "runtime.worker_nice=5", "runtime.compile=true",
@@ -79,9 +80,9 @@ def _launch(args: list[str], cwd: Path, cache: Path) -> subprocess.Popen:
 def test_relaunch_with_other_runtime_settings_resumes_the_same_run(tmp_path, data_cache, tiny_data):
     args = TINY + ["train.epochs=3", "runtime.checkpoint_every_steps=1"]  # tiny_data: drawn before the clock starts
     proc = _launch(args, tmp_path, data_cache)
-    runs = tmp_path / "outputs" / "runs"
+    runs = runs_root(tmp_path / "outputs")
     deadline = time.monotonic() + 300
-    while not list(runs.glob("*/checkpoint-last.pt")) and time.monotonic() < deadline:
+    while not list(runs.glob(f"*/{LAST}")) and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # killed a step or two into a 24-step run
     proc.wait()
@@ -90,9 +91,9 @@ def test_relaunch_with_other_runtime_settings_resumes_the_same_run(tmp_path, dat
                                    "runtime.log_interval=3", "runtime.num_workers=1"], tmp_path, data_cache)
     assert "resuming" in relaunched.stdout
     assert [p.name for p in runs.iterdir()] == [first.name]
-    result = json.loads((first / "result.json").read_text())
+    result = json.loads(RunDir(first).result.read_text())
     assert result["status"] == "finished" and result["steps_done"] == 24
-    wandb_ids = {p.name.rsplit("-", 1)[-1] for p in (tmp_path / "outputs" / "wandb").glob("offline-run-*")}
+    wandb_ids = {p.name.rsplit("-", 1)[-1] for p in (wandb_root(tmp_path / "outputs")).glob("offline-run-*")}
     assert wandb_ids == {result["run_id"]}
 
 
@@ -115,12 +116,12 @@ def test_the_data_counts_by_content_not_by_path(tmp_path, data_cache, tiny_data)
     proc = run_train(args + [f"data.root={other}"], tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "other data" in proc.stderr and "already finished" not in proc.stdout
     assert "runtime.output_root" in proc.stderr  # the fix is named
-    identity = json.loads(next((tmp_path / "outputs" / "runs").glob("*/identity.json")).read_text())
-    result = json.loads(next((tmp_path / "outputs" / "runs").glob("*/result.json")).read_text())
+    identity = json.loads(next((runs_root(tmp_path / "outputs")).glob(f"*/{IDENTITY}")).read_text())
+    result = json.loads(next((runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}")).read_text())
     assert identity["data_fingerprint"]["images"]["train"] == 300 and result["data_fingerprint"] == identity[
         "data_fingerprint"]  # one name for the data's fingerprint in both files
     run_train(args + [f"data.root={other}", "runtime.output_root=elsewhere"], tmp_path, data_cache)
-    elsewhere = json.loads(next((tmp_path / "elsewhere" / "runs").glob("*/result.json")).read_text())
+    elsewhere = json.loads(next((tmp_path / "elsewhere" / "runs").glob(f"*/{RESULT}")).read_text())
     assert elsewhere["run_id"] != result["run_id"]  # two datasets never write to one wandb run
 
 

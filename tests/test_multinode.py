@@ -17,6 +17,19 @@ import pytest
 import torch
 
 from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.rundir import (
+    HYDRA_CONFIG,
+    IDENTITY,
+    LAST,
+    LOG,
+    RESULT,
+    SUBMITIT,
+    WANDB,
+    RunDir,
+    rank_log_name,
+    runs_root,
+    wandb_root,
+)
 from deit_ablate.validate import plan_batch
 from tests.conftest import REPO, TINY, compose_config, run_train
 
@@ -64,12 +77,12 @@ def _writes(tmp_path: Path) -> list[tuple[str, str, str, Path]]:
 
 
 def _run_folder(cwd: Path) -> Path:
-    (folder,) = [p.parent for p in (cwd / "outputs" / "runs").glob("*/result.json")]
+    (folder,) = [p.parent for p in (runs_root(cwd / "outputs")).glob(f"*/{RESULT}")]
     return folder
 
 
 def _first_update(cwd: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(_run_folder(cwd) / "checkpoint-last.pt", weights_only=True)
+    state = torch.load(RunDir(_run_folder(cwd)).last_checkpoint, weights_only=True)
     assert state["step"] == 1
     return state["model"]
 
@@ -81,7 +94,7 @@ def _assert_same_update(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def _assert_on_both_nodes(cwd: Path) -> None:
-    result = json.loads((_run_folder(cwd) / "result.json").read_text())
+    result = json.loads(RunDir(_run_folder(cwd)).result.read_text())
     assert result["nodes"] == {"n1": list(range(8)), "n2": list(range(8, 16))}, result["nodes"]
 
 
@@ -90,7 +103,7 @@ def one_node_update(tmp_path_factory, data_cache) -> dict[str, torch.Tensor]:
     """The reference: the same run as 16 ranks on one node."""
     cwd = tmp_path_factory.mktemp("one_node_16")
     run_train(["-m", *FIRST_UPDATE, *ONE_NODE_16, *TINY], cwd, data_cache, timeout=900)
-    result = json.loads((_run_folder(cwd) / "result.json").read_text())
+    result = json.loads(RunDir(_run_folder(cwd)).result.read_text())
     assert result["nodes"] == {subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip():
                                list(range(16))}
     return _first_update(cwd)
@@ -101,7 +114,7 @@ def test_two_nodes_make_the_first_update_of_16_ranks_on_one_and_only_rank_0_writ
                                                                                    one_node_update):
     proc = run_train(["-m", *FIRST_UPDATE, *TWO_NODES, *TINY], tmp_path, data_cache, extra_env=_audited(tmp_path),
                      timeout=900)
-    logs = "\n".join(p.read_text() for p in (tmp_path / "outputs" / "runs" / ".submitit").rglob("*_log.out"))
+    logs = "\n".join(p.read_text() for p in (runs_root(tmp_path / "outputs") / SUBMITIT).rglob("*_log.out"))
     for rank in range(16):  # one process group of 16 over both nodes, each rank in its own node's namespace
         node, local = NODES[rank // 8], rank % 8
         assert f"[dist] rank {rank} of 16 (local rank {local} on {node}) joined the process group (gloo, cpu)" in logs
@@ -119,12 +132,12 @@ def test_two_nodes_make_the_first_update_of_16_ranks_on_one_and_only_rank_0_writ
         if rank in ("0", "-"):
             continue
         assert host == NODES[int(rank) // 8]
-        own = {run_folder / f"train-rank{rank}.log"}
-        assert path in own or path == run_folder or ".submitit" in path.parts, (rank, host, event, path)
+        own = {run_folder / rank_log_name(rank)}
+        assert path in own or path == run_folder or SUBMITIT in path.parts, (rank, host, event, path)
     rank0 = {path.name for rank, _, _, path in writes if rank == "0"}
-    assert {"checkpoint-last.pt", "result.json", "identity.json", "config.yaml", "train.log"} <= rank0
-    assert any(path.parts[-2:] == ("wandb", path.name) for rank, _, _, path in writes if rank == "0")
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    assert {LAST, RESULT, IDENTITY, HYDRA_CONFIG, LOG} <= rank0
+    assert any(path.parts[-2:] == (WANDB, path.name) for rank, _, _, path in writes if rank == "0")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert len(runs) == 1 and runs[0].summary["world_size"] == 16
 
 
@@ -176,13 +189,13 @@ def test_a_signalled_two_node_job_is_requeued_and_both_nodes_resume_to_the_same_
     env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     driver = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    runs = tmp_path / "outputs" / "runs"
+    runs = runs_root(tmp_path / "outputs")
     job_id, step_at_signal = None, 0
     try:
         deadline = time.time() + 600
         while time.time() < deadline and driver.poll() is None and not step_at_signal:
-            found = list(runs.glob("*/checkpoint-last.pt"))
-            jobs = [p.name for p in (runs / ".submitit").glob("[0-9]*")] if (runs / ".submitit").exists() else []
+            found = list(runs.glob(f"*/{LAST}"))
+            jobs = [p.name for p in (runs / SUBMITIT).glob("[0-9]*")] if (runs / SUBMITIT).exists() else []
             if found and jobs:
                 job_id = jobs[0]
                 try:
@@ -202,24 +215,24 @@ def test_a_signalled_two_node_job_is_requeued_and_both_nodes_resume_to_the_same_
             subprocess.run(["scancel", job_id], check=False)
     assert driver.returncode == 0, output[-5000:]
     folder = _run_folder(tmp_path)
-    result = json.loads((folder / "result.json").read_text())
+    result = json.loads(RunDir(folder).result.read_text())
     steps_per_epoch = 8  # 300 images over 16 ranks (18 each, cut to whole batches of 2 ... 16) / 2 per rank
     assert result["status"] == "finished" and result["steps_done"] == 4 * steps_per_epoch
     assert result["nodes"] == {"n1": list(range(8)), "n2": list(range(8, 16))}
-    submitit_log = "\n".join(p.read_text() for p in (runs / ".submitit").rglob("*_log.*"))
+    submitit_log = "\n".join(p.read_text() for p in (runs / SUBMITIT).rglob("*_log.*"))
     assert "Caught signal SIGUSR2 on n1: this job is preempted" in submitit_log
     assert "Caught signal SIGUSR2 on n2" not in submitit_log  # one node's task only: rank 0 requeued the job
     assert f"Requeued job {job_id}" in submitit_log
     # Every rank of both nodes came back and resumed from the same checkpoint step.
     resumed = {}
     for rank in range(16):
-        text = (folder / ("train.log" if rank == 0 else f"train-rank{rank}.log")).read_text()
+        text = (folder / rank_log_name(rank)).read_text()
         steps = re.findall(r"\[run\] resuming .* step (\d+)", text)
         assert steps, f"rank {rank} did not resume"
         resumed[rank] = int(steps[-1])
     assert len(set(resumed.values())) == 1 and resumed[0] >= 3, resumed
-    assert "(rank 15 on n2)" in (folder / "train-rank15.log").read_text()
-    runs_logged = read_offline(tmp_path / "outputs" / "wandb")
+    assert "(rank 15 on n2)" in (folder / rank_log_name(15)).read_text()
+    runs_logged = read_offline(wandb_root(tmp_path / "outputs"))
     assert len({r.run_id for r in runs_logged}) == 1  # one wandb run across both attempts
 
 
@@ -238,9 +251,9 @@ def test_the_finetune_stage_runs_on_two_nodes_at_the_released_batch_layout(tmp_p
             *data]
     proc = run_train(args, tmp_path, data_cache, timeout=900)
     assert re.search(r"#1 : stage=finetune .* waits for job \d+", proc.stderr + proc.stdout, re.S)
-    logs = "\n".join(p.read_text() for p in (tmp_path / "outputs" / "runs" / ".submitit").rglob("*_log.out"))
+    logs = "\n".join(p.read_text() for p in (runs_root(tmp_path / "outputs") / SUBMITIT).rglob("*_log.out"))
     assert re.search(r"finetune at 48px of deit_tiny_patch16_224 \(patch 8, width 32, depth 1, heads 2, [\d.]+ M "
                      r"params\) \(in eval mode\), world size 16, global batch 512 = 16 x 32", logs)
-    results = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")]
+    results = [json.loads(p.read_text()) for p in (runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}")]
     assert len(results) == 2
     assert all(r["status"] == "finished" and r["steps_done"] == 3 and set(r["nodes"]) == set(NODES) for r in results)

@@ -19,6 +19,7 @@ from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
 from deit_ablate.data.bad_images import MAX_TRIES, BadImageError, DataGoneError, SkippingImageFolder, stop_error
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.errors import ConfigError
+from deit_ablate.rundir import LAST, PREV, UNREADABLE, RunDir, runs_root, wandb_root
 from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
 from deit_ablate.teacher import load_teacher
 from deit_ablate.validate import validate_config
@@ -93,12 +94,12 @@ def test_imagefolder_with_an_empty_class_folder_is_the_clear_data_root_error(tmp
 
 
 def _run_dir(cwd: Path) -> Path:
-    (run_dir,) = [p for p in (cwd / "outputs" / "runs").iterdir() if p.is_dir()]
+    (run_dir,) = [p for p in (runs_root(cwd / "outputs")).iterdir() if p.is_dir()]
     return run_dir
 
 
 def _result(cwd: Path) -> dict:
-    return json.loads((_run_dir(cwd) / "result.json").read_text())
+    return json.loads(RunDir(_run_dir(cwd)).result.read_text())
 
 
 def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(straight_runs):
@@ -120,20 +121,20 @@ def test_epochs_done_counts_only_completed_epochs_after_max_steps(stopped_at_ste
 def test_relaunch_after_the_final_checkpoint_evaluates_and_sums_train_seconds(tmp_path, data_cache, tiny_run):
     tiny_run.copy_into(tmp_path)  # TINY, trained once
     run_dir = _run_dir(tmp_path)
-    first = json.loads((run_dir / "result.json").read_text())
+    first = json.loads(RunDir(run_dir).result.read_text())
     # What a kill between the final checkpoint and result.json leaves; earlier launches took 1000 s.
-    (run_dir / "result.json").unlink()
-    state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    RunDir(run_dir).result.unlink()
+    state = torch.load(RunDir(run_dir).last_checkpoint, weights_only=True)
     assert state["training_complete"] and state["step"] == 8
     state["train_seconds"] = 1000.0
-    torch.save(state, run_dir / "checkpoint-last.pt")
+    torch.save(state, RunDir(run_dir).last_checkpoint)
     proc = run_train(TINY, tmp_path, data_cache)
     assert "training was complete at step 8" in proc.stdout
-    result = json.loads((run_dir / "result.json").read_text())
+    result = json.loads(RunDir(run_dir).result.read_text())
     assert result["status"] == "finished" and (result["steps_done"], result["epochs_done"]) == (8, 1)
     assert result["top1"] == first["top1"] and result["top1_final"] == first["top1_final"]
     assert 1000.0 <= result["train_seconds"] < 1000.0 + 600
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert len({r.run_id for r in runs}) == 1 and runs[-1].summary["top1"] == first["top1"]
 
 
@@ -142,10 +143,10 @@ def test_damaged_result_json_is_named_and_the_run_resumes(tmp_path, data_cache, 
     tiny_run.copy_into(tmp_path)  # TINY, trained once: 8 steps
     run_dir = _run_dir(tmp_path)
     for garbage in ("{not json", "[1, 2]"):
-        (run_dir / "result.json").write_text(garbage)
+        RunDir(run_dir).result.write_text(garbage)
         proc = run_train(TINY, tmp_path, data_cache)
         assert "Traceback" not in proc.stderr
-        assert f"{run_dir / 'result.json'} is not a run result" in proc.stderr
+        assert f"{RunDir(run_dir).result} is not a run result" in proc.stderr
         assert "Treated as unfinished" in proc.stderr
         result = _result(tmp_path)
         assert result["status"] == "finished" and result["steps_done"] == 8 and "top1" in result
@@ -156,28 +157,28 @@ def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, da
     run_dir = tmp_path / "straight"
     shutil.copytree(straight_runs(0).cwd / "straight", run_dir)  # two epochs, finished
     args = two_epochs(0) + [f"hydra.run.dir={run_dir}"]
-    assert torch.load(run_dir / "checkpoint-prev.pt", weights_only=True)["step"] == 8  # one older good copy
-    (run_dir / "result.json").unlink()
-    last = run_dir / "checkpoint-last.pt"
+    assert torch.load(RunDir(run_dir).previous_checkpoint, weights_only=True)["step"] == 8  # one older good copy
+    RunDir(run_dir).result.unlink()
+    last = RunDir(run_dir).last_checkpoint
     last.write_bytes(last.read_bytes()[:1000])  # truncated
-    stale = run_dir / ".checkpoint-last.pt.k1ll3d.tmp"  # what a writer killed mid-save leaves
+    stale = run_dir / f".{LAST}.k1ll3d.tmp"  # what a writer killed mid-save leaves
     stale.write_bytes(b"\0" * 4096)
     proc = run_train(args, tmp_path, data_cache)
     assert "Traceback" not in proc.stderr
-    assert "checkpoint-last.pt cannot be read" in proc.stderr and "Falling back to checkpoint-prev.pt" in proc.stderr
+    assert f"{LAST} cannot be read" in proc.stderr and f"Falling back to {PREV}" in proc.stderr
     assert "epoch 1 (batch 0), step 8" in proc.stdout and not stale.exists()
-    assert (run_dir / "checkpoint-last.pt.unreadable").exists()
-    result = json.loads((run_dir / "result.json").read_text())
+    assert (run_dir / UNREADABLE.format(LAST)).exists()
+    result = json.loads(RunDir(run_dir).result.read_text())
     assert (result["steps_done"], result["epochs_done"]) == (16, 2) and "top1" in result
-    assert "cannot be read" in (run_dir / "train.log").read_text()
+    assert "cannot be read" in RunDir(run_dir).log.read_text()
 
-    (run_dir / "result.json").unlink()
-    for name in ("checkpoint-last.pt", "checkpoint-prev.pt"):
+    RunDir(run_dir).result.unlink()
+    for name in (LAST, PREV):
         (run_dir / name).write_bytes(b"garbage")
     proc = run_train(args, tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "cannot resume: no checkpoint there can be read" in proc.stderr
-    assert f"rm '{run_dir / 'checkpoint-last.pt'}' '{run_dir / 'checkpoint-prev.pt'}'" in proc.stderr
+    assert f"rm '{RunDir(run_dir).last_checkpoint}' '{RunDir(run_dir).previous_checkpoint}'" in proc.stderr
 
 
 def test_garbage_teacher_checkpoint_names_the_file_and_never_suggests_unsafe_loading(tmp_path):
@@ -206,9 +207,9 @@ def test_unreadable_image_is_replaced_named_once_and_counted(tmp_path, data_cach
     assert "Traceback" not in proc.stderr
     result = _result(tmp_path)
     assert result["status"] == "finished" and result["data/bad_images"] == 1 and "top1" in result
-    log = (_run_dir(tmp_path) / "train.log").read_text()
+    log = RunDir(_run_dir(tmp_path)).log.read_text()
     assert log.count(f"unreadable image {bad}") == 1  # named once, though read in both epochs
-    assert (read_offline(tmp_path / "outputs" / "wandb")[0].summary["data/bad_images"]) == 1
+    assert (read_offline(wandb_root(tmp_path / "outputs"))[0].summary["data/bad_images"]) == 1
 
     proc = run_train(args + ["runtime.on_bad_image=fail", "runtime.output_root=failing"], tmp_path, data_cache,
                      check=False)
@@ -326,16 +327,16 @@ def test_run_lock_appears_whole_or_not_at_all(tmp_path, monkeypatch):
 def test_second_launch_of_a_running_run_names_the_holder_and_exits(tmp_path, data_cache, sleeper, tiny_run):
     tiny_run.copy_into(tmp_path)  # TINY, trained once
     run_dir = _run_dir(tmp_path)
-    (run_dir / "result.json").unlink()
+    RunDir(run_dir).result.unlink()
     (run_dir / LOCK_NAME).write_text(_lock_record(sleeper.pid, proc_start=None))
-    before = sorted(p.name for p in (tmp_path / "outputs" / "wandb").iterdir())
+    before = sorted(p.name for p in (wandb_root(tmp_path / "outputs")).iterdir())
     proc = run_train(TINY, tmp_path, data_cache, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"is in use by another launch of the same run: pid {sleeper.pid} on host" in proc.stderr
     assert "runtime.wait_for_lock=true" in proc.stderr and f"delete {run_dir / LOCK_NAME}" in proc.stderr
     assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == sleeper.pid  # untouched
-    assert sorted(p.name for p in (tmp_path / "outputs" / "wandb").iterdir()) == before  # no new wandb run
-    assert not (run_dir / "result.json").exists()
+    assert sorted(p.name for p in (wandb_root(tmp_path / "outputs")).iterdir()) == before  # no new wandb run
+    assert not RunDir(run_dir).result.exists()
 
 
 WANDB_WRITER = r"""
@@ -359,7 +360,7 @@ print(json.dumps([run.run_id for run in read_offline(sys.argv[1], jobs=1)]))
 def test_aggregator_reads_regular_files_only_and_reports_each_skipped_path(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline"}
     subprocess.run([sys.executable, "-c", WANDB_WRITER, str(tmp_path)], check=True, env=env, timeout=120)
-    wandb_dir = tmp_path / "wandb"
+    wandb_dir = wandb_root(tmp_path)
     (real,) = wandb_dir.glob("offline-run-*-real/run-real.wandb")
     outside = tmp_path / "outside" / "run-other.wandb"
     outside.parent.mkdir()

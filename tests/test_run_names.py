@@ -13,6 +13,7 @@ import yaml
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.identity import _UNSAFE, _is_identity_override, _readable
 from deit_ablate.models import architecture, build_model, describe_architecture
+from deit_ablate.rundir import RunDir, runs_root, wandb_root
 from tests.conftest import TINY, compose_config, identity_of, run_train
 
 # TINY's overrides alone are longer than a folder name keeps.
@@ -30,12 +31,12 @@ def test_the_start_line_and_the_result_name_the_architecture_that_trained(tmp_pa
     model = build_model(cfg.model, 10, 32)
     millions = f"{_params(model) / 1e6:.2f} M params"
     assert f"of deit_tiny_patch16_224 (patch 4, width 32, depth 1, heads 2, {millions})" in proc.stdout
-    (run,) = (tmp_path / "outputs" / "runs").iterdir()
-    result = json.loads((run / "result.json").read_text())
+    (run,) = (runs_root(tmp_path / "outputs")).iterdir()
+    result = json.loads(RunDir(run).result.read_text())
     expected = {"name": "deit_tiny_patch16_224", "patch_size": 4, "width": 32, "depth": 1, "heads": 2,
                 "params": _params(model)}
     assert result["architecture"] == expected
-    (logged,) = read_offline(tmp_path / "outputs" / "wandb")
+    (logged,) = read_offline(wandb_root(tmp_path / "outputs"))
     assert logged.summary["architecture"] == expected
 
 
@@ -86,16 +87,16 @@ def _old_style_name(overrides: list[str], digest: str) -> str:
 def test_an_old_style_long_folder_is_found_and_resumed(tmp_path, data_cache):
     args = LONG + ["seed=3"]
     run_train(args, tmp_path, data_cache)
-    runs = tmp_path / "outputs" / "runs"
+    runs = runs_root(tmp_path / "outputs")
     (new,) = runs.iterdir()
     assert new.name.startswith("seed=3,")
     old = new.rename(runs / _old_style_name(args, new.name.rsplit("-", 1)[1]))
     assert "seed=3" not in old.name  # the old scheme had cut it off
-    (old / "result.json").unlink()  # stopped before it wrote its result
+    RunDir(old).result.unlink()  # stopped before it wrote its result
     proc = run_train(args, tmp_path, data_cache)
     assert "resuming" in proc.stdout and old.name in proc.stdout
     assert [p.name for p in runs.iterdir()] == [old.name]
-    assert json.loads((old / "result.json").read_text())["status"] == "finished"
+    assert json.loads(RunDir(old).result.read_text())["status"] == "finished"
 
 
 def _records(runs: Path) -> list[Path]:
@@ -104,7 +105,7 @@ def _records(runs: Path) -> list[Path]:
 
 @pytest.mark.slow
 def test_two_sweeps_leave_two_multirun_records(tmp_path, data_cache):
-    runs = tmp_path / "outputs" / "runs"
+    runs = runs_root(tmp_path / "outputs")
     for seed in (5, 6):
         run_train(["-m", f"seed={seed}"] + LONG, tmp_path, data_cache)
     records = _records(runs)
@@ -115,4 +116,4 @@ def test_two_sweeps_leave_two_multirun_records(tmp_path, data_cache):
     run_train(["-m", "seed=7", "runtime.dry_run=true"] + LONG, tmp_path, data_cache)
     assert _records(runs) == records  # a dry run ran nothing and records nothing
     folders = [p for p in runs.iterdir() if p.is_dir()]
-    assert len(folders) == 2 and all((p / "result.json").exists() for p in folders)  # the run folders as before
+    assert len(folders) == 2 and all(RunDir(p).result.exists() for p in folders)  # the run folders as before

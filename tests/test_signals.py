@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deit_ablate.rundir import RunDir, runs_root, wandb_root
 from tests.conftest import REPO, TINY, run_train
 
 SLOW_EVAL = ["data.builtin.val_per_class=150", "runtime.eval_batch=1"]  # 1,500 single-image evaluations
@@ -35,7 +36,7 @@ def wait_for(condition, timeout: float = 300.0, every: float = 0.02) -> None:
 
 
 def run_folder(cwd: Path) -> Path:
-    folders = list((cwd / "outputs" / "runs").glob("*-*"))
+    folders = list((runs_root(cwd / "outputs")).glob("*-*"))
     return folders[0] if len(folders) == 1 else None
 
 
@@ -58,40 +59,40 @@ def test_a_signal_mid_epoch_saves_the_step_releases_the_lock_and_the_relaunch_fi
                                                                                        code):
     args = TINY + ["train.epochs=30"]  # 8 steps an epoch (256 of 300 images), 240 in all: seconds of training
     proc = start(args, tmp_path, data_cache)
-    wait_for(lambda: run_folder(tmp_path) is not None and (run_folder(tmp_path) / "metrics.csv").exists())
+    wait_for(lambda: run_folder(tmp_path) is not None and RunDir(run_folder(tmp_path)).metrics.exists())
     os.kill(proc.pid, signum)  # after epoch 0: mid-training
     returned, _, err = finish(proc)
     assert_one_line_stop(returned, err, code, signal.Signals(signum).name)
     folder = run_folder(tmp_path)
-    state = torch.load(folder / "checkpoint-last.pt", weights_only=True)
+    state = torch.load(RunDir(folder).last_checkpoint, weights_only=True)
     stopped_at = int(err.split("at step ")[-1].split(";")[0])
     assert state["step"] == stopped_at >= 8  # the step it stopped at, saved: nothing trained is lost
-    assert not (folder / "run.lock").exists() and not (folder / "result.json").exists()
+    assert not RunDir(folder).lock.exists() and not RunDir(folder).result.exists()
     relaunch = run_train(args, tmp_path, data_cache)
     assert f"step {stopped_at}" in relaunch.stdout  # resumed there, not from the last epoch's end
-    assert torch.load(folder / "checkpoint-last.pt", weights_only=True)["step"] == 240
+    assert torch.load(RunDir(folder).last_checkpoint, weights_only=True)["step"] == 240
 
 
 @pytest.mark.faults
 def test_sigterm_during_evaluation_keeps_the_epoch_it_evaluates(tmp_path, data_cache):
     args = TINY + SLOW_EVAL + ["train.epochs=2"]
     proc = start(args, tmp_path, data_cache)
-    wait_for(lambda: run_folder(tmp_path) is not None and (run_folder(tmp_path) / "checkpoint-last.pt").exists())
+    wait_for(lambda: run_folder(tmp_path) is not None and RunDir(run_folder(tmp_path)).last_checkpoint.exists())
     os.kill(proc.pid, signal.SIGTERM)  # the epoch's end is saved; its evaluation is running
     returned, _, err = finish(proc)
     assert_one_line_stop(returned, err, 143, "SIGTERM")
-    state = torch.load(run_folder(tmp_path) / "checkpoint-last.pt", weights_only=True)
+    state = torch.load(RunDir(run_folder(tmp_path)).last_checkpoint, weights_only=True)
     assert (state["epoch"], state["step"], state["batches_done"]) == (1, 8, 0)  # epoch 0 whole, not lost
     relaunch = run_train(args, tmp_path, data_cache)
     assert "resuming" in relaunch.stdout and "epoch 1 (batch 0), step 8" in relaunch.stdout
-    assert torch.load(run_folder(tmp_path) / "checkpoint-last.pt", weights_only=True)["step"] == 16
+    assert torch.load(RunDir(run_folder(tmp_path)).last_checkpoint, weights_only=True)["step"] == 16
 
 
 @pytest.mark.faults
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, data_cache):
     args = TINY + SLOW_EVAL + ["train.epochs=2"]
     proc = start(args, tmp_path, data_cache)
-    wait_for(lambda: run_folder(tmp_path) is not None and (run_folder(tmp_path) / "checkpoint-last.pt").exists())
+    wait_for(lambda: run_folder(tmp_path) is not None and RunDir(run_folder(tmp_path)).last_checkpoint.exists())
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(0.5)
     assert proc.poll() is None  # the first one waits for the evaluation to end
@@ -100,12 +101,12 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, data_cache):
     assert returned == 130 and "Traceback" not in err, err[-3000:]
     assert "stopped at once (a second Ctrl-C)" in err
     folder = run_folder(tmp_path)
-    assert not (folder / "run.lock").exists()
-    state = torch.load(folder / "checkpoint-last.pt", weights_only=True)
+    assert not RunDir(folder).lock.exists()
+    state = torch.load(RunDir(folder).last_checkpoint, weights_only=True)
     assert (state["epoch"], state["step"], state["evaluated"]) == (1, 8, False)
     relaunch = run_train(args, tmp_path, data_cache)  # evaluates epoch 0 first, then trains epoch 1
     assert "[epoch 0] val top-1" in relaunch.stdout + relaunch.stderr
-    assert torch.load(folder / "checkpoint-last.pt", weights_only=True)["step"] == 16
+    assert torch.load(RunDir(folder).last_checkpoint, weights_only=True)["step"] == 16
 
 
 def test_an_eval_size_a_vit_cannot_take_is_refused_before_training(tmp_path, data_cache):
@@ -127,22 +128,22 @@ def test_a_wandb_folder_removed_mid_run_is_noticed_and_logged_again(tmp_path, da
 
     args = TINY + ["train.epochs=6"]
     proc = start(args, tmp_path, data_cache)
-    wait_for(lambda: run_folder(tmp_path) is not None and (run_folder(tmp_path) / "metrics.csv").exists())
-    shutil.rmtree(tmp_path / "outputs" / "wandb")  # while epoch 1 trains
+    wait_for(lambda: run_folder(tmp_path) is not None and RunDir(run_folder(tmp_path)).metrics.exists())
+    shutil.rmtree(wandb_root(tmp_path / "outputs"))  # while epoch 1 trains
     returned, out, err = finish(proc)
     assert returned == 0, err[-3000:]
     assert "was removed while the run trained: logged its result and epochs again" in out + err
-    result = json.loads((run_folder(tmp_path) / "result.json").read_text())
-    (run,) = read_offline(tmp_path / "outputs" / "wandb", history=True)
+    result = json.loads(RunDir(run_folder(tmp_path)).result.read_text())
+    (run,) = read_offline(wandb_root(tmp_path / "outputs"), history=True)
     assert run.run_id == result["run_id"] and run.summary["top1"] == result["top1"]
     assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", run.config["git_commit"])  # the code that trained it
     assert [row["epoch"] for row in run.history] == list(range(6))  # every epoch, from metrics.csv
 
-    shutil.rmtree(tmp_path / "outputs" / "wandb")  # gone after the run: the relaunch logs it again
+    shutil.rmtree(wandb_root(tmp_path / "outputs"))  # gone after the run: the relaunch logs it again
     relaunch = run_train(args, tmp_path, data_cache)
     assert "skipping" in relaunch.stdout
     assert "is missing: logged its result and epochs again" in relaunch.stdout + relaunch.stderr
-    (again,) = read_offline(tmp_path / "outputs" / "wandb")
+    (again,) = read_offline(wandb_root(tmp_path / "outputs"))
     assert again.summary["top1"] == result["top1"] and again.summary["status"] == "finished"
     third = run_train(args, tmp_path, data_cache)
     assert "logged its result" not in third.stdout + third.stderr  # once is enough

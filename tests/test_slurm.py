@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.rundir import LAST, RESULT, SUBMITIT, RunDir, runs_root, wandb_root
 from tests.conftest import REPO, TINY, run_train
 
 pytestmark = [
@@ -27,13 +28,13 @@ SLURM = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2", "hydra.l
 
 
 def _rank_logs(cwd: Path) -> list[str]:
-    return [p.read_text() for p in (cwd / "outputs" / "runs" / ".submitit").rglob("*_log.out")]
+    return [p.read_text() for p in (runs_root(cwd / "outputs") / SUBMITIT).rglob("*_log.out")]
 
 
 def _results(cwd: Path) -> dict[str, dict]:
     out = {}
-    for path in (cwd / "outputs" / "runs").glob("*/result.json"):
-        overrides = (path.parent / ".hydra" / "overrides.yaml").read_text()
+    for path in (runs_root(cwd / "outputs")).glob(f"*/{RESULT}"):
+        overrides = RunDir(path.parent).hydra_overrides.read_text()
         out["finetune" if "stage=finetune" in overrides else "pretrain"] = json.loads(path.read_text())
     return out
 
@@ -50,7 +51,7 @@ def test_sweep_runs_8_rank_jobs_and_chains_the_finetune_after_its_pretraining(tm
         assert len(re.findall(rf"\[dist\] rank {rank} of 8 \(local rank {rank} on \S+\) joined the process group "
                               r"\(gloo, cpu\)", logs)) == 2
     assert logs.count("global batch 32 = 8 x 4 per rank") == 2  # printed by rank 0 only
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert len(runs) == 2 and {r.config["stage"] for r in runs} == {"pretrain", "finetune"}  # rank 0 only
     assert all(r.summary["world_size"] == 8 for r in runs)
 
@@ -62,7 +63,7 @@ def test_dry_run_on_the_slurm_launcher_plans_without_queueing(tmp_path, data_cac
     assert len(plan) == 2 and "train from step 0" in plan[0] and "wait for its pre-training" in plan[1]
     now = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
     assert not set(now) - set(queued)  # no new job (an earlier test's job may end meanwhile)
-    assert not (tmp_path / "outputs" / "runs" / ".submitit").exists()  # nothing submitted
+    assert not (runs_root(tmp_path / "outputs") / SUBMITIT).exists()  # nothing submitted
 
 
 def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_cache):
@@ -74,7 +75,7 @@ def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_c
     checkpoint = None
     deadline = time.time() + 600
     while time.time() < deadline and driver.poll() is None:
-        found = list((tmp_path / "outputs" / "runs").glob("*/checkpoint-last.pt"))
+        found = list((runs_root(tmp_path / "outputs")).glob(f"*/{LAST}"))
         if found:
             try:
                 step = torch.load(found[0], weights_only=True)["step"]
@@ -85,7 +86,7 @@ def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_c
                 break
         time.sleep(0.5)
     assert checkpoint is not None, "the job never reached step 3"
-    submitit_dir = tmp_path / "outputs" / "runs" / ".submitit"
+    submitit_dir = runs_root(tmp_path / "outputs") / SUBMITIT
     job_id = next(p.name for p in submitit_dir.iterdir() if p.is_dir() and p.name.isdigit())
     # What a task killed while saving its result leaves; the requeued attempt must not trip over it.
     (submitit_dir / job_id / f"{job_id}_5_result.pkl.save_tmp").write_bytes(b"")
@@ -96,12 +97,12 @@ def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_c
         driver.kill()
         subprocess.run(["scancel", job_id], check=False)
     assert driver.returncode == 0, output
-    result = json.loads((checkpoint.parent / "result.json").read_text())
+    result = json.loads(RunDir(checkpoint.parent).result.read_text())
     steps_per_epoch = 8  # 256 repeated images over 8 ranks at 4 per rank
     assert result["status"] == "finished" and result["steps_done"] == 6 * steps_per_epoch
     logs = "\n".join(_rank_logs(tmp_path))
     assert "resuming" in logs  # the requeued job started from the checkpoint, not from scratch
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert len({r.run_id for r in runs}) == 1  # one wandb run, however many attempts wrote to it
 
 
@@ -114,6 +115,6 @@ def test_config_errors_are_reported_before_anything_is_submitted(tmp_path, data_
     proc = run_train(["-m", "data=imagenet", "mix=none,cutmix_only"] + SLURM + TINY, tmp_path, data_cache,
                      check=False)
     assert proc.returncode == 2 and "data.root" in proc.stderr
-    assert not (tmp_path / "outputs" / "runs" / ".submitit").exists()
+    assert not (runs_root(tmp_path / "outputs") / SUBMITIT).exists()
     after = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, check=True).stdout
     assert not set(after.split()) - set(before.split())  # no new job (an earlier test's may still be ending)

@@ -15,6 +15,7 @@ from deit_ablate.aggregate import cli
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.aggregate.settings import DEFAULT_CHOICES, PRESET_CHOICES
 from deit_ablate.config import register_configs
+from deit_ablate.rundir import runs_root, wandb_root
 from deit_ablate.tracking import run_tags
 from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
 
@@ -95,15 +96,15 @@ def _table(wandb_dir: Path, capsys: pytest.CaptureFixture[str]) -> dict:
 
 def test_a_new_study_is_swept_tagged_and_tabled(throwaway_study, tmp_path, data_cache, capsys):
     run_train(["-m", f"{STUDY}=glob(*)"] + TINY + ["train.max_steps=1"], tmp_path, data_cache)
-    folders = sorted(p.name for p in (tmp_path / "outputs" / "runs").iterdir() if p.is_dir())
+    folders = sorted(p.name for p in (runs_root(tmp_path / "outputs")).iterdir() if p.is_dir())
     assert [name.split(",")[0] for name in folders] == [f"{STUDY}={row}" for row in ROWS]  # one run per row
-    runs = read_offline(tmp_path / "outputs" / "wandb")
+    runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert len(runs) == 2
     for run in runs:
         row = run.config["choices"][STUDY]
         assert f"{STUDY}={row}" in run.tags and "baseline" in run.tags  # Table 8's row, as every run has it
         assert run.config["ablation"] == "baseline" and run.config["mix"]["label_smoothing"] == float(ROWS[row])
-    data = _table(tmp_path / "outputs" / "wandb", capsys)
+    data = _table(wandb_root(tmp_path / "outputs"), capsys)
     assert data["rows_key"] == STUDY and [r["key"] for r in data["rows"]] == list(ROWS)
     cells = {r["key"]: r["cells"]["pretrain"] for r in data["rows"]}
     assert (cells["smooth0"]["paper"], cells["smooth2"]["paper"]) == (70.0, 71.5)

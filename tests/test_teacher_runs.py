@@ -16,7 +16,7 @@ from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.checkpoint import read_weights
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import with_teacher
-from deit_ablate.rundir import RunDir
+from deit_ablate.rundir import RunDir, runs_root, wandb_root
 from deit_ablate.teacher import teacher_identity, weights_digest
 from tests.conftest import TINY, SharedRun, compose_config, identity_of, run_train
 
@@ -28,7 +28,7 @@ STUDENT = ["model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.nu
 def _copy_teacher(cwd: Path, teacher_run: SharedRun) -> Path:
     """A copy under `cwd` of the shared demo CNN teacher run (8 steps, 1 of its 2 epochs); its folder."""
     teacher_run.copy_into(cwd)
-    return cwd / "outputs" / "runs" / teacher_run.run_dir("model=cnn_demo").name
+    return runs_root(cwd / "outputs") / teacher_run.run_dir("model=cnn_demo").name
 
 
 def _student(teacher: Path | str, *extra: str) -> list[str]:
@@ -36,12 +36,12 @@ def _student(teacher: Path | str, *extra: str) -> list[str]:
 
 
 def _students(cwd: Path, teacher: Path, root: str = "outputs") -> list[Path]:
-    return [p for p in (cwd / root / "runs").iterdir() if p.is_dir() and p != teacher]
+    return [p for p in (runs_root(cwd / root)).iterdir() if p.is_dir() and p != teacher]
 
 
 def test_an_unfinished_teacher_run_is_refused_before_anything_starts(tmp_path, data_cache, teacher_run):
     teacher = _copy_teacher(tmp_path, teacher_run)
-    (teacher / "result.json").unlink()  # killed after 1 of its 2 epochs
+    RunDir(teacher).result.unlink()  # killed after 1 of its 2 epochs
     proc = run_train(_student(teacher), tmp_path, data_cache, check=False)
     assert proc.returncode == 2, proc.stderr
     message = proc.stderr
@@ -50,17 +50,17 @@ def test_an_unfinished_teacher_run_is_refused_before_anything_starts(tmp_path, d
     assert "distill.teacher.allow_unfinished=true" in message
     assert "Traceback" not in message
     assert not _students(tmp_path, teacher)  # nothing written for the student
-    assert len(list((tmp_path / "outputs" / "wandb").glob("offline-run-*"))) == 1  # the teacher's own
+    assert len(list((wandb_root(tmp_path / "outputs")).glob("offline-run-*"))) == 1  # the teacher's own
 
     proc = run_train(_student(teacher, "distill.teacher.allow_unfinished=true"), tmp_path, data_cache)
     assert "has not finished" in proc.stderr and "latest checkpoint" in proc.stderr  # used, with a warning
     (student,) = _students(tmp_path, teacher)
-    result = json.loads((student / "result.json").read_text())
+    result = json.loads(RunDir(student).result.read_text())
     assert result["status"] == "finished" and result["teacher"]["run"] == teacher.name
     assert "unfinished" in result["teacher"]["status"]
-    assert "has not finished" in (student / "train.log").read_text()
+    assert "has not finished" in RunDir(student).log.read_text()
 
-    (teacher / "result.json").write_text(json.dumps({"status": "diverged", "run_id": "x"}))
+    RunDir(teacher).result.write_text(json.dumps({"status": "diverged", "run_id": "x"}))
     proc = run_train(_student(teacher), tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "ended as diverged" in proc.stderr and teacher.name in proc.stderr
 
@@ -68,19 +68,19 @@ def test_an_unfinished_teacher_run_is_refused_before_anything_starts(tmp_path, d
 @pytest.mark.slow
 def test_a_student_records_its_teacher_and_is_refused_when_the_teacher_changes(tmp_path, data_cache, teacher_run):
     teacher = _copy_teacher(tmp_path, teacher_run)
-    weights = teacher / "checkpoint-best.pt"
+    weights = RunDir(teacher).best_checkpoint
     digest = weights_digest(read_weights(weights))
     proc = run_train(_student(teacher), tmp_path, data_cache)
     (student,) = _students(tmp_path, teacher)
-    result = json.loads((student / "result.json").read_text())
-    teacher_result = json.loads((teacher / "result.json").read_text())
+    result = json.loads(RunDir(student).result.read_text())
+    teacher_result = json.loads(RunDir(teacher).result.read_text())
     assert result["teacher"]["run"] == teacher.name and result["teacher"]["run_id"] == teacher_result["run_id"]
     assert result["teacher"]["checkpoint"] == str(weights.resolve()) and result["teacher"]["digest"] == digest
     assert result["teacher"]["status"] == "finished"
-    assert json.loads((student / "identity.json").read_text())["teacher"]["digest"] == digest
+    assert json.loads(RunDir(student).identity.read_text())["teacher"]["digest"] == digest
     assert f"distilling from the teacher run {teacher.name}" in proc.stdout and digest[:12] in proc.stdout
-    assert digest[:12] in (student / "train.log").read_text()
-    (logged,) = [r for r in read_offline(tmp_path / "outputs" / "wandb") if r.run_id == result["run_id"]]
+    assert digest[:12] in RunDir(student).log.read_text()
+    (logged,) = [r for r in read_offline(wandb_root(tmp_path / "outputs")) if r.run_id == result["run_id"]]
     assert logged.summary["teacher"]["digest"] == digest
 
     assert "already finished" in run_train(_student(teacher), tmp_path, data_cache).stdout
@@ -94,12 +94,12 @@ def test_a_student_records_its_teacher_and_is_refused_when_the_teacher_changes(t
     assert proc.returncode == 2 and "already finished" not in proc.stdout
     assert "other teacher weights" in proc.stderr and str(student) in proc.stderr
     assert "runtime.output_root" in proc.stderr  # the fix is named
-    assert json.loads((student / "result.json").read_text()) == result  # the old student is left as it was
+    assert json.loads(RunDir(student).result.read_text()) == result  # the old student is left as it was
 
     run_train(_student(teacher, "runtime.output_root=elsewhere"), tmp_path, data_cache)
     (other,) = _students(tmp_path, teacher, "elsewhere")
     assert other.name == student.name  # the same settings...
-    assert json.loads((other / "result.json").read_text())["run_id"] != result["run_id"]  # ...another wandb run
+    assert json.loads(RunDir(other).result.read_text())["run_id"] != result["run_id"]  # ...another wandb run
 
 
 def _file_teacher(path: Path, seed: int) -> Path:

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.rundir import RESULT, RunDir, runs_root, wandb_root
 from tests.conftest import TINY, SharedRun, run_train
 
 
 def _only_run_dir(cwd: Path) -> Path:
-    runs = [p for p in (cwd / "outputs" / "runs").iterdir() if p.is_dir()]
+    runs = [p for p in (runs_root(cwd / "outputs")).iterdir() if p.is_dir()]
     assert len(runs) == 1, runs
     return runs[0]
 
@@ -23,19 +24,19 @@ def _only_run_dir(cwd: Path) -> Path:
 def test_tiny_run_trains_evaluates_checkpoints_and_logs(tiny_run: SharedRun):
     proc, cwd = tiny_run.proc, tiny_run.cwd
     run_dir = _only_run_dir(cwd)
-    result = json.loads((run_dir / "result.json").read_text())
+    result = json.loads(RunDir(run_dir).result.read_text())
     assert result["status"] == "finished" and result["steps_done"] == 8  # 256 repeated images / batch 32
     assert 0.0 <= result["top1"] <= 100.0 and result["top5_final"] >= result["top1"]
-    state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    state = torch.load(RunDir(run_dir).last_checkpoint, weights_only=True)
     assert state["epoch"] == 1 and state["step"] == 8 and "pos_embed" in state["model"]
-    assert (run_dir / "checkpoint-best.pt").exists()
+    assert RunDir(run_dir).best_checkpoint.exists()
     assert not list(run_dir.glob(".*.tmp"))  # no half-written checkpoint left behind
     assert "status    finished" in proc.stdout and "top-1" in proc.stdout
     assert "img_s=" in proc.stderr and "lr=" in proc.stderr and "loss=" in proc.stderr  # the progress bar
     assert "global batch 32 = 1 x 32 per rank (1 accumulation step(s) of 32)" in proc.stdout
-    offline = list((cwd / "outputs" / "wandb").glob(f"offline-run-*-{result['run_id']}"))
+    offline = list((wandb_root(cwd / "outputs")).glob(f"offline-run-*-{result['run_id']}"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
-    (logged,) = read_offline(cwd / "outputs" / "wandb")
+    (logged,) = read_offline(wandb_root(cwd / "outputs"))
     assert logged.config["ablation"] == "baseline" and logged.config["mix"]["mixup_alpha"] == 0.8
     assert {"baseline", "pretrain", "demo"} == set(logged.tags)
     assert logged.summary["status"] == "finished" and logged.summary["top1"] == result["top1"]
@@ -47,13 +48,13 @@ def test_relaunch_skips_a_finished_run(tmp_path, data_cache, tiny_run: SharedRun
     tiny_run.copy_into(tmp_path)  # TINY, trained once
     proc = run_train(TINY, tmp_path, data_cache)
     assert "already finished" in proc.stdout and "skipping" in proc.stdout
-    assert len(list((tmp_path / "outputs" / "wandb").glob("offline-run-*"))) == 1
+    assert len(list((wandb_root(tmp_path / "outputs")).glob("offline-run-*"))) == 1
 
 
 def test_divergence_ends_the_run_as_a_result_with_exit_status_0(tmp_path, data_cache):
     proc = run_train(TINY + ["optimizer.lr=1e12", "optimizer.warmup_epochs=0"], tmp_path, data_cache)
     assert proc.returncode == 0
-    result = json.loads((_only_run_dir(tmp_path) / "result.json").read_text())
+    result = json.loads(RunDir(_only_run_dir(tmp_path)).result.read_text())
     assert result["status"] == "diverged" and result["steps_done"] < 8
     assert "diverged" in proc.stdout
 
@@ -67,11 +68,11 @@ def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(resumed_runs,
 
 def test_mix_sweep_runs_three_runs_in_one_sweep_folder(mix_sweep: SharedRun):
     proc, tmp_path = mix_sweep.proc, mix_sweep.cwd  # -m mix=none,mixup_only,cutmix_only, trained once
-    runs = sorted(p.name for p in (tmp_path / "outputs" / "runs").iterdir() if p.is_dir())
+    runs = sorted(p.name for p in (runs_root(tmp_path / "outputs")).iterdir() if p.is_dir())
     assert len(runs) == 3 and all(name.startswith("data.builtin") for name in runs)
     assert {name.split("mix=")[1].split(",")[0] for name in runs} == {"none", "mixup_only", "cutmix_only"}
     for name in runs:
-        result = json.loads((tmp_path / "outputs" / "runs" / name / "result.json").read_text())
+        result = json.loads((runs_root(tmp_path / "outputs") / RunDir(name).result).read_text())
         assert result["status"] == "finished"
     assert proc.stdout.count("status    finished") == 3
 
@@ -81,7 +82,7 @@ def test_missing_data_root_is_a_clear_error_and_leaves_nothing(tmp_path, data_ca
     assert proc.returncode == 2
     assert "data=imagenet needs data.root" in proc.stderr and "data.root=/path/to/imagenet" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not any((tmp_path / "outputs" / "runs").glob("*/result.json"))
+    assert not any((runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}"))
     proc = run_train(["data=imagenet", f"data.root={tmp_path / 'nowhere'}"] + TINY, tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
@@ -113,12 +114,12 @@ def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache, s
     run_dir = tmp_path / "run"
     shutil.copytree(stopped.cwd / "run", run_dir)
     args = args + [f"hydra.run.dir={run_dir}"]
-    state = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    state = torch.load(RunDir(run_dir).last_checkpoint, weights_only=True)
     assert (state["epoch"], state["batches_done"], state["step"]) == (0, 3, 3)
-    (run_dir / "result.json").unlink()  # as if the job had been preempted after step 3
+    RunDir(run_dir).result.unlink()  # as if the job had been preempted after step 3
     proc = run_train(args, tmp_path, data_cache)
     assert "epoch 0 (batch 3), step 3" in proc.stdout
-    final = torch.load(run_dir / "checkpoint-last.pt", weights_only=True)
+    final = torch.load(RunDir(run_dir).last_checkpoint, weights_only=True)
     assert (final["epoch"], final["step"]) == (1, 8)  # the same step count as a run never interrupted
 
 
