@@ -9,6 +9,7 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 from deit_ablate.aggregate.reader import find_run_files, read_run_file
@@ -78,3 +79,41 @@ def test_a_wandb_without_the_method_is_left_alone() -> None:
     skip_unstaged_launch_inputs(fake)
     skip_unstaged_launch_inputs(types.SimpleNamespace())
     assert not hasattr(fake.sdk.wandb_run.Run, "_detect_and_apply_job_inputs")
+
+
+def test_whole_runs_time_both_sides_with_the_same_recipe(tmp_path: Path) -> None:
+    from deit_ablate.bench.whole_run import whole_run_commands
+
+    overrides = ["runtime.num_workers=2", "augment.repeated_aug=1"]
+    sides = whole_run_commands(overrides, 4, tmp_path / "timm_train.py", tmp_path / "data", 2, "cpu")
+    ours, timm = sides["ours"](tmp_path / "w"), " ".join(sides["timm"](tmp_path / "w"))
+    assert ours[1].endswith("train.py") and "train.epochs=4" in ours and "augment.repeated_aug=1" in ours
+    assert f"runtime.output_root={tmp_path}/w/outputs" in ours and f"hydra.run.dir={tmp_path}/w/run" in ours
+    for flag in ["--epochs 4", "-b 128", "-j 2", "--model deit_tiny_patch16_224", f"--output {tmp_path}/w/timm-out"]:
+        assert flag in timm, flag
+    assert "--aug-repeats" not in timm
+    assert list(whole_run_commands(overrides, 4, None, tmp_path, 2, "cpu")) == ["ours"]
+
+
+def test_whole_run_ratio_is_timm_over_ours_pair_by_pair() -> None:
+    from deit_ablate.bench.report import Report
+    from deit_ablate.bench.whole_run import add_whole_run_figures
+
+    report = Report({"summary": "test"}, "cmd")
+    results = {"ours": [{"wall_s": 40.0, "cpu_s": 70.0}, {"wall_s": 50.0, "cpu_s": 80.0}],
+               "timm": [{"wall_s": 44.0, "cpu_s": 75.0}, {"wall_s": 60.0, "cpu_s": 90.0}]}
+    add_whole_run_figures(report, results, {"ours": "python train.py", "timm": "python timm"}, {"epochs": 4})
+    assert report.get("e2e_run_wall", "ours").value == 45.0 and report.get("e2e_run_wall", "timm").value == 52.0
+    assert report.get("e2e_run_wall", "ours").extra["cpu_s"] == 75.0
+    (comparison,) = report.comparisons
+    assert comparison.ratio == 52.0 / 45.0 and comparison.paired_ratios == [1.1, 1.2] and comparison.meets
+    assert "median 1.150" in report.notes[0]
+
+
+def test_time_process_counts_the_child_cpu_and_names_a_failure(tmp_path: Path) -> None:
+    from deit_ablate.bench.whole_run import time_process
+
+    timing = time_process([sys.executable, "-c", "sum(range(3 * 10**6))"], tmp_path, dict(os.environ), 60)
+    assert timing["wall_s"] > 0 and 0 < timing["cpu_s"]
+    with pytest.raises(RuntimeError, match="failed \\(3\\)"):
+        time_process([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], tmp_path, dict(os.environ), 60)

@@ -13,7 +13,7 @@ from deit_ablate.bench.compose import TRAIN_PY, compose_run
 from deit_ablate.bench.env import matmul_rate
 from deit_ablate.bench.report import Figure, Report, median
 
-SECTIONS = ("matmul", "step", "pipeline", "workers", "e2e", "startup")
+SECTIONS = ("matmul", "step", "pipeline", "workers", "e2e", "e2e_run", "startup")
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Settings:
     e2e_steps: int = 30
     e2e_warmup: int = 5
     e2e_batch: int = 128
+    e2e_epochs: int = 4  # whole runs of the e2e_run section
     workers: int | None = None  # None: our default (the cores of the process)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -359,6 +360,16 @@ def _add_run_figures(report: Report, name: str, rows: list[dict[str, Any]], sett
     report.add(Figure("train_step_in_run", name, extra["compute_images_per_s"], "images/s", device, command,
                       settings, [r["compute_images_per_s"] for r in rows],
                       {"what": "batch / median step time without data wait and Mixup/CutMix"}))
+
+
+def section_e2e_run(s: Settings, report: Report) -> None:
+    """Whole runs of --e2e-epochs epochs, ours and timm's train.py in turn, timed from start to exit (issue #23:
+    demo model, batch 128, repeated augmentation off on both sides, --workers loader workers, --repeats pairs)."""
+    from deit_ablate.bench import whole_run
+
+    workers = _workers(s)
+    whole_run.measure(report, e2e_overrides(s, workers, False), 1 if s.quick else s.e2e_epochs, s.timm_train,
+                      workers, s.device_name, s.cache, 1 if s.quick else s.repeats, _log)
 
 
 def section_startup(s: Settings, report: Report) -> None:
