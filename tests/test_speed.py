@@ -141,3 +141,55 @@ def test_the_best_checkpoint_shares_the_last_ones_bytes_and_outlives_its_next_sa
     share_atomic(last, best)
     assert load(best)["step"] == 3 and os.stat(best).st_ino != os.stat(last).st_ino
     assert not list(tmp_path.glob(".*"))
+
+
+def _train_script() -> types.ModuleType:
+    """train.py loaded as a module (its `__main__` block does not run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_exit_status_is_pythons_own(capsys) -> None:
+    exit_status = _train_script().exit_status
+    assert [exit_status(SystemExit(code)) for code in (None, 0, 2, 130, 143)] == [0, 0, 2, 130, 143]
+    assert exit_status(SystemExit("a message")) == 1 and capsys.readouterr().err == "a message\n"
+
+
+FAST_EXIT = """
+import os, runpy, sys, threading
+real_exit = os._exit
+main_pid = os.getpid()
+def spy(status):
+    if os.getpid() == main_pid:
+        print("fast exit", status, file=sys.stderr)
+    real_exit(status)
+os._exit = spy
+if sys.argv[1] == "thread":
+    threading.Thread(target=threading.Event().wait, args=(3,)).start()  # a non-daemon thread still running
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_train_py_ends_fast_with_its_status_and_output_or_normally(tmp_path: Path, thread: bool) -> None:
+    proc = subprocess.run([sys.executable, "-c", FAST_EXIT, "thread" if thread else "no", str(REPO / "train.py"),
+                           "model=no_such_model", f"runtime.output_root={tmp_path}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1  # Hydra's status for an unknown option
+    assert "no_such_model" in proc.stderr  # its message flushed before the end
+    assert ("fast exit 1" in proc.stderr) is not thread  # a running thread gets the normal exit, which joins it
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_profiled_train_py_still_writes_its_profile(tmp_path: Path) -> None:
+    stats = tmp_path / "profile.out"
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(stats), str(REPO / "train.py"),
+                           "model=no_such_model", f"runtime.output_root={tmp_path / 'out'}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert "no_such_model" in proc.stderr  # (cProfile ends with status 0 after a script's SystemExit, as ever)
+    assert stats.stat().st_size > 0  # cProfile writes it after the script: the normal exit
