@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput benchmark of deit_ablate on whatever device it runs, side by side with timm's train.py.
 
-    python scripts/bench.py --quick --skip-timm               # smoke run, ours only (20-40 s)
+    python scripts/bench.py --quick --skip-timm               # smoke run, ours only (30-60 s)
     python scripts/bench.py --timm-train /tmp/timm_train.py   # full: all sections, ours vs timm (15-35 min, 2 CPUs)
     python scripts/bench.py --sections step --compile         # one section (here with torch.compile)
 
