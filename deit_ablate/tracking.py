@@ -198,6 +198,7 @@ def _number(text: str) -> int | float | str:
             pass
     return text
 
+
 _LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"  # where W&B Launch stages a job's inputs before wandb.init
 
 
