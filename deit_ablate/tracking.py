@@ -12,6 +12,7 @@ import io
 import os
 import socket
 import subprocess
+import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -203,6 +204,31 @@ def _number(text: str) -> int | float | str:
     return text
 
 
+_LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"  # where W&B Launch stages a job's inputs before wandb.init
+
+
+def skip_unstaged_launch_inputs(wandb_module: Any) -> None:
+    """Spare wandb.init the ~1 s import of W&B Launch it makes to apply staged job inputs when none can exist.
+
+    wandb.init ends by importing wandb.sdk.launch (and wandb.apis.public with it) only to apply the inputs a W&B
+    Launch job staged beforehand; staging them imports the module that holds them, so while that module is not
+    loaded there is nothing to apply, and the import is skipped. Once it is loaded, wandb's own method runs. A
+    wandb without the method is left as it is."""
+    run_class = getattr(getattr(wandb_module, "sdk", None), "wandb_run", None)
+    run_class = getattr(run_class, "Run", None)
+    original = getattr(run_class, "_detect_and_apply_job_inputs", None)
+    if original is None or getattr(original, "skips_unstaged", False):
+        return
+
+    @functools.wraps(original)
+    def detect_and_apply(self: Any) -> None:
+        if _LAUNCH_INPUTS in sys.modules:
+            original(self)
+
+    detect_and_apply.skips_unstaged = True  # type: ignore[attr-defined]
+    run_class._detect_and_apply_job_inputs = detect_and_apply
+
+
 class Tracker:
     """A wandb run on rank 0 and a silent stand-in elsewhere; rank 0 also writes `metrics.csv`."""
 
@@ -218,6 +244,7 @@ class Tracker:
             return
         import wandb
 
+        skip_unstaged_launch_inputs(wandb)
         wandb_dir = Path(cfg.runtime.output_root).resolve()
         wandb_dir.mkdir(parents=True, exist_ok=True)
         quiet_wandb()

@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """Throughput benchmark of deit_ablate on whatever device it runs, side by side with timm's train.py.
 
-    python scripts/bench.py --quick --skip-timm               # smoke run, ours only (20-40 s)
-    python scripts/bench.py --timm-train /tmp/timm_train.py   # full: all sections, ours vs timm (10-30 min, 2 CPUs)
+    python scripts/bench.py --quick --skip-timm               # smoke run, ours only (30-60 s)
+    python scripts/bench.py --timm-train /tmp/timm_train.py   # full: all sections, ours vs timm (15-35 min, 2 CPUs)
     python scripts/bench.py --sections step --compile         # one section (here with torch.compile)
 
 Sections: matmul (dense matmul FLOP/s, the MFU reference: bf16 on GPU, fp32 on CPU), step (Trainer.train_step on
 synthetic on-device batches; images/s, FLOPs/image, MFU; AdamW implementations; --compile), pipeline (our DeiT
 train transform + DataLoader on 500x375 JPEGs at 224 px, default vs data.fast_jpeg vs timm's loader), workers
 (per-epoch worker startup, persistent workers on/off), e2e (short real runs of train.py and of timm's train.py,
-alternately: steady images/s, data-wait fraction, compute-only step rate), startup (`train.py --cfg job`, composing
-the 26-run sweep). On a GPU the step section defaults to DeiT-B/16 at 224 in bf16, batch 128.
+alternately: steady images/s, data-wait fraction, compute-only step rate), e2e_run (whole runs of --e2e-epochs
+epochs, ours and timm's train.py in turn, each process timed from start to exit), startup (`train.py --cfg job`,
+composing the 26-run sweep). On a GPU the step section defaults to DeiT-B/16 at 224 in bf16, batch 128.
 
 timm's train.py is not in the timm wheel; see deit_ablate/bench/timm_ref.py for how to get it. Results go to
 --out (JSON, every figure with device, command and settings) and a table on stdout.
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="also measure the step with torch.compile")
     parser.add_argument("--jpegs", type=int, default=1024, help="JPEGs in the pipeline set")
     parser.add_argument("--e2e-steps", type=int, default=30, help="optimizer steps per end-to-end run")
+    parser.add_argument("--e2e-epochs", type=int, default=4, help="epochs of each whole run in e2e_run (default 4)")
     parser.add_argument("--workers", type=int, help="loader workers (default: the cores of this process)")
     return parser.parse_args(argv)
 
@@ -67,7 +69,8 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> suite.Settings:
         quick=quick, repeats=args.repeats, timm_train=None if args.skip_timm else args.timm_train,
         model=args.model or ("deit_base" if gpu else "vit_demo"), size=args.size or (224 if gpu else 32),
         batch=32 if quick and args.batch == 128 else args.batch, compile=args.compile, jpeg_count=args.jpegs,
-        e2e_steps=args.e2e_steps, e2e_batch=32 if quick else 128, workers=args.workers)
+        e2e_steps=args.e2e_steps, e2e_batch=32 if quick else 128, e2e_epochs=args.e2e_epochs,
+        workers=args.workers)
 
 
 def main(argv: list[str] | None = None) -> int:

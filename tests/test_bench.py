@@ -28,7 +28,8 @@ def test_quick_bench_writes_positive_figures_for_every_section(tmp_path, data_ca
     for expected in [("matmul_rate", "float32"), ("train_step", "ours"), ("input_pipeline", "ours"),
                      ("input_pipeline", "ours+fast_jpeg"), ("input_pipeline", "dali"),
                      ("epoch_start_latency", "persistent_workers=True"),
-                     ("e2e_train", "ours"), ("train_step_in_run", "ours"), ("startup_cfg_job", "ours"),
+                     ("e2e_train", "ours"), ("train_step_in_run", "ours"), ("e2e_run_wall", "ours"),
+                     ("startup_cfg_job", "ours"),
                      ("compose_sweep_26", "ours"), ("transform_stage", "decode"),
                      ("transform_stage", "RandAugment"), ("speedup_bound", "decode_free")]:
         assert expected in names, expected

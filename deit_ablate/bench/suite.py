@@ -13,7 +13,7 @@ from deit_ablate.bench.compose import TRAIN_PY, compose_run
 from deit_ablate.bench.env import matmul_rate
 from deit_ablate.bench.report import Figure, Report, median
 
-SECTIONS = ("matmul", "step", "pipeline", "workers", "e2e", "startup")
+SECTIONS = ("matmul", "step", "pipeline", "workers", "e2e", "e2e_run", "startup")
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Settings:
     e2e_steps: int = 30
     e2e_warmup: int = 5
     e2e_batch: int = 128
+    e2e_epochs: int = 4  # whole runs of the e2e_run section
     workers: int | None = None  # None: our default (the cores of the process)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -130,7 +131,6 @@ def section_pipeline(s: Settings, report: Report) -> None:
     """Our training transform + DataLoader on 500x375 JPEGs at 224 px: default, fast JPEG path, the DALI backend
     (on the device: the CPU here, the GPU where there is one), timm's loader."""
     from deit_ablate.bench import pipeline
-    from deit_ablate.data.dali import dali_available
     from deit_ablate.data.transforms import build_train_pipeline
 
     count, batch = (48, 16) if s.quick else (s.jpeg_count, s.pipeline_batch)
@@ -138,31 +138,8 @@ def section_pipeline(s: Settings, report: Report) -> None:
     root = pipeline.ensure_jpeg_set(count)
     workers = _workers(s)
     overrides = ["resolution=224px", f"runtime.num_workers={workers}", f"data.root={builtin_root(s)}"]
-    paths = {"ours": [], "ours+fast_jpeg": ["data.fast_jpeg=true"], "timm_transform": []}
-    if dali_available():
-        paths["dali"] = ["data.backend=dali"]
-    else:
-        _log("[bench] DALI is not importable: no dali variant (bash scripts/install.sh installs it)")
-
-    def loader(name: str, n_workers: int = workers) -> pipeline.Loader:
-        config = compose_run([*overrides, f"runtime.num_workers={n_workers}", *paths[name]])
-        dataset, batch_step = pipeline.jpeg_dataset(root, config, whole_timm_transform=name == "timm_transform")
-        return pipeline.our_loader(config, dataset, batch, batch_step, s.device)
-
     cfg = compose_run(overrides)
-    loaders: dict[str, Any] = {"ours": loader("ours"), "ours+fast_jpeg": loader("ours+fast_jpeg")}
-    if "dali" in paths:
-        loaders["dali"] = loader("dali")
-    if not s.quick:
-        loaders["timm_transform"] = loader("timm_transform")
-    if s.device.type == "cpu" and not s.quick:  # what the workers deliver when the per-batch step runs on a GPU
-        for name in ("ours", "ours+fast_jpeg"):
-            loaders[f"{name}/no-batch-step"] = pipeline.Loader(loaders[name].loader, None, s.device)
-    if s.timm_train is not None and not s.quick:
-        loaders["timm_loader"] = pipeline.timm_loader(root, cfg, batch, workers)
-    if not s.quick and workers > 0:
-        for name in paths:  # one core, as a worker
-            loaders[f"{name}/1-process"] = loader(name, n_workers=0).one_thread()
+    loaders = _pipeline_loaders(s, root, overrides, cfg, batch, workers)
     results = pipeline.alternate_loaders(loaders, 1 if s.quick else s.repeats, log=_log)
     for name, rows in results.items():
         n_workers = 0 if name.endswith("1-process") else workers
@@ -176,6 +153,47 @@ def section_pipeline(s: Settings, report: Report) -> None:
                           f"{s.command}  (in-process: DataLoader over {count} JPEGs)", settings, samples,
                           {"per_worker_images_per_s": value / max(n_workers, 1),
                            "first_batch_s": median([row["first_batch_s"] for row in rows])}))
+    _compare_pipelines(report)
+    _add_stage_costs(s, report, root, *build_train_pipeline(cfg), count)
+    _add_crop_difference(s, report, root, count)
+
+
+def _pipeline_loaders(s: Settings, root: Path, overrides: list[str], cfg: Any, batch: int,
+                      workers: int) -> dict[str, Any]:
+    """The input_pipeline variants, by name: ours, fast JPEG, DALI where importable, timm's transform and loader,
+    without the per-batch step (CPU), and each held to one process."""
+    from deit_ablate.bench import pipeline
+    from deit_ablate.data.dali import dali_available
+
+    paths = {"ours": [], "ours+fast_jpeg": ["data.fast_jpeg=true"], "timm_transform": []}
+    if dali_available():
+        paths["dali"] = ["data.backend=dali"]
+    else:
+        _log("[bench] DALI is not importable: no dali variant (bash scripts/install.sh installs it)")
+
+    def loader(name: str, n_workers: int = workers) -> pipeline.Loader:
+        config = compose_run([*overrides, f"runtime.num_workers={n_workers}", *paths[name]])
+        dataset, batch_step = pipeline.jpeg_dataset(root, config, whole_timm_transform=name == "timm_transform")
+        return pipeline.our_loader(config, dataset, batch, batch_step, s.device)
+
+    loaders: dict[str, Any] = {"ours": loader("ours"), "ours+fast_jpeg": loader("ours+fast_jpeg")}
+    if "dali" in paths:
+        loaders["dali"] = loader("dali")
+    if not s.quick:
+        loaders["timm_transform"] = loader("timm_transform")
+    if s.device.type == "cpu" and not s.quick:  # what the workers deliver when the per-batch step runs on a GPU
+        for name in ("ours", "ours+fast_jpeg"):
+            loaders[f"{name}/no-batch-step"] = pipeline.Loader(loaders[name].loader, None, s.device)
+    if s.timm_train is not None and not s.quick:
+        loaders["timm_loader"] = pipeline.timm_loader(root, cfg, batch, workers)
+    if not s.quick and workers > 0:
+        for name in paths:  # one core, as a worker
+            loaders[f"{name}/1-process"] = loader(name, n_workers=0).one_thread()
+    return loaders
+
+
+def _compare_pipelines(report: Report) -> None:
+    """The input_pipeline ratios the targets are read from (absent variants are left out by Report.compare)."""
     report.compare("input_pipeline", "ours+fast_jpeg", "ours", target=1.5)
     report.compare("input_pipeline", "ours+fast_jpeg/1-process", "ours/1-process", target=1.5)
     report.compare("input_pipeline", "ours+fast_jpeg/no-batch-step", "ours/no-batch-step")
@@ -188,7 +206,12 @@ def section_pipeline(s: Settings, report: Report) -> None:
     report.compare("input_pipeline", "dali", "ours")
     report.compare("input_pipeline", "dali/1-process", "ours/1-process")
     report.compare("input_pipeline", "dali", "timm_loader")
-    _add_stage_costs(s, report, root, *build_train_pipeline(cfg), count)
+
+
+def _add_crop_difference(s: Settings, report: Report, root: Path, count: int) -> None:
+    """How far the fast crop's pixels lie from timm's for the same random draws."""
+    from deit_ablate.bench import pipeline
+
     images = min(count, 48 if s.quick else 200)
     difference = pipeline.crop_difference(root, images)
     for variant in ("full_scale", "reduced_scale"):
@@ -337,6 +360,16 @@ def _add_run_figures(report: Report, name: str, rows: list[dict[str, Any]], sett
     report.add(Figure("train_step_in_run", name, extra["compute_images_per_s"], "images/s", device, command,
                       settings, [r["compute_images_per_s"] for r in rows],
                       {"what": "batch / median step time without data wait and Mixup/CutMix"}))
+
+
+def section_e2e_run(s: Settings, report: Report) -> None:
+    """Whole runs of --e2e-epochs epochs, ours and timm's train.py in turn, timed from start to exit (issue #23:
+    demo model, batch 128, repeated augmentation off on both sides, --workers loader workers, --repeats pairs)."""
+    from deit_ablate.bench import whole_run
+
+    workers = _workers(s)
+    whole_run.measure(report, e2e_overrides(s, workers, False), 1 if s.quick else s.e2e_epochs, s.timm_train,
+                      workers, s.device_name, s.cache, 1 if s.quick else s.repeats, _log)
 
 
 def section_startup(s: Settings, report: Report) -> None:
