@@ -179,7 +179,7 @@ class EpochLoop:
                          "bad_images": sorted(progress.bad_images)}
             ckpt.save_atomic(evaluated, run_dir.last_checkpoint)  # the epoch's state, now with its evaluation
             if headline >= progress.best_top1:
-                ckpt.save_atomic(evaluated, run_dir.best_checkpoint)
+                ckpt.copy_atomic(run_dir.last_checkpoint, run_dir.best_checkpoint)  # the same bytes again
         barrier(self.info)
 
     def collect_bad_images(self) -> None:

@@ -122,9 +122,11 @@ def test_time_process_counts_the_child_cpu_and_names_a_failure(tmp_path: Path) -
 def test_the_best_checkpoint_is_a_copy_of_the_last_one_that_outlives_both_files_changing(tmp_path: Path) -> None:
     import torch
 
-    from deit_ablate.checkpoint import STALE_PATTERNS, copy_atomic, load, save_atomic
+    from deit_ablate.checkpoint import copy_atomic, load, save_atomic
+    from deit_ablate.rundir import TEMP_PATTERNS, RunDir
 
-    last, prev, best = tmp_path / "checkpoint-last.pt", tmp_path / "checkpoint-prev.pt", tmp_path / "checkpoint-best.pt"
+    run = RunDir(tmp_path)
+    last, prev, best = run.last_checkpoint, run.previous_checkpoint, run.best_checkpoint
     save_atomic({"step": 1, "w": torch.ones(3)}, last, keep_previous=prev)
     copy_atomic(last, best)
     assert best.read_bytes() == last.read_bytes() and os.stat(best).st_ino != os.stat(last).st_ino
@@ -134,8 +136,8 @@ def test_the_best_checkpoint_is_a_copy_of_the_last_one_that_outlives_both_files_
     assert load(prev)["step"] == 1 and load(last)["step"] == 2  # the resume's files are not touched
     copy_atomic(last, best)
     assert load(best)["step"] == 2 and sorted(p.name for p in tmp_path.iterdir()) == [best.name, last.name, prev.name]
-    stale = best.with_name(f".{best.name}.123.copy.tmp")
-    assert any(stale.match(pattern) for pattern in STALE_PATTERNS)  # a killed copy's leftover is cleaned up
+    stale = best.with_name(f".{best.name}.x1y2z3.tmp")  # atomic.atomic_write's temp name
+    assert any(stale.match(pattern) for pattern in TEMP_PATTERNS)  # a killed copy's leftover is cleaned up
 
 
 def _train_script() -> types.ModuleType:

@@ -72,7 +72,7 @@ def test_mix_sweep_runs_three_runs_in_one_sweep_folder(mix_sweep: SharedRun):
     assert len(runs) == 3 and all(name.startswith("data.builtin") for name in runs)
     assert {name.split("mix=")[1].split(",")[0] for name in runs} == {"none", "mixup_only", "cutmix_only"}
     for name in runs:
-        result = json.loads((runs_root(tmp_path / "outputs") / RunDir(name).result).read_text())
+        result = json.loads(RunDir.under(tmp_path / "outputs", name).result.read_text())
         assert result["status"] == "finished"
     assert proc.stdout.count("status    finished") == 3
 

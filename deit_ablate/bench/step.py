@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import copy
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from deit_ablate.assemble import build_pieces
 from deit_ablate.bench.env import synchronize, torch_threads
 from deit_ablate.distributed import DistInfo
 from deit_ablate.engine import Trainer
 from deit_ablate.models import compile_in_place
-from deit_ablate.run import build_pieces
+from deit_ablate.plan import make_plan
+from deit_ablate.rundir import RunDir
 from deit_ablate.streams import RunStreams
-from deit_ablate.validate import plan_batch
 
 # Optimizer implementations torch.optim.AdamW/SGD can take, set on the param groups before the first step.
 OPTIMIZER_IMPLS = {"default": {}, "forloop": {"foreach": False, "fused": False},
@@ -42,14 +45,15 @@ def build_trainer(cfg, device: torch.device, optimizer_impl: str = "default", co
     """build_pieces() on `cfg` (data loaders are built but never iterated), then a synthetic batch on device."""
     RunStreams(cfg.seed).seed_init()
     info = DistInfo(device=device)
-    pieces = build_pieces(cfg, info, plan_batch(cfg, info.world_size))
+    plan = make_plan(cfg, info, RunDir(Path(tempfile.gettempdir()) / "deit-bench-no-run"), [])  # nothing is written
+    pieces = build_pieces(plan, info)
     trainer = pieces.trainer
     for group in trainer.optimizer.param_groups:
         group.update(OPTIMIZER_IMPLS[optimizer_impl])
     compiled = False
     if compile_model:
         compiled = compile_in_place(trainer.model)
-    batch, size = pieces.plan.per_rank_batch, cfg.resolution.train_size
+    batch, size = plan.batch.per_rank_batch, cfg.resolution.train_size
     images = torch.randn(batch, 3, size, size, device=device)
     targets = torch.randint(0, cfg.data.num_classes, (batch,), device=device)
     return StepSetup(trainer, images, targets, batch, compiled, threads)
