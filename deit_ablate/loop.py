@@ -1,13 +1,16 @@
 """The epoch loop: train an epoch, save it, evaluate it, log it; stop on a signal with a checkpoint; summarize.
 
-The epoch's end is saved before its evaluation, so a stop during the evaluation loses no training; the evaluated
-state (best top-1, `evaluated: true`) then replaces it. Rank 0 writes every file; the other ranks follow it.
+The epoch's end is saved once, before its evaluation, so a stop during the evaluation loses no training; the
+evaluation is not saved again (one full checkpoint write less per epoch): a launch that resumes from an epoch's end
+evaluates that epoch first, the same weights giving the same numbers, and logs its row again. Rank 0 writes every
+file; the other ranks follow it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from deit_ablate import checkpoint as ckpt
@@ -46,6 +49,7 @@ class Progress:
     metrics: dict[str, float] = field(default_factory=dict)
     ema_metrics: dict[str, float] = field(default_factory=dict)
     bad_images: set[str] = field(default_factory=set)
+    resumed_from: Path | None = None  # the checkpoint this launch resumed from
 
 
 def image_folders(pieces: Pieces) -> list[SkippingImageFolder]:
@@ -79,8 +83,9 @@ class EpochLoop:
         progress, state = self.progress, self.resumed_state
         try:
             if state.get("evaluated") is False and not progress.skip_batches and \
-                    progress.start_epoch < self.plan.recipe.epochs:
-                self.evaluate_epoch(progress.start_epoch - 1, {}, state)  # stopped between save and evaluation
+                    progress.start_epoch < self.plan.recipe.epochs:  # resumed from an epoch's end: evaluate it
+                row = {"train/epoch_loss": state["train_loss"]} if "train_loss" in state else {}
+                self.evaluate_epoch(progress.start_epoch - 1, row, progress.resumed_from)
             for epoch in range(progress.start_epoch, self.plan.recipe.epochs):
                 if self.max_steps is not None and self.trainer.step >= self.max_steps:
                     break
@@ -126,14 +131,14 @@ class EpochLoop:
         progress.epochs_done = epoch + 1 if complete else epoch
         done = progress.epochs_done >= self.plan.recipe.epochs or \
             (self.max_steps is not None and trainer.step >= self.max_steps)
-        state = {}
         if self.info.is_main:  # the epoch's end is saved before its evaluation: a stop there loses no training
             state = ckpt.training_state(trainer, progress.epochs_done, progress.best_top1,
-                                        0 if complete else batches_done, evaluated=False, **self.extra(done))
+                                        0 if complete else batches_done, evaluated=False, train_loss=train_loss,
+                                        **self.extra(done))
             ckpt.save_atomic(state, self.plan.run_dir.last_checkpoint,
                              keep_previous=self.plan.run_dir.previous_checkpoint)
         self.stop_if_asked()
-        self.evaluate_epoch(epoch, {"train/epoch_loss": train_loss}, state)
+        self.evaluate_epoch(epoch, {"train/epoch_loss": train_loss}, self.plan.run_dir.last_checkpoint)
         self.stop_if_asked()
 
     def step_hook(self, batches_in_loader: int) -> None:
@@ -162,8 +167,8 @@ class EpochLoop:
         self.collect_bad_images()
         return progress.ema_metrics["top1"] if progress.ema_metrics else progress.metrics["top1"]
 
-    def evaluate_epoch(self, epoch: int, row: dict[str, Any], epoch_state: dict[str, Any]) -> None:
-        """Evaluate the weights at an epoch's end, log the epoch, keep the best, mark the checkpoint evaluated."""
+    def evaluate_epoch(self, epoch: int, row: dict[str, Any], saved: Path | None) -> None:
+        """Evaluate the weights at an epoch's end (saved in `saved`), log the epoch, keep the best checkpoint."""
         progress, run_dir = self.progress, self.plan.run_dir
         headline = self.evaluate_now()
         progress.best_top1 = max(progress.best_top1, headline)
@@ -175,11 +180,8 @@ class EpochLoop:
             loss_text = f"train loss {row['train/epoch_loss']:.4f} | " if row else ""
             log.info(f"[epoch {epoch}] {loss_text}val top-1 {metrics['top1']:.2f} "
                      f"top-5 {metrics['top5']:.2f}{ema_text} | step {self.trainer.step}")
-            evaluated = {**epoch_state, "best_top1": progress.best_top1, "evaluated": True,
-                         "bad_images": sorted(progress.bad_images)}
-            ckpt.save_atomic(evaluated, run_dir.last_checkpoint)  # the epoch's state, now with its evaluation
-            if headline >= progress.best_top1:
-                ckpt.copy_atomic(run_dir.last_checkpoint, run_dir.best_checkpoint)  # the same bytes again
+            if headline >= progress.best_top1 and saved is not None:  # copied, not serialized again
+                ckpt.copy_atomic(saved, run_dir.best_checkpoint)
         barrier(self.info)
 
     def collect_bad_images(self) -> None:

@@ -101,7 +101,7 @@ def _resume(plan: RunPlan, info: DistInfo, pieces: Pieces) -> tuple[Progress, di
     log.info(f"[run] resuming {plan.identity.name} from {resumed_from}: epoch {start_epoch} (batch {skip_batches}), "
              f"step {trainer.step}{where}")
     progress = Progress(start_epoch=start_epoch, skip_batches=skip_batches, best_top1=best_top1,
-                        epochs_done=start_epoch, bad_images=set(state.get("bad_images", ())))
+                        epochs_done=start_epoch, bad_images=set(state.get("bad_images", ())), resumed_from=resumed_from)
     return progress, state
 
 

@@ -126,7 +126,7 @@ def check_complete(cwd: Path, run_dir: Path, proc: subprocess.CompletedProcess) 
 def killed_run(tmp_path: Path, cache: Path, name: str, kill_at: int, delay: float,
                args: list[str] | None = None) -> tuple[Path, str, bool]:
     """Launch, kill -9 at the `kill_at`-th checkpoint temp file plus `delay` s; (run folder, where, mid-write)."""
-    run_dir = tmp_path / runs_root(name / "outputs") / "run"
+    run_dir = runs_root(tmp_path / name / "outputs") / "run"
     run_dir.mkdir(parents=True)
     watch = Watch(run_dir)
     proc = launch((args or ARGS) + [f"hydra.run.dir={run_dir}"], run_dir.parents[2], cache)
