@@ -156,15 +156,14 @@ def resume_point(run_dir: RunDir, info: DistInfo) -> tuple[Path, dict[str, Any]]
     return Path(path), found[0].state if info.is_main else ckpt.load(path)
 
 
-def _waits_for(plan: RunPlan) -> str | None:
-    """What keeps the run from training now (its pre-training or its LayerScale run), or None."""
+def _waits_for(plan: RunPlan, source: RunDir | None) -> str | None:
+    """What keeps the run from training now (its pre-training or its LayerScale run `source`), or None."""
     if plan.upstream is not None:
         upstream = previous_result(plan.upstream, is_main=False)
         if upstream is None:
             return f"wait for its pre-training {plan.upstream.name}"
         if upstream["status"] != "finished":
             return f"record as {upstream['status']} without training (its pre-training {plan.upstream.name})"
-    source = layer_scale_run_dir(plan.settings, list(plan.overrides))
     source_result = previous_result(source, is_main=False) if source is not None else None
     if source is not None and source_result is None:
         return f"wait for its LayerScale run {source.name}"
@@ -178,13 +177,13 @@ def launch_plan(plan: RunPlan) -> str:
     result = previous_result(plan.run_dir, is_main=False)
     if result is not None:
         return f"skip (already {result['status']})"
-    waiting = _waits_for(plan)
+    source = layer_scale_run_dir(plan.settings, list(plan.overrides))  # composes that run's config: once
+    waiting = _waits_for(plan, source)
     if waiting is not None:
         return waiting
     point = ckpt.find_resume_point(plan.run_dir.path)
     if point is not None:
         return f"resume from step {point.state['step']} ({point.path.name})"
-    source = layer_scale_run_dir(plan.settings, list(plan.overrides))
     return ("train from step 0" + (f", starting from {plan.upstream.name}" if plan.upstream is not None else "")
             + (f", LayerScale diagonal fixed at the values of {source.name}" if source is not None else ""))
 
