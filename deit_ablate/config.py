@@ -145,6 +145,16 @@ class OptimizerConfig:
     warmup_lr: float = 1e-6
     min_lr: float = 1e-5
     clip_grad: float | None = None
+    # Sharpness-aware minimization (Foret et al. 2021): the radius rho of the weight perturbation; 0 = off. Wraps
+    # the optimizer above (adamw or sgd); deit_ablate/sam.py
+    sam_rho: float = 0.0
+
+
+@dataclass
+class SharpnessConfig:
+    """How sharpness is measured on a trained model (Chen, Hsieh & Gong 2022); an evaluation, not the experiment."""
+
+    at_end: bool = False  # measure it after the last epoch too (`python -m deit_ablate.sharpness` on any run)
 
 
 @dataclass
@@ -240,6 +250,7 @@ class Config:
     resolution: ResolutionConfig = field(default_factory=ResolutionConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sharpness: SharpnessConfig = field(default_factory=SharpnessConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 

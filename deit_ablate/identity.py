@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from deit_ablate.keys import DATA_BACKEND, NOT_EXPERIMENT, NOT_IDENTITY, is_default_leaf, legacy_keys
+from deit_ablate.keys import ADDED_KEYS, NOT_EXPERIMENT, NOT_IDENTITY, is_default_leaf, legacy_keys
 from deit_ablate.studies import study_names
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
@@ -83,8 +83,9 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
         out[str(key)] = str(value) if hasattr(value, "value") else value  # an Enum leaf
     for dotted in NOT_IDENTITY:
         _pop(out, dotted)
-    if is_default_leaf(DATA_BACKEND, _leaf(out, DATA_BACKEND)):  # runs from before data.backend keep their identity
-        _pop(out, DATA_BACKEND)
+    for dotted in ADDED_KEYS:  # runs from before a key keep their identity while it holds its default
+        if is_default_leaf(dotted, _leaf(out, dotted)):
+            _pop(out, dotted)
     if choices is not None:
         out.update({k: v for k, v in legacy_keys(choices).items() if k not in drop})
     return out

@@ -6,12 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 # Top-level nodes that are not the experiment: how it runs, and Hydra's own settings.
-NOT_EXPERIMENT = ("runtime", "hydra")
+# `sharpness` measures a finished model (an evaluation, recorded with its settings beside the figures), never
+# what it trains.
+NOT_EXPERIMENT = ("runtime", "hydra", "sharpness")
 # Where the data lies is not which data it is: the data's fingerprint (recorded in the run folder) stands for it.
 DATA_LOCATION = "data.root"
-# The input pipeline; its default is left out (runs from before the key keep their identity), dali is another run.
-DATA_BACKEND = "data.backend"
-DEFAULT_BACKEND = "pil"
+# Keys added after runs were written, with the default that stands for "as before": a leaf at that default is left
+# out of the identity (runs from before the key keep their folder and wandb id); any other value is another run.
+ADDED_KEYS: dict[str, object] = {
+    "data.backend": "pil",  # the input pipeline; dali is another run
+    "optimizer.sam_rho": 0.0,  # SAM's radius (Foret et al. 2021); 0 = plain AdamW/SGD
+}
 # A permission, not the experiment: the teacher's weights (recorded in the run folder) stand for it.
 TEACHER_PERMISSION = "distill.teacher.allow_unfinished"
 # Leaves of the experiment that never enter its identity.
@@ -50,7 +55,7 @@ def legacy_keys(choices: dict[str, Any]) -> dict[str, str]:
 
 def is_default_leaf(dotted: str, value: Any) -> bool:
     """Whether a leaf holds a default that the identity leaves out (`data.backend=pil`), as if it were unset."""
-    return dotted == DATA_BACKEND and value == DEFAULT_BACKEND
+    return dotted in ADDED_KEYS and value == ADDED_KEYS[dotted]
 
 
 def is_execution_key(dotted: str) -> bool:
