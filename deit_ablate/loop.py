@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch.utils.data import DataLoader
+
 from deit_ablate import checkpoint as ckpt
 from deit_ablate.assemble import Pieces
 from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, stop_error
@@ -58,6 +60,20 @@ def image_folders(pieces: Pieces) -> list[SkippingImageFolder]:
     return [d for d in sets if isinstance(d, SkippingImageFolder)]
 
 
+class StartedEpoch:
+    """An epoch's batches whose loader workers have started already: they fill their queues while the epoch before
+    is evaluated, so its first step does not wait for worker start-up and first batches."""
+
+    def __init__(self, epoch: int, loader: DataLoader) -> None:
+        self.epoch, self.loader, self.batches = epoch, loader, iter(loader)
+
+    def __iter__(self):
+        return self.batches
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
 class EpochLoop:
     """The epochs a launch trains (or, when training is already complete, only the final evaluation)."""
 
@@ -68,6 +84,7 @@ class EpochLoop:
         self.trainer, self.progress, self.resumed_state = pieces.trainer, progress, state
         self.clock = RunClock(float(state.get("train_seconds", 0.0)))
         self.max_steps = plan.settings.train.max_steps
+        self.started: StartedEpoch | None = None
         runtime, run_dir = plan.settings.runtime, plan.run_dir
         self.saver = ckpt.MidEpochSaver(self.trainer, run_dir.last_checkpoint, runtime.checkpoint_every_steps,
                                         runtime.checkpoint_every_minutes, info.is_main,
@@ -105,11 +122,24 @@ class EpochLoop:
         progress.seconds = self.clock()
         return progress
 
+    def epoch_batches(self, epoch: int):
+        """This epoch's batches, its training process's streams seeded (Mixup/CutMix, erasing, drop path): those
+        started during the last evaluation, or the loader now."""
+        started, self.started = self.started, None
+        self.streams.seed_epoch(epoch)
+        return started if started is not None and started.epoch == epoch else self.epoch_loader(epoch)
+
+    def start_early(self, epoch: int) -> None:
+        """Start `epoch`'s loader workers now (seeded as at the epoch's start: the same batches), when it has any."""
+        loaders = self.pieces.loaders
+        if isinstance(loaders.train_loader, DataLoader) and loaders.train_loader.num_workers > 0:
+            seed_epoch_data(loaders.train_sampler, loaders.train_loader, self.streams, epoch)
+            self.started = StartedEpoch(epoch, loaders.train_loader)
+
     def epoch_loader(self, epoch: int):
-        """This epoch's loader, seeded: the shared permutation, this rank's augmentation (streams.py); a resumed
+        """This epoch's loader, seeded: the shared permutation, this rank's loader workers (streams.py); a resumed
         epoch skips the batches done before the stop."""
         loaders, per_rank = self.pieces.loaders, self.plan.batch.per_rank_batch
-        self.streams.seed_epoch(epoch)  # this rank's Mixup/CutMix, erasing and drop path
         loader = loaders.train_loader
         if epoch == self.progress.start_epoch and self.progress.skip_batches:  # resumed mid-epoch (preemption)
             sampler = SkipFirst(loaders.train_sampler, self.progress.skip_batches * per_rank)
@@ -121,7 +151,7 @@ class EpochLoop:
     def train_epoch(self, epoch: int) -> None:
         """Train one epoch, save its end, evaluate it; stop at an agreed signal between the two."""
         progress, trainer = self.progress, self.trainer
-        loader = self.epoch_loader(epoch)
+        loader = self.epoch_batches(epoch)
         skipped = progress.skip_batches if epoch == progress.start_epoch else 0
         self.saver.start_epoch(epoch, progress.best_top1, skipped)
         steps_before = trainer.step
@@ -138,6 +168,8 @@ class EpochLoop:
             ckpt.save_atomic(state, self.plan.run_dir.last_checkpoint,
                              keep_previous=self.plan.run_dir.previous_checkpoint)
         self.stop_if_asked()
+        if not done:
+            self.start_early(epoch + 1)
         self.evaluate_epoch(epoch, {"train/epoch_loss": train_loss}, self.plan.run_dir.last_checkpoint)
         self.stop_if_asked()
 
