@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
-from deit_ablate.config import DistillKind, Precision
+from deit_ablate.config import DistillKind, Precision, Stage
 from deit_ablate.data.datasets import build_dataset, dataset_root
 from deit_ablate.data.loader import ShardSampler, build_loader, build_train_loader, build_train_sampler
 from deit_ablate.data.transforms import BatchNormalize, build_eval_transform, build_train_pipeline
@@ -128,8 +128,19 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
                       accum_steps=plan.batch.accum_steps, mixup=mixup, ema=ema,
                       batch_transform=loaders.batch_transform, train_mode=recipe.train_mode,
                       amp_dtype=amp_dtype(precision, info.device), scaler=grad_scaler(precision, info.device),
-                      clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.runtime.log_interval)
+                      clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.runtime.log_interval,
+                      sam_rho=stage_sam_rho(cfg))
+    if trainer.sam_rho and info.is_main:
+        log.info(f"[run] SAM on: rho {trainer.sam_rho} around {recipe.optimizer} (Foret et al. 2021), two forward and "
+                 f"backward passes per step, each chunk of {plan.batch.micro_batch} images perturbed by its own "
+                 "gradient (m-sharpness)")
     return Pieces(trainer, loaders, layer_scale)
+
+
+def stage_sam_rho(cfg: DictConfig) -> float:
+    """SAM's radius for this stage: optimizer.sam_rho in the pre-training, whose optimizer it wraps; 0 in a
+    fine-tune, which steps with finetune.optimizer."""
+    return float(cfg.optimizer.sam_rho) if cfg.stage == Stage.pretrain else 0.0
 
 
 def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps_per_epoch: int):

@@ -16,6 +16,16 @@ from tqdm import tqdm
 from deit_ablate.distributed import DistInfo, all_reduce_sum
 from deit_ablate.losses import distilled_eval_outputs, distilled_head_logits
 from deit_ablate.models import set_training_mode
+from deit_ablate.sam import (
+    GRAD_EVALS_PER_STEP,
+    PassTimer,
+    frozen_running_stats,
+    perturbation,
+    perturbed,
+    rng_state,
+    set_rng_state,
+    with_grad,
+)
 
 LossFn = Callable[[torch.Tensor, object, torch.Tensor], torch.Tensor]  # (images, model outputs, targets) -> loss
 
@@ -47,13 +57,17 @@ class Trainer:
     batch_transform: Callable[..., torch.Tensor] | None = None  # (images, out=) on the device, before Mixup
     log_interval: int = 10
     train_mode: bool = True  # False: eval mode while training (DeiT's fine-tune), see models.set_training_mode
+    sam_rho: float = 0.0  # SAM's radius (Foret et al. 2021); 0: the plain step, see _sam_chunk
     step: int = 0
     on_log: Callable[[dict, int], None] = field(default=lambda metrics, step: None)
     _skipped: torch.Tensor | None = field(default=None, init=False, repr=False)  # on the device: no host sync
+    _sam_timer: PassTimer | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.scaler is not None:
             self._skipped = torch.zeros((), dtype=torch.long, device=self.info.device)
+        if self.sam_rho:
+            self._sam_timer = PassTimer(self.info.device)
 
     @property
     def amp_skipped_steps(self) -> int:
@@ -65,6 +79,17 @@ class Trainer:
         if self.scaler is None:
             return {}
         return {"train/loss_scale": self.scaler.get_scale(), "train/amp_skipped_steps": self.amp_skipped_steps}
+
+    def sam_metrics(self) -> dict[str, float]:
+        """SAM's cost for a log row: gradient evaluations per step and the second passes' measured share of the
+        step time since the last row; empty without SAM."""
+        if self._sam_timer is None:
+            return {}
+        metrics = {"train/sam_grad_evals_per_step": float(GRAD_EVALS_PER_STEP)}
+        share = self._sam_timer.share()
+        if share is not None:
+            metrics["train/sam_second_pass_share"] = share
+        return metrics
 
     def autocast(self):
         """Autocast to the configured dtype (bf16 or fp16), a no-op context without one."""
@@ -101,23 +126,29 @@ class Trainer:
         self.step = int(state["step"])
 
     def train_step(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on this rank's share of the global batch, in `accum_steps` chunks.
+        """One optimizer step on this rank's share of the global batch, in `accum_steps` chunks; the mean training
+        loss at the weights the step starts from.
 
         Each chunk stands for one GPU of the reference's run, so it draws its own Mixup/CutMix (lambda, box,
-        which of the two), as each of DeiT's 8 x 128 per-GPU batches did."""
+        which of the two), as each of DeiT's 8 x 128 per-GPU batches did. With SAM each chunk is also perturbed
+        by its own gradient (see _sam_chunk)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self._sam_timer is not None:
+            self._sam_timer.start_step()
         total = torch.zeros((), device=images.device)
         chunks = list(zip(images.chunk(self.accum_steps), targets.chunk(self.accum_steps), strict=False))
         for index, (chunk_images, chunk_targets) in enumerate(chunks):
             if self.mixup is not None:
                 chunk_images, chunk_targets = self.mixup(chunk_images, chunk_targets)
             last = index == len(chunks) - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            with sync:
-                with self.autocast():
-                    outputs = self.model(chunk_images)
-                    loss = self.loss_fn(chunk_images, outputs, chunk_targets)
-                self._backward(loss / len(chunks))
+            if self.sam_rho:
+                loss = self._sam_chunk(chunk_images, chunk_targets, len(chunks), last)
+            else:
+                with self._no_sync(last):
+                    with self.autocast():
+                        outputs = self.model(chunk_images)
+                        loss = self.loss_fn(chunk_images, outputs, chunk_targets)
+                    self._backward(loss / len(chunks))
             total += loss.detach() / len(chunks)
         self._optimizer_step()
         # A step the fp16 scaler skipped still advances the step counter, the schedule and the EMA, so step counts,
@@ -127,7 +158,46 @@ class Trainer:
         self.scheduler.step_update(num_updates=self.step)
         if self.ema is not None:
             self.ema.update(getattr(self.model, "module", self.model), step=self.step)
+        if self._sam_timer is not None:
+            self._sam_timer.mark()
         return total
+
+    def _no_sync(self, last: bool = False):
+        """DDP's no_sync (gradients stay on this rank) unless `last`; a no-op without DDP."""
+        return contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+
+    def _sam_chunk(self, images: torch.Tensor, targets: torch.Tensor, chunks: int, last: bool) -> torch.Tensor:
+        """Add one chunk's SAM gradient, grad L(theta + eps) with eps = rho g / ||g|| and g = grad L(theta) on the
+        same chunk, to the step's gradient; its loss at theta.
+
+        Foret et al. 2021 (arXiv:2010.01412) §4.1, m-sharpness: each chunk (one GPU of the reference's run, a rank
+        without accumulation) is perturbed by its own g, never all-reduced, and the chunks' and ranks' g_SAM are
+        averaged as plain gradients are. The earlier chunks' g_SAM is set aside during the first pass, so g is this
+        chunk's alone. The second pass sees the same mixed images and targets and redraws the first pass's drop
+        path and dropout masks, so g_SAM is the gradient of the same sampled loss at theta + eps."""
+        accumulated = {p: p.grad for p in self.module.parameters()}
+        for p in accumulated:
+            p.grad = None
+        state = rng_state(self.info.device)
+        with self._no_sync():  # the first backward stays on this rank
+            with self.autocast():
+                loss = self.loss_fn(images, self.model(images), targets)
+            self._backward(loss / chunks)
+        params = with_grad(self.module)
+        eps, finite = perturbation([p.grad for p in params], self.sam_rho)
+        for p, grad in accumulated.items():
+            p.grad = grad
+        set_rng_state(state, self.info.device)
+        self._sam_timer.mark()
+        with perturbed(params, eps), frozen_running_stats(self.module), self._no_sync(last):
+            del eps
+            with self.autocast():
+                second = self.loss_fn(images, self.model(images), targets)
+            if self.scaler is not None:  # a first pass that overflowed makes the step one the scaler skips
+                second = second * torch.where(finite, 1.0, float("nan"))
+            self._backward(second / chunks)
+        self._sam_timer.mark()
+        return loss
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backward of one chunk's share of the loss, scaled first under fp16."""
@@ -186,7 +256,7 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]
                 bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}")
                 self.on_log({"train/loss": mean_loss, "train/lr": lr, "train/img_per_s": rate, "epoch": epoch,
-                             **self.amp_metrics()}, self.step)
+                             **self.amp_metrics(), **self.sam_metrics()}, self.step)
                 if not math.isfinite(mean_loss):
                     raise Diverged(self.step, mean_loss)
                 window_loss.zero_()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass
 
@@ -191,11 +192,20 @@ def check_image_sizes(cfg: DictConfig) -> None:
             f"eval_size / crop_pct), or pick a resolution option that sets both.")
 
 
+def check_sam(cfg: DictConfig) -> None:
+    """optimizer.sam_rho: SAM's radius, a finite number >= 0 (0 = off)."""
+    rho = cfg.optimizer.sam_rho
+    if not math.isfinite(rho) or rho < 0:
+        raise ConfigError(f"optimizer.sam_rho={rho}: SAM's radius must be a finite number >= 0 (0 turns SAM off; "
+                          "Chen, Hsieh & Gong 2022 use 0.05-0.25 for ViT-B/16, 0.2 with AdamW).")
+
+
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
     check_known_keys(cfg)
     check_ranges(cfg)
     check_names(cfg)
+    check_sam(cfg)
     check_auto_augment(cfg.augment.auto_augment)
     for key in PROBABILITIES:
         value = _get(cfg, key)
