@@ -237,6 +237,17 @@ def rebuild_model(cfg: Any, model_name: str, weights: dict[str, torch.Tensor], d
     return model.to(device=device, dtype=torch.float32)
 
 
+def measure_weights(cfg: Any, model_name: str, weights: dict[str, torch.Tensor], device: torch.device,
+                    settings: SharpnessSettings | None = None, show_progress: bool = True) -> dict[str, Any]:
+    """The figures of the run `cfg` describes at `weights`, on its fixed images (settings: `cfg.sharpness`)."""
+    settings = settings or SharpnessSettings.from_config(cfg.sharpness)
+    from deit_ablate.data.loader import num_workers
+
+    model = rebuild_model(cfg, model_name, weights, device)
+    batches = fixed_images(cfg, settings, device, num_workers(cfg))
+    return measure(model, batches, settings, show_progress)
+
+
 def summary_values(record: dict[str, Any]) -> dict[str, float]:
     """The figures as the wandb summary keeps them: `sharpness/lambda_max`, `sharpness/train_loss`, ..."""
     return {SUMMARY_PREFIX + name: record[name] for name in FIGURES}
