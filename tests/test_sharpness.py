@@ -3,10 +3,23 @@ seed, the command on a finished run, the end-of-run measure, and the aggregator'
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
+from deit_ablate import sharpness_cli
+from deit_ablate.aggregate import cli
+from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.rundir import wandb_root
 from deit_ablate.sharpness import (
+    FIGURES,
     BatchLoss,
     SharpnessSettings,
     hessian_vector_product,
@@ -14,6 +27,7 @@ from deit_ablate.sharpness import (
     noisy_loss,
     top_eigenvalue,
 )
+from tests.conftest import CONF, REPO, TINY, SharedRun, identity_of, run_train
 
 
 def _quadratic_top(a: torch.Tensor, theta: torch.Tensor) -> float:
@@ -106,3 +120,145 @@ def test_same_seed_same_figures_other_seed_other_noise() -> None:
                     show_progress=False)
     assert other["noisy_loss"] != first["noisy_loss"]
     assert other["train_loss"] == first["train_loss"]
+
+
+# --- the command on a finished run, the end-of-run measure, the aggregator ------------------------------------------
+
+QUICK = ["--images", "64", "--iters", "3", "--draws", "2"]  # a few seconds on the CPU
+SHARP_NUMBERS = "zz_sharpness_numbers"  # a throwaway numbers file's folder in conf/ (removed after its test)
+PAPER_FIGURES = {"lambda_max": 738.8, "train_loss": 0.65, "noisy_loss": 6.66}
+
+
+def _measure(run_dir: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_train([str(run_dir), *QUICK, *extra], run_dir.parents[2], cache, extra_env={"PYTHONPATH": str(REPO)},
+                     module=[sys.executable, "-m", "deit_ablate.sharpness"])
+
+
+def _markdown(outputs: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    assert cli.main([str(outputs), *extra]) == 0
+    return capsys.readouterr().out
+
+
+def _header(markdown: str) -> list[str]:
+    line = next(line for line in markdown.splitlines() if line.startswith("| ablation"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def _baseline_cells(markdown: str) -> dict[str, str]:
+    line = next(line for line in markdown.splitlines() if line.startswith("| baseline"))
+    return dict(zip(_header(markdown), (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory, tiny_run: SharedRun,
+             data_cache: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """A copy of the finished tiny run, measured by the command once; its run folder and the command's process."""
+    cwd = tmp_path_factory.mktemp("measured")
+    tiny_run.copy_into(cwd)
+    run_dir = next((cwd / "outputs" / "runs").iterdir())
+    return run_dir, _measure(run_dir, data_cache)
+
+
+def test_the_command_records_the_figures_in_result_json_and_prints_them(measured, tiny_run: SharedRun) -> None:
+    run_dir, proc = measured
+    before = json.loads((tiny_run.run_dir() / "result.json").read_text())
+    result = json.loads((run_dir / "result.json").read_text())
+    sharp = result.pop("sharpness")
+    assert result == before  # the run's own summary is kept as it was
+    assert set(sharp) == {"lambda_max", "train_loss", "noisy_loss", "settings"}
+    settings = sharp["settings"]
+    assert (settings["images"], settings["iters"], settings["draws"], settings["seed"]) == (64, 3, 2, 0)
+    assert settings["sigma"] == 0.01 and settings["checkpoint"] == "checkpoint-last.pt"
+    assert settings["hessian_vector_products"] == 3 and settings["split"] == "train"
+    assert sharp["lambda_max"] > 0 and sharp["train_loss"] > 0 and sharp["noisy_loss"] > 0
+    assert f"lambda_max   {sharp['lambda_max']:.4g}" in proc.stdout
+    assert f"train loss   {sharp['train_loss']:.4f}" in proc.stdout
+    assert "recorded in" in proc.stdout and "wandb summary of run id" in proc.stdout
+
+
+def test_the_same_seed_measures_the_same_figures_again(measured, data_cache: Path) -> None:
+    run_dir, _ = measured
+    first = json.loads((run_dir / "result.json").read_text())["sharpness"]
+    _measure(run_dir, data_cache, "--no-wandb")
+    assert json.loads((run_dir / "result.json").read_text())["sharpness"] == first
+
+
+def test_bad_input_is_one_line(tmp_path: Path, tiny_run: SharedRun, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny_run.copy_into(tmp_path)
+    run_dir = next((tmp_path / "outputs" / "runs").iterdir())
+
+    def refused(argv: list[str], message: str) -> None:
+        assert sharpness_cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+    refused([str(tmp_path)], "is not a run folder")
+    refused([str(run_dir), "--sigma", "-1"], "--sigma=-1.0 is out of range")
+    (run_dir / "checkpoint-last.pt").unlink()
+    refused([str(run_dir)], "has no checkpoint-last.pt")
+    (run_dir / "result.json").unlink()
+    refused([str(run_dir)], "has not finished (unfinished: 1 of 1 epochs")
+
+
+def test_the_aggregator_shows_the_columns_when_a_run_has_figures(measured, tiny_run: SharedRun,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert "λ_max" not in _header(_markdown(tiny_run.outputs, capsys))  # hidden: no run measured
+    run_dir, _ = measured
+    sharp = json.loads((run_dir / "result.json").read_text())["sharpness"]
+    cells = _baseline_cells(_markdown(run_dir.parents[1], capsys))
+    assert "paper λ_max" not in cells  # Table 8's numbers have no sharpness figures
+    assert cells["λ_max"] == f"{sharp['lambda_max']:.1f}"
+    assert cells["train loss"] == f"{sharp['train_loss']:.3f}"
+    assert cells["noisy loss"] == f"{sharp['noisy_loss']:.3f}"
+
+
+@pytest.fixture
+def paper_figures() -> Iterator[str]:
+    """A throwaway numbers file whose `baseline` row has Chen et al.'s ViT-B/16 figures; its table's name."""
+    folder = CONF / SHARP_NUMBERS
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    table = {"title": "sharpness figures", "citation": "Chen, Hsieh & Gong (2022)", "model": "ViT-B/16",
+             "rows_key": "ablation", "baseline": "baseline", "columns": {"pretrain": "224"},
+             "rows": [{"key": "baseline", "label": "original ViT recipe", "pretrain": 74.6,
+                       "sharpness": PAPER_FIGURES}, {"key": "sgd", "label": "SGD", "pretrain": 71.5}]}
+    try:
+        (folder / "numbers.json").write_text(json.dumps({"zz_sharp": table}))
+        yield "zz_sharp"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_aggregator_puts_the_papers_figures_beside_ours(measured, paper_figures: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, _ = measured
+    outputs = run_dir.parents[1]
+    cells = _baseline_cells(_markdown(outputs, capsys, "--paper", paper_figures))
+    assert (cells["paper λ_max"], cells["paper train loss"], cells["paper noisy loss"]) == ("738.8", "0.65", "6.66")
+    assert cli.main([str(outputs), "--paper", paper_figures, "--format", "json"]) == 0
+    (row,) = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["key"] == "baseline"]
+    figures = row["cells"]["pretrain"]["sharpness"]
+    assert figures["lambda_max"]["paper"] == 738.8 and figures["lambda_max"]["n"] == 1
+    sharp = json.loads((run_dir / "result.json").read_text())["sharpness"]
+    assert figures["noisy_loss"]["mean"] == sharp["noisy_loss"]
+
+
+def test_sharpness_settings_leave_the_run_identity_alone() -> None:
+    plain = identity_of(TINY)
+    measured_too = identity_of([*TINY, "sharpness.at_end=true", "sharpness.images=8", "sharpness.sigma=0.1"])
+    assert (measured_too.name, measured_too.run_id) == (plain.name, plain.run_id)
+
+
+def test_at_end_measures_the_final_weights_as_the_command_does(tmp_path: Path, data_cache: Path) -> None:
+    at_end = ["sharpness.at_end=true", "sharpness.images=64", "sharpness.iters=3", "sharpness.draws=2"]
+    proc = run_train([*TINY, "train.max_steps=2", *at_end], tmp_path, data_cache)
+    run_dir = next((tmp_path / "outputs" / "runs").iterdir())
+    sharp = json.loads((run_dir / "result.json").read_text())["sharpness"]
+    assert "[run] sharpness:" in proc.stdout + proc.stderr and "sharpness lambda_max" in proc.stdout
+    (logged,) = read_offline(wandb_root(tmp_path / "outputs"), warn=lambda m: None)
+    assert {k: logged.summary[f"sharpness/{k}"] for k in FIGURES} == {k: sharp[k] for k in FIGURES}
+    # the command on the same folder, same settings: the same images, weights and seed give the same figures
+    _measure(run_dir, data_cache, "--no-wandb")
+    again = json.loads((run_dir / "result.json").read_text())["sharpness"]
+    for name in FIGURES:
+        assert again[name] == pytest.approx(sharp[name], rel=1e-5)
