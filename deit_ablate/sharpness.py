@@ -86,8 +86,10 @@ def hessian_vector_product(losses: Callable[[], Iterable[torch.Tensor]], params:
     """H v for the sum of the scalar losses `losses()` yields (one graph at a time), by double backward."""
     total = [torch.zeros_like(p) for p in params]
     for loss in losses():
-        grads = torch.autograd.grad(loss, params, create_graph=True)
-        products = torch.autograd.grad(_dot(list(grads), vector), params, allow_unused=True)
+        # a parameter the loss does not use (a distilled ViT's distillation head) has zero curvature
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        grad_dot_v = sum((g * v).sum() for g, v in zip(grads, vector, strict=True) if g is not None)
+        products = torch.autograd.grad(grad_dot_v, params, allow_unused=True)
         for acc, product in zip(total, products, strict=True):
             if product is not None:
                 acc += product.detach()

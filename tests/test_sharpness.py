@@ -262,3 +262,37 @@ def test_at_end_measures_the_final_weights_as_the_command_does(tmp_path: Path, d
     again = json.loads((run_dir / "result.json").read_text())["sharpness"]
     for name in FIGURES:
         assert again[name] == pytest.approx(sharp[name], rel=1e-5)
+
+
+def test_a_distilled_model_is_measured_on_its_class_head() -> None:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False, num_classes=3, img_size=16,
+                              patch_size=8, embed_dim=16, depth=1, num_heads=2).eval()
+    images, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 1])
+    with torch.no_grad():
+        tokens = model.forward_features(images)
+        by_hand = float(nn.functional.cross_entropy(model.head(tokens[:, 0]), labels))
+        fused = float(nn.functional.cross_entropy(model(images), labels))  # timm's eval output: the heads' mean
+    assert abs(BatchLoss(model, [(images, labels)]).value() - by_hand) < 1e-6
+    assert abs(fused - by_hand) > 1e-4  # the class head is not the fused output
+    figures = measure(model, [(images, labels)], SharpnessSettings(iters=3, draws=1), show_progress=False)
+    assert figures["lambda_max"] == figures["lambda_max"]  # finite: double backward through timm's attention
+
+
+@pytest.mark.slow
+def test_two_ranks_measure_on_rank_0_only_and_agree_with_the_command(tmp_path: Path, data_cache: Path) -> None:
+    run_dir = tmp_path / "two"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29741",
+                str(REPO / "train.py")]
+    at_end = ["sharpness.at_end=true", "sharpness.images=64", "sharpness.iters=3", "sharpness.draws=2"]
+    run_train([*TINY, "train.max_steps=2", *at_end, f"hydra.run.dir={run_dir}"], tmp_path, data_cache,
+              module=torchrun)
+    assert "measuring the sharpness" in (run_dir / "train.log").read_text()
+    assert "measuring the sharpness" not in (run_dir / "train-rank1.log").read_text()  # rank 1 waited
+    sharp = json.loads((run_dir / "result.json").read_text())["sharpness"]
+    _measure(run_dir, data_cache, "--no-wandb")
+    again = json.loads((run_dir / "result.json").read_text())["sharpness"]
+    for name in FIGURES:
+        assert again[name] == pytest.approx(sharp[name], rel=1e-5)
