@@ -249,19 +249,43 @@ def test_sharpness_settings_leave_the_run_identity_alone() -> None:
     assert (measured_too.name, measured_too.run_id) == (plain.name, plain.run_id)
 
 
-def test_at_end_measures_the_final_weights_as_the_command_does(tmp_path: Path, data_cache: Path) -> None:
-    at_end = ["sharpness.at_end=true", "sharpness.images=64", "sharpness.iters=3", "sharpness.draws=2"]
-    proc = run_train([*TINY, "train.max_steps=2", *at_end], tmp_path, data_cache)
-    run_dir = next((tmp_path / "outputs" / "runs").iterdir())
-    sharp = json.loads((run_dir / "result.json").read_text())["sharpness"]
+AT_END = ["sharpness.at_end=true", "sharpness.images=64", "sharpness.iters=3", "sharpness.draws=2"]
+
+
+@pytest.fixture(scope="module")
+def at_end_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
+    """TINY for 2 steps with sharpness.at_end=true (and QUICK's settings), trained once."""
+    cwd = tmp_path_factory.mktemp("at_end")
+    return SharedRun(cwd, run_train([*TINY, "train.max_steps=2", *AT_END], cwd, data_cache))
+
+
+def _logged_figures(outputs: Path) -> dict[str, float]:
+    (logged,) = read_offline(wandb_root(outputs), warn=lambda m: None)
+    return {k: logged.summary[f"sharpness/{k}"] for k in FIGURES}
+
+
+def test_at_end_measures_the_final_weights_as_the_command_does(at_end_run: SharedRun, data_cache: Path,
+                                                               tmp_path: Path) -> None:
+    proc = at_end_run.proc
+    sharp = json.loads((at_end_run.run_dir() / "result.json").read_text())["sharpness"]
     assert "[run] sharpness:" in proc.stdout + proc.stderr and "sharpness lambda_max" in proc.stdout
-    (logged,) = read_offline(wandb_root(tmp_path / "outputs"), warn=lambda m: None)
-    assert {k: logged.summary[f"sharpness/{k}"] for k in FIGURES} == {k: sharp[k] for k in FIGURES}
-    # the command on the same folder, same settings: the same images, weights and seed give the same figures
+    assert _logged_figures(at_end_run.outputs) == {k: sharp[k] for k in FIGURES}
+    # the command on a copy, same settings: the same images, weights and seed give the same figures
+    at_end_run.copy_into(tmp_path)
+    run_dir = next((tmp_path / "outputs" / "runs").iterdir())
     _measure(run_dir, data_cache, "--no-wandb")
     again = json.loads((run_dir / "result.json").read_text())["sharpness"]
     for name in FIGURES:
         assert again[name] == pytest.approx(sharp[name], rel=1e-5)
+
+
+def test_a_lost_wandb_log_gets_the_figures_again(at_end_run: SharedRun, data_cache: Path, tmp_path: Path) -> None:
+    sharp = json.loads((at_end_run.run_dir() / "result.json").read_text())["sharpness"]
+    outputs = at_end_run.copy_into(tmp_path)
+    shutil.rmtree(outputs / "wandb")
+    # the relaunch that skips the finished run logs it again from result.json: the figures as the summary has them
+    assert "already finished" in run_train([*TINY, "train.max_steps=2", *AT_END], tmp_path, data_cache).stdout
+    assert _logged_figures(outputs) == {k: sharp[k] for k in FIGURES}
 
 
 def test_a_distilled_model_is_measured_on_its_class_head() -> None:
@@ -286,8 +310,7 @@ def test_two_ranks_measure_on_rank_0_only_and_agree_with_the_command(tmp_path: P
     run_dir = tmp_path / "two"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29741",
                 str(REPO / "train.py")]
-    at_end = ["sharpness.at_end=true", "sharpness.images=64", "sharpness.iters=3", "sharpness.draws=2"]
-    run_train([*TINY, "train.max_steps=2", *at_end, f"hydra.run.dir={run_dir}"], tmp_path, data_cache,
+    run_train([*TINY, "train.max_steps=2", *AT_END, f"hydra.run.dir={run_dir}"], tmp_path, data_cache,
               module=torchrun)
     assert "measuring the sharpness" in (run_dir / "train.log").read_text()
     assert "measuring the sharpness" not in (run_dir / "train-rank1.log").read_text()  # rank 1 waited
