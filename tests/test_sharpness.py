@@ -27,7 +27,7 @@ from deit_ablate.sharpness import (
     noisy_loss,
     top_eigenvalue,
 )
-from tests.conftest import CONF, REPO, TINY, SharedRun, identity_of, run_train
+from tests.conftest import CONF, REPO, TINY, SharedRun, compose_config, identity_of, run_train
 
 
 def _quadratic_top(a: torch.Tensor, theta: torch.Tensor) -> float:
@@ -319,3 +319,15 @@ def test_two_ranks_measure_on_rank_0_only_and_agree_with_the_command(tmp_path: P
     again = json.loads((run_dir / "result.json").read_text())["sharpness"]
     for name in FIGURES:
         assert again[name] == pytest.approx(sharp[name], rel=1e-5)
+
+
+def test_settings_out_of_range_are_refused_before_a_launch() -> None:
+    from deit_ablate.errors import ConfigError
+    from deit_ablate.validate import check_ranges
+
+    for override, message in (("sharpness.iters=0", "sharpness.iters=0 must be >= 1"),
+                              ("sharpness.sigma=-0.1", "sharpness.sigma=-0.1 must be >= 0.0"),
+                              ("sharpness.tol=0", "sharpness.tol=0.0 must be > 0.0")):
+        with pytest.raises(ConfigError, match=message):
+            check_ranges(compose_config([override]))
+    check_ranges(compose_config(["sharpness.at_end=true", "sharpness.sigma=0"]))  # sigma 0: the training loss
