@@ -155,6 +155,15 @@ class SharpnessConfig:
     """How sharpness is measured on a trained model (Chen, Hsieh & Gong 2022); an evaluation, not the experiment."""
 
     at_end: bool = False  # measure it after the last epoch too (`python -m deit_ablate.sharpness` on any run)
+    images: int = 1024  # training images measured on: the first N of a seeded permutation of the train split
+    batch_size: int = 64  # images per forward/double-backward pass (memory only: the figures do not depend on it)
+    iters: int = 20  # most power iterations for lambda_max (Hessian-vector products over all N images each)
+    tol: float = 1e-3  # stop when lambda_max changes by less than this fraction between two iterations
+    # Gaussian weight noise N(0, sigma^2) on every parameter: Chen, Hsieh & Gong 2022 (Table 1) perturb with
+    # N(0, 0.01), read here as the standard deviation
+    sigma: float = 0.01
+    draws: int = 5  # noise draws the noisy loss is averaged over
+    seed: int = 0  # picks the images, the power iteration's start vector and the noise
 
 
 @dataclass

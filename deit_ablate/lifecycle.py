@@ -15,6 +15,7 @@ from deit_ablate.distributed import DistInfo, agree, broadcast_object, stopped_b
 from deit_ablate.errors import ConfigError, RunError
 from deit_ablate.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.plan import RunPlan
+from deit_ablate.report import wandb_summary
 from deit_ablate.rundir import RunDir, wandb_root
 from deit_ablate.runlock import RunLock
 from deit_ablate.stages import layer_scale_run_dir
@@ -111,7 +112,7 @@ def log_again_if_lost(plan: RunPlan, what_happened: str) -> None:
     runtime, identity, run_dir = plan.settings.runtime, plan.identity, plan.run_dir
     if runtime.tracking.mode == TrackingMode.disabled or wandb_logs(runtime.output_root, identity.run_id):
         return
-    summary = run_dir.read_summary()
+    summary = wandb_summary(run_dir.read_summary())  # a measured sharpness as its three figures
     Tracker(plan.settings, identity, plan.data, enabled=True, run_dir=run_dir.path, write_csv=False).replay(
         read_epoch_rows(run_dir.metrics), summary)
     log.warning(f"[run] the wandb log of {identity.name} (id {identity.run_id}) under "

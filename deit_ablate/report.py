@@ -29,6 +29,15 @@ def summarize(status: str, metrics: dict, ema_metrics: dict, best_top1: float, e
     return final
 
 
+def wandb_summary(final: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary as wandb keeps it: result.json's `sharpness` record as its three figures
+    (`sharpness/lambda_max`, ...), its settings left to result.json."""
+    from deit_ablate.sharpness import summary_values
+
+    summary = {k: v for k, v in final.items() if k != "sharpness"}
+    return {**summary, **summary_values(final["sharpness"])} if "sharpness" in final else summary
+
+
 def print_summary(name: str, run_id: str, final: dict[str, Any], run_dir: Path) -> None:
     """A few lines a person reads at the end of a run (on the console and in train.log)."""
     lines = ["", "=" * 72, f"run       {name}  (wandb id {run_id})",
@@ -39,6 +48,10 @@ def print_summary(name: str, run_id: str, final: dict[str, Any], run_dir: Path) 
     if "top1_cls" in final:
         lines.append(f"heads     class {final['top1_cls']:.2f}%  distillation {final['top1_dist']:.2f}%  "
                      f"fused {final['top1_fused']:.2f}% (other rule {final['top1_fused_alt']:.2f}%)")
+    if "sharpness" in final:
+        sharp = final["sharpness"]
+        lines.append(f"sharpness lambda_max {sharp['lambda_max']:.4g}, train loss {sharp['train_loss']:.4f}, noisy "
+                     f"loss {sharp['noisy_loss']:.4f} (sigma {sharp['settings']['sigma']:g})")
     if "amp_skipped_steps" in final:
         lines.append(f"fp16      {final['amp_skipped_steps']} optimizer step(s) skipped by the loss scaler")
     if final.get("data/bad_images"):

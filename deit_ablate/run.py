@@ -18,6 +18,7 @@ from deit_ablate import checkpoint as ckpt
 from deit_ablate.assemble import Pieces, build_pieces, set_cpu_threads
 from deit_ablate.distributed import (
     DistInfo,
+    agree,
     broadcast_object,
     cleanup,
     init_distributed,
@@ -39,8 +40,9 @@ from deit_ablate.logs import log
 from deit_ablate.loop import EpochLoop, Progress, image_folders
 from deit_ablate.models import architecture, describe_architecture
 from deit_ablate.plan import RunPlan, make_plan
-from deit_ablate.report import print_summary, summarize
+from deit_ablate.report import print_summary, summarize, wandb_summary
 from deit_ablate.rundir import RunDir
+from deit_ablate.sharpness import figures_text, measure_weights
 from deit_ablate.stages import pretrain_status
 from deit_ablate.stopping import StopSignals
 from deit_ablate.streams import STREAMS_VERSION, RunStreams
@@ -125,13 +127,37 @@ def _train(plan: RunPlan, info: DistInfo) -> dict[str, Any]:
             tracker.finish(exit_code=1)
         raise
     final = _final_summary(plan, pieces, progress, run_facts)
-    tracker.summary(final)
+    sharpness = _sharpness_at_end(plan, info, pieces, progress.status)
+    if sharpness is not None:
+        final["sharpness"] = sharpness  # result.json keeps it with its settings; wandb, the three figures
+    tracker.summary(wandb_summary(final))
     tracker.finish(exit_code=0)
     if info.is_main:
         record_result(plan, final)
         log_again_if_lost(plan, "was removed while the run trained")
         print_summary(plan.identity.name, plan.identity.run_id, final, plan.run_dir.path)
     return broadcast_object(final, info)
+
+
+def _sharpness_at_end(plan: RunPlan, info: DistInfo, pieces: Pieces, status: str) -> dict[str, Any] | None:
+    """sharpness.at_end=true: the sharpness of the final weights of a finished run (sharpness.py), measured on rank
+    0 alone while the others wait for its figures; None otherwise."""
+    if not plan.settings.sharpness.at_end or status != "finished":
+        return None
+
+    def measure_on_rank_0() -> dict[str, Any] | None:
+        log.info("[run] measuring the sharpness of the final weights (sharpness.at_end=true)")
+        try:
+            record = measure_weights(plan.settings, plan.model_name, pieces.trainer.module.state_dict(), info.device)
+        except Exception as error:  # noqa: BLE001 - an evaluation failing (memory) must not cost the run its result
+            log.warning(f"[run] sharpness not measured ({type(error).__name__}: {str(error)[:200]}); the run is "
+                        f"recorded without it. Measure it later: python -m deit_ablate.sharpness {plan.run_dir.path}"
+                        " (--batch-size lower for less memory)")
+            return None
+        log.info(f"[run] sharpness:\n{figures_text(record)}")
+        return record
+
+    return agree(info, measure_on_rank_0)
 
 
 def _start_line(plan: RunPlan, info: DistInfo, pieces: Pieces, tracker: Tracker) -> dict[str, Any]:

@@ -27,7 +27,9 @@ AT_LEAST = {"optimizer.lr": (0.0, False), "finetune.lr": (0.0, False), "train.ep
             "data.num_classes": (1, True), "optimizer.weight_decay": (0.0, True), "optimizer.warmup_lr": (0.0, True),
             "optimizer.min_lr": (0.0, True), "optimizer.warmup_epochs": (0.0, True), "optimizer.eps": (0.0, False),
             "distill.tau": (0.0, False),
-            "runtime.checkpoint_every_steps": (0, True), "runtime.checkpoint_every_minutes": (0.0, True)}
+            "runtime.checkpoint_every_steps": (0, True), "runtime.checkpoint_every_minutes": (0.0, True),
+            "sharpness.images": (1, True), "sharpness.batch_size": (1, True), "sharpness.iters": (1, True),
+            "sharpness.tol": (0.0, False), "sharpness.sigma": (0.0, True), "sharpness.draws": (1, True)}
 # wandb project and entity names: also folder names, so nothing that could leave the folder or need quoting.
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # timm's auto-augment policy strings (timm.data.auto_augment): the keys each kind takes and their number form.

@@ -47,6 +47,8 @@ class Cell:
     paper_std: float | None = None
     paper_delta: float | None = None
     paper_absent: str = ""  # what the paper column says where the paper's row has no number
+    sharpness: dict[str, list[float]] = field(default_factory=dict)  # figure -> the counted runs' values (sharp.py)
+    paper_sharpness: dict[str, float] = field(default_factory=dict)  # figure -> the paper's value
     ci: Interval | None = None  # Welch's 95% interval of Δ over seeds (none: `ci.why`)
     ci_note: str = ""  # why there is no comparison at all (`no baseline`)
     pooled_std: float | None = None  # of the row and its baseline, for the seeds the paper's Δ needs
@@ -146,6 +148,7 @@ class Table:
     paper_note: str = ""  # why a paper table was left out
     per_row_baselines: bool = False  # Δ to each row's own baseline (Row.delta_to), as the paper table defines them
     meta: dict[str, Any] = field(default_factory=dict)  # run counts and warnings, filled in by the caller
+    sharpness_stages: list[str] = field(default_factory=list)  # stages with sharpness columns (sharp.py)
 
     def row(self, key: str) -> Row | None:
         """The row for a config value."""

@@ -21,6 +21,7 @@ class PaperRow:
     stds: dict[str, float | None] = field(default_factory=dict)
     note: str = ""
     baseline: str = ""  # the row this one differs from by its ingredient, where the table gives each row its own
+    sharpness: dict[str, float] = field(default_factory=dict)  # lambda_max, train_loss, noisy_loss, where given
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def paper_table(name: str, metric: str = "top1") -> PaperTable:
                 stds={s: r.get(f"{s}_std") for s in STAGES},
                 note=r.get("note", ""),
                 baseline=r.get("baseline", ""),
+                sharpness={k: float(v) for k, v in (r.get("sharpness") or {}).items() if v is not None},
             )
         )
     return PaperTable(

@@ -7,6 +7,7 @@ import io
 import json
 from typing import Any
 
+from . import sharp
 from .about import fact_lines, facts, headline
 from .cells import Cell, Row, Split, Table
 from .paper import STAGE_NAMES
@@ -71,6 +72,7 @@ def cell_record(cell: Cell) -> dict[str, Any]:
         "pooled_std": cell.pooled_std,
         "seeds_needed": cell.seeds_needed,
         "seeds_note": cell.seeds_note,
+        **({"sharpness": sharp.record(cell)} if cell.sharpness else {}),
         "seeds": cell.seeds,
         "run_ids": cell.run_ids,
         "same_seed": cell.same_seed,
@@ -222,7 +224,7 @@ def _headers(table: Table) -> list[str]:
             heads.append("Δ 95% CI")
             if table.paper is not None:
                 heads.append("seeds/arm")
-    return heads
+    return heads + sharp.headers(table)
 
 
 def _row_label(row: Row) -> str:
@@ -243,7 +245,7 @@ def _cells(table: Table, row: Row, digits: int) -> list[str]:
             out.append(interval_text(cell, digits))
             if table.paper is not None:
                 out.append(seeds_text(cell))
-    return out
+    return out + sharp.cells(table, row)
 
 
 def _caption(table: Table, markdown: bool = True) -> str:
@@ -283,6 +285,8 @@ def _footnotes(table: Table) -> list[str]:
         )
     if table.baseline is not None:
         notes += list(STATS_NOTES) + ([SEEDS_NOTE] if table.paper is not None else [])
+    if table.sharpness_stages:
+        notes.append(sharp.NOTE)
     if table.paper is not None:
         notes.append(f"Paper: {table.paper.model}, {table.paper.citation}")
     return notes
@@ -305,6 +309,7 @@ def to_markdown(table: Table, digits: int = 2) -> str:
 def to_csv(table: Table) -> str:
     """One line per row; numbers at full precision, empty where there is none."""
     fields = ["row", "base", "delta_to", "label", "note"] + [f"{s}_{f}" for s in table.stages for f in CELL_FIELDS]
+    fields += sharp.csv_fields(table)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
@@ -316,7 +321,7 @@ def to_csv(table: Table) -> str:
             for f in CELL_FIELDS:
                 value = rec[f]
                 line[f"{stage}_{f}"] = "" if value is None else (repr(value) if isinstance(value, float) else value)
-        writer.writerow(line)
+        writer.writerow({**line, **sharp.csv_values(table, row)})
     return buf.getvalue()
 
 

@@ -22,6 +22,7 @@ from .settings import (
     signature,
     varied_keys,
 )
+from .sharp import fill_sharpness
 
 
 def default_baseline(rows_key: str) -> str | None:
@@ -283,7 +284,7 @@ def build_table(
     if only_present:
         stages = [s for s in stages if any(_has_runs(r.cells[s]) for r in table_rows)] or stages[:1]
     fill_deltas(table_rows, stages, baseline, ptable, per_row)
-    return Table(
+    table = Table(
         rows_key=rows_key,
         metric=metric,
         metric_key=key,
@@ -300,6 +301,8 @@ def build_table(
         paper_note=paper_note,
         per_row_baselines=per_row,
     )
+    fill_sharpness(table)
+    return table
 
 
 def _has_runs(cell: Cell) -> bool:
