@@ -24,7 +24,7 @@ ROWS: dict[str, tuple[str | None, dict, dict]] = {
        for tag, rho in (("005", 0.05), ("01", 0.1), ("02", 0.2), ("025", 0.25))},
     # at demo scale the recipe's lr is already per 512 images
     "sgd": ("baseline", {**SGD, "optimizer.lr": 0.03},
-            {"optimizer.name": "sgd", "optimizer.weight_decay": 1e-4, "optimizer.lr": 0.1}),
+            {"optimizer.name": "sgd", "optimizer.weight_decay": 1e-4, "optimizer.lr": 0.4}),
     "sgd_rho_02": ("sgd", *[{"optimizer.sam_rho": 0.2}] * 2),
     "augment": ("baseline", AUGMENT, AUGMENT),
     "augment_rho_02": ("augment", *[{"optimizer.sam_rho": 0.2}] * 2),
