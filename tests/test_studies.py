@@ -60,7 +60,7 @@ def test_the_registry_finds_the_studies_in_the_config_folders():
     assert (table8.table, table8.baseline, table8.default, len(table8.rows)) == ("table8", "baseline", "baseline", 13)
     assert table8.rows[:2] == ("baseline", "sgd")  # the paper table's order
     assert (cait.table, cait.baseline, cait.default, len(cait.rows)) == ("cait", "depth12", None, 29)
-    assert (sam.table, sam.baseline, sam.default, len(sam.rows)) == ("sam", "baseline", None, 11)
+    assert (sam.table, sam.baseline, sam.default, len(sam.rows)) == ("sam", "baseline", None, 12)
     assert studies.defaults_list() == [{"ablation": "baseline"}, {"cait": None}, {"sam": None}]
     assert studies.default_tables() == {"ablation": "table8", "cait": "cait", "sam": "sam", "distill.type": "table3",
                                         "resolution.train_size": "table10"}
