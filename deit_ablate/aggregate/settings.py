@@ -28,7 +28,7 @@ PREFERRED = {table.rows_key: table.baseline
 DEFAULT_CHOICES = default_choices()
 PRESET_CHOICES = preset_choices()
 # Groups that set many others (`@package _global_`): named first in a sub-row label.
-LEADING_GROUPS = ("preset", *LEGACY_CHOICE_KEYS, "stage")
+LEADING_GROUPS = ("preset", "recipe", *LEGACY_CHOICE_KEYS, "stage")
 LABEL_ITEMS = 3  # settings named in a sub-row label before `+k more`
 
 
