@@ -30,6 +30,9 @@ Precision = Choice("Precision", {name: name for name in ("auto", "bf16", "fp16",
 BadImagePolicy = Choice("BadImagePolicy", {name: name for name in ("skip", "fail")})
 TrackingMode = Choice("TrackingMode", {name: name for name in ("offline", "online", "disabled")})
 DataBackend = Choice("DataBackend", {name: name for name in ("pil", "dali")})  # data/transforms.py, data/dali.py
+CropMode = Choice("CropMode", {name: name for name in ("rrc", "simple")})  # random-resized crop, or DeiT III's simple
+Criterion = Choice("Criterion", {name: name for name in ("ce", "bce")})  # soft-target cross-entropy, or DeiT III's BCE
+TeacherView = Choice("TeacherView", {name: name for name in ("same", "fixed")})  # Beyer et al. 2022
 
 
 @dataclass
@@ -87,6 +90,8 @@ class AugmentConfig:
     repeated_aug: int = 3  # copies of each image per epoch, each to a different rank; 1 = off
     scale: tuple[float, float] = (0.08, 1.0)
     no_aug: bool = False  # resize + center crop only: a deterministic pipeline for equivalence tests
+    crop: CropMode = CropMode.rrc  # rrc: random-resized crop (scale above); simple: DeiT III's simple random crop
+    three_augment: bool = False  # DeiT III's 3-Augment instead of an auto-augment policy (augment=three_augment)
     hflip: float = 0.5
     interpolation: str = "bicubic"
 
@@ -101,6 +106,7 @@ class MixConfig:
     switch_prob: float = 0.5
     mode: MixMode = MixMode.batch
     label_smoothing: float = 0.1
+    criterion: Criterion = Criterion.ce  # bce: binary cross-entropy on the mixed targets (DeiT III)
 
 
 @dataclass
@@ -126,6 +132,9 @@ class DistillConfig:
     kl_normalization: KLNormalization = KLNormalization.elements
     # headline top-1 of a distilled model: prob = mean of softmaxes (paper); logit = mean of logits (code)
     fusion: FusionRule = FusionRule.prob
+    # what the teacher sees: same = the student's exact (augmented, mixed) view, consistent teaching; fixed = one
+    # fixed view per image whose outputs are computed once and cached (Beyer et al. 2022's control)
+    teacher_view: TeacherView = TeacherView.same
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
 
@@ -194,6 +203,7 @@ class FinetuneConfig:
     # The released code fine-tunes with the model in eval mode (engine.train_one_epoch(set_training_mode=False)):
     # no stochastic depth, no dropout in this stage. True trains it in train mode.
     train_mode: bool = False
+    layer_decay: float | None = None  # layer-wise lr decay zeta: block k at zeta^(L-k) of the lr (None: off)
 
 
 @dataclass

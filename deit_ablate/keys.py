@@ -16,6 +16,11 @@ DATA_LOCATION = "data.root"
 ADDED_KEYS: dict[str, object] = {
     "data.backend": "pil",  # the input pipeline; dali is another run
     "optimizer.sam_rho": 0.0,  # SAM's radius (Foret et al. 2021); 0 = plain AdamW/SGD
+    "augment.crop": "rrc",  # DeiT III's simple random crop is another run
+    "augment.three_augment": False,
+    "mix.criterion": "ce",
+    "distill.teacher_view": "same",
+    "finetune.layer_decay": None,
 }
 # A permission, not the experiment: the teacher's weights (recorded in the run folder) stand for it.
 TEACHER_PERMISSION = "distill.teacher.allow_unfinished"
