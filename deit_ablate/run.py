@@ -140,8 +140,8 @@ def _train(plan: RunPlan, info: DistInfo) -> dict[str, Any]:
 
 
 def _sharpness_at_end(plan: RunPlan, info: DistInfo, pieces: Pieces, status: str) -> dict[str, Any] | None:
-    """sharpness.at_end=true: the sharpness of the final weights of a finished run (sharpness.py), measured on rank
-    0 alone while the others wait for its figures; None otherwise."""
+    """sharpness.at_end=true: the sharpness of the final weights of a finished run (sharpness/measure.py), measured
+    on rank 0 alone while the others wait for its figures; None otherwise."""
     if not plan.settings.sharpness.at_end or status != "finished":
         return None
 

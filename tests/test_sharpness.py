@@ -1,4 +1,4 @@
-"""Sharpness measured (deit_ablate/sharpness.py): lambda_max against known and dense Hessians, the noisy loss, the
+"""Sharpness measured (deit_ablate/sharpness/): lambda_max against known and dense Hessians, the noisy loss, the
 seed, the command on a finished run, the end-of-run measure, and the aggregator's columns."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from deit_ablate import sharpness_cli
 from deit_ablate.aggregate import cli
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.rundir import wandb_root
@@ -27,6 +26,7 @@ from deit_ablate.sharpness import (
     noisy_loss,
     top_eigenvalue,
 )
+from deit_ablate.sharpness import cli as sharpness_cli
 from tests.conftest import CONF, REPO, TINY, SharedRun, compose_config, identity_of, run_train
 
 

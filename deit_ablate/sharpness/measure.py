@@ -20,7 +20,7 @@ What every figure is computed on (the same for the command and for `sharpness.at
     parameter (sigma = `sharpness.sigma`, 0.01 after Chen et al.'s Table 1); the weights are restored after.
 (c) train loss: the loss at the final weights.
 
-`python -m deit_ablate.sharpness <run folder>` measures any finished run (sharpness_cli.py).
+`python -m deit_ablate.sharpness <run folder>` measures any finished run (cli.py).
 """
 
 from __future__ import annotations
@@ -266,11 +266,3 @@ def figures_text(record: dict[str, Any]) -> str:
              f"on           {s['images']} training images (seed {s['seed']}), eval transform, cross-entropy, "
              f"{s['parameters']:,} parameters"]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    import sys
-
-    from deit_ablate.sharpness_cli import main
-
-    sys.exit(main())

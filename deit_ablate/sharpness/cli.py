@@ -1,4 +1,4 @@
-"""`python -m deit_ablate.sharpness <run folder>`: measure a finished run's sharpness (sharpness.py says on what),
+"""`python -m deit_ablate.sharpness <run folder>`: measure a finished run's sharpness (measure.py says on what),
 print it, and record it with the run: result.json's `sharpness` and, where the run has a wandb log, its summary.
 
 The run's model is rebuilt from its folder: its saved config (`.hydra/config.yaml`, over the schema's defaults for
@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.errors import ConfigError
 from deit_ablate.rundir import RunDir, find_run, runs_root, wandb_root
-from deit_ablate.sharpness import SharpnessSettings, figures_text, measure_weights, summary_values
+from deit_ablate.sharpness.measure import SharpnessSettings, figures_text, measure_weights, summary_values
 
 
 def load_run_config(run: RunDir) -> DictConfig:
