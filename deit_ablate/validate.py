@@ -11,7 +11,7 @@ import timm
 from omegaconf import DictConfig, OmegaConf
 from timm.optim import list_optimizers
 
-from deit_ablate.config import Config, DataBackend, DataName, DistillKind, MixMode, TrackingMode
+from deit_ablate.config import Config, CropMode, DataBackend, DataName, DistillKind, MixMode, TrackingMode
 from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
@@ -202,6 +202,30 @@ def check_sam(cfg: DictConfig) -> None:
                           "Chen, Hsieh & Gong 2022 use 0.05-0.25 for ViT-B/16, 0.2 with AdamW).")
 
 
+def check_three_augment_and_crop(cfg: DictConfig) -> None:
+    """augment.three_augment and augment.crop=simple (DeiT III): built on the pil backend's crop and policy only."""
+    aug, data = cfg.augment, cfg.data
+    options = [name for name, on in (("augment.three_augment=true", aug.three_augment),
+                                     ("augment.crop=simple", aug.crop == CropMode.simple)) if on]
+    if not options:
+        return
+    if data.backend == DataBackend.dali:
+        raise ConfigError(f"data.backend=dali: {' and '.join(options)} (DeiT III) is built for the pil backend only; "
+                          "set data.backend=pil.")
+    if aug.no_aug:
+        raise ConfigError(f"augment.no_aug=true (resize and center crop only) turns off {' and '.join(options)}; "
+                          "set augment.no_aug=false.")
+    if aug.three_augment and aug.auto_augment:
+        raise ConfigError(f"augment.three_augment=true replaces the auto-augment policy (augment.auto_augment="
+                          f"{aug.auto_augment}); set augment.auto_augment=null, or use augment=three_augment.")
+    if aug.crop == CropMode.simple and data.fast_jpeg:
+        raise ConfigError("data.fast_jpeg speeds up the random-resized crop, which augment.crop=simple replaces. "
+                          "Set data.fast_jpeg=false.")
+    if aug.crop == CropMode.simple and aug.interpolation == "random":
+        raise ConfigError("augment.crop=simple resizes with one filter; set augment.interpolation to bicubic "
+                          "(DeiT III's), bilinear or nearest.")
+
+
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
     check_known_keys(cfg)
@@ -209,6 +233,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_names(cfg)
     check_sam(cfg)
     check_auto_augment(cfg.augment.auto_augment)
+    check_three_augment_and_crop(cfg)
     for key in PROBABILITIES:
         value = _get(cfg, key)
         if not 0.0 <= value <= 1.0:

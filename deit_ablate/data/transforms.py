@@ -7,22 +7,24 @@ from collections.abc import Callable
 from omegaconf import DictConfig
 from timm.data import create_transform
 
-from deit_ablate.config import DataBackend
+from deit_ablate.config import CropMode, DataBackend
 from deit_ablate.data.batch import BatchNormalize, split_for_batches
 from deit_ablate.data.fast_jpeg import fast_train_transform
+from deit_ablate.data.three_augment import THREE_AUGMENT_POLICY, with_simple_crop
 
 
 def build_train_transform(cfg: DictConfig) -> Callable:
-    """Random-resized crop, flip, the auto-augment policy, normalization and random erasing."""
+    """Random-resized (or DeiT III's simple) crop, flip, the auto-augment policy or 3-Augment, colour jitter where
+    timm applies it, normalization and random erasing."""
     aug = cfg.augment
-    return create_transform(
+    transform = create_transform(
         input_size=cfg.resolution.train_size,
         is_training=True,
         no_aug=aug.no_aug,
         scale=tuple(aug.scale),
         hflip=aug.hflip,
         color_jitter=aug.color_jitter,
-        auto_augment=aug.auto_augment,
+        auto_augment=THREE_AUGMENT_POLICY if aug.three_augment else aug.auto_augment,
         interpolation=aug.interpolation,
         re_prob=aug.reprob,
         re_mode=aug.remode,
@@ -30,6 +32,9 @@ def build_train_transform(cfg: DictConfig) -> Callable:
         mean=tuple(cfg.data.mean),
         std=tuple(cfg.data.std),
     )
+    if aug.crop == CropMode.simple:
+        transform = with_simple_crop(transform, cfg.resolution.train_size, aug.interpolation)
+    return transform
 
 
 def build_train_pipeline(cfg: DictConfig) -> tuple[Callable | None, BatchNormalize]:
