@@ -20,7 +20,7 @@ from deit_ablate.logs import log
 from deit_ablate.losses import TOKEN_KINDS, DistillationLoss
 from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, compile_in_place
-from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
+from deit_ablate.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
 from deit_ablate.plan import RunPlan
 from deit_ablate.stages import StageRecipe, fix_layer_scale, load_pretrained
 from deit_ablate.teacher import build_teacher, teacher_forward
@@ -114,9 +114,7 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
     loaders = build_loaders(plan, info)
     model, layer_scale = build_student(plan, info)
     module = model.module if info.enabled else model
-    lr = scaled_lr(recipe.lr, recipe.global_batch, cfg.optimizer.lr_base_batch)
-    optimizer = build_optimizer(module, recipe.optimizer, lr, recipe.weight_decay, cfg.optimizer.momentum,
-                                tuple(cfg.optimizer.betas), cfg.optimizer.eps)
+    optimizer = stage_optimizer(cfg, recipe, module, info)
     scheduler = stage_scheduler(optimizer, recipe, loaders.steps_per_epoch)
     mixup = build_mixup(cfg.mix, cfg.data.num_classes)
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None  # starts from the loaded weights
@@ -135,6 +133,22 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
                  f"backward passes per step, each chunk of {plan.batch.micro_batch} images perturbed by its own "
                  "gradient (m-sharpness)")
     return Pieces(trainer, loaders, layer_scale)
+
+
+def stage_optimizer(cfg: DictConfig, recipe: StageRecipe, module: torch.nn.Module, info: DistInfo
+                    ) -> torch.optim.Optimizer:
+    """This stage's optimizer at its batch-scaled lr; a fine-tune with finetune.layer_decay gets one lr scale per
+    layer, logged."""
+    lr = scaled_lr(recipe.lr, recipe.global_batch, cfg.optimizer.lr_base_batch)
+    layer_decay = cfg.finetune.layer_decay if cfg.stage == Stage.finetune else None
+    if layer_decay is not None and not hasattr(module, "blocks"):
+        raise ConfigError(f"finetune.layer_decay={layer_decay} decays the lr over a ViT's `blocks`, which "
+                          f"{type(module).__name__} has not; unset finetune.layer_decay for this model.")
+    optimizer = build_optimizer(module, recipe.optimizer, lr, recipe.weight_decay, cfg.optimizer.momentum,
+                                tuple(cfg.optimizer.betas), cfg.optimizer.eps, layer_decay=layer_decay)
+    if layer_decay is not None and info.is_main:
+        log.info(f"[run] {describe_layer_decay(optimizer, layer_decay)}")
+    return optimizer
 
 
 def stage_sam_rho(cfg: DictConfig) -> float:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 from timm.data import Mixup
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
+from deit_ablate.config import Criterion
 
 
 def build_mixup(mix: DictConfig, num_classes: int) -> Mixup | None:
@@ -24,9 +26,20 @@ def build_mixup(mix: DictConfig, num_classes: int) -> Mixup | None:
 
 
 def build_criterion(mix: DictConfig, mixup: Mixup | None) -> torch.nn.Module:
-    """Soft-target CE when Mixup makes (smoothed) soft targets, else label-smoothed CE on integer labels."""
+    """Soft-target CE when Mixup makes (smoothed) soft targets, else label-smoothed CE on integer labels; or
+    DeiT III's binary cross-entropy (mix.criterion=bce)."""
+    if mix.criterion == Criterion.bce:
+        return binary_cross_entropy()
     if mixup is not None:
         return SoftTargetCrossEntropy()
     if mix.label_smoothing > 0:
         return LabelSmoothingCrossEntropy(smoothing=mix.label_smoothing)
     return torch.nn.CrossEntropyLoss()
+
+
+def binary_cross_entropy() -> torch.nn.Module:
+    """DeiT III's loss (Touvron, Cord & Jegou 2022; Wightman et al. 2021): a sigmoid per class, every class present
+    in the (mixed) target a positive of target 1, the mean over images and classes."""
+    # DeiT III's engine sets targets = targets.gt(0.0) before torch's BCEWithLogitsLoss (mean reduction): the
+    # threshold 0 is that; integer labels (no Mixup/CutMix) become one-hot.
+    return BinaryCrossEntropy(smoothing=0.0, target_threshold=0.0, reduction="mean")

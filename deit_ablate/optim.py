@@ -1,12 +1,20 @@
-"""Optimizer, lr rule and schedule: AdamW/SGD from timm with DeiT's weight-decay exclusions."""
+"""Optimizer, lr rule and schedule: AdamW/SGD/LAMB from timm with DeiT's weight-decay exclusions, and layer-wise lr
+decay for a fine-tune."""
 
 from __future__ import annotations
 
+import re
 import warnings
+from fnmatch import fnmatch
+from typing import Any
 
 import torch
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
+
+# Layer 0 of layer-wise lr decay besides `patch_embed.*`: the prefix tokens and the position table.
+EMBEDDING_NAMES = ("cls_token", "dist_token", "reg_token", "pos_embed")
+_BLOCK = re.compile(r"blocks\.(\d+)\.")
 
 
 def scaled_lr(base_lr: float, global_batch: int, base_batch: int = 512) -> float:
@@ -14,15 +22,69 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int = 512) -> float
     return base_lr * global_batch / base_batch
 
 
+def layer_id(name: str, depth: int) -> int:
+    """The layer of a ViT parameter for layer-wise lr decay: 0 for the patch embedding, prefix tokens and position
+    table, k + 1 for `blocks.k.`, depth + 1 for everything else (final norm, heads)."""
+    if name.startswith("patch_embed") or name in EMBEDDING_NAMES:
+        return 0
+    block = _BLOCK.match(name)
+    return int(block.group(1)) + 1 if block else depth + 1
+
+
+def layer_lr_scale(layer: int, depth: int, zeta: float) -> float:
+    """The share of the lr layer `layer` gets: zeta^(depth + 1 - layer), 1 for the head (Clark et al. 2020; Bao et
+    al. 2022)."""
+    return zeta ** (depth + 1 - layer)
+
+
+def _skips_weight_decay(model: torch.nn.Module, name: str, param: torch.Tensor) -> bool:
+    """DeiT's (and timm's) rule: no weight decay on 1-D parameters, biases and the model's no_weight_decay() set."""
+    no_wd = getattr(model, "no_weight_decay", set)()
+    return param.ndim <= 1 or name.endswith(".bias") or any(fnmatch(name, pattern) for pattern in no_wd)
+
+
+def layer_decay_groups(model: torch.nn.Module, weight_decay: float, zeta: float) -> list[dict[str, Any]]:
+    """Parameter groups of a ViT with `blocks`, one per (layer, decay or not), each with its lr_scale (which timm's
+    schedulers apply) and weight decay; the head's layer first, so param_groups[0] holds the full lr."""
+    depth = len(model.blocks)
+    groups: dict[tuple[int, bool], dict[str, Any]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        layer, decay = layer_id(name, depth), not _skips_weight_decay(model, name, param)
+        group = groups.setdefault((layer, decay), {
+            "params": [], "param_names": [], "layer": layer, "lr_scale": layer_lr_scale(layer, depth, zeta),
+            "weight_decay": weight_decay if decay else 0.0})
+        group["params"].append(param)
+        group["param_names"].append(name)
+    return [groups[key] for key in sorted(groups, reverse=True)]
+
+
+def describe_layer_decay(optimizer: torch.optim.Optimizer, zeta: float) -> str:
+    """One line with the lr scale of every layer of a layer-decay optimizer (0: embeddings, L + 1: head)."""
+    scales = sorted({(group["layer"], group["lr_scale"]) for group in optimizer.param_groups if "layer" in group})
+    depth = scales[-1][0] - 1
+    names = {0: "patch embed + prefix tokens", depth + 1: "norm + head"}
+    parts = [f"{layer} ({names.get(layer, f'block {layer - 1}')}) x{scale:.4g}" for layer, scale in scales]
+    return f"layer-wise lr decay zeta {zeta} over {depth} blocks, lr scale per layer: " + ", ".join(parts)
+
+
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float, momentum: float = 0.9,
-                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.Optimizer:
-    """timm's optimizer; weight decay skips 1-D parameters and the model's no_weight_decay() set
-    (cls_token, dist_token, pos_embed)."""
-    extra = {"betas": tuple(betas), "eps": eps} if name.startswith("adam") else {"momentum": momentum}
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                    layer_decay: float | None = None) -> torch.optim.Optimizer:
+    """timm's optimizer; weight decay skips 1-D parameters and the model's no_weight_decay() set (cls_token,
+    dist_token, pos_embed); with `layer_decay` zeta, a ViT's layers get zeta^(L + 1 - layer) of the lr."""
+    # timm's "lamb" is apex's FusedLAMB that DeiT III trained with (--opt fusedlamb): Adam's betas and eps, the
+    # gradient clipped to global norm 1 inside the step, no trust ratio where weight decay is 0.
+    adam_like = name.startswith("adam") or name == "lamb"
+    extra = {"betas": tuple(betas), "eps": eps} if adam_like else {"momentum": momentum}
     if name in ("adam", "adamw"):
         # One fused kernel instead of a loop over ~400 tensors: 4.4x faster optimizer.step() on this CPU
         # (docs/PERFORMANCE.md); torch would pick the per-tensor loop on CPU and foreach on GPU.
         extra["fused"] = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
+    if layer_decay is not None:
+        groups = layer_decay_groups(model, weight_decay, layer_decay)
+        return create_optimizer_v2(groups, opt=name, lr=lr, weight_decay=weight_decay, **extra)
     # timm's "sgd" is SGD with Nesterov momentum, as DeiT's --opt sgd was.
     return create_optimizer_v2(model, opt=name, lr=lr, weight_decay=weight_decay, filter_bias_and_bn=True, **extra)
 
@@ -35,13 +97,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_s
     the warm-up replaces its first steps, so the lr right after the warm-up is cos(pi * warmup / total) of the way.
 
     min_lr is absolute while the peak scales with the batch, so at a small batch the floor can exceed the
-    peak; it is then lowered to the peak (a flat schedule) rather than letting the cosine rise."""
+    peak; it is then lowered to the peak (a flat schedule) rather than letting the cosine rise. A group's
+    lr_scale (layer-wise decay) scales its whole schedule, floor included."""
     peak = optimizer.param_groups[0]["lr"]
     if min_lr > peak:
         warnings.warn(f"min lr {min_lr:.3g} is above the peak lr {peak:.3g} at this batch size; using "
                       f"{peak:.3g} as the floor.", stacklevel=2)
         min_lr = peak
-    return CosineLRScheduler(
+    scheduler = CosineLRScheduler(
         optimizer,
         t_initial=max(total_steps, 1),
         lr_min=min_lr,
@@ -50,3 +113,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_s
         warmup_prefix=False,
         t_in_epochs=False,
     )
+    # the first step's lr as the schedule gives it: timm sets it only under a warm-up, and without its lr_scale
+    # a layer-decay group would take its first step at the full lr
+    scheduler.step_update(num_updates=0)
+    return scheduler

@@ -11,7 +11,7 @@ import timm
 from omegaconf import DictConfig, OmegaConf
 from timm.optim import list_optimizers
 
-from deit_ablate.config import Config, CropMode, DataBackend, DataName, DistillKind, MixMode, TrackingMode
+from deit_ablate.config import Config, Criterion, CropMode, DataBackend, DataName, DistillKind, MixMode, TrackingMode
 from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
@@ -226,12 +226,41 @@ def check_three_augment_and_crop(cfg: DictConfig) -> None:
                           "(DeiT III's), bilinear or nearest.")
 
 
+def check_criterion(cfg: DictConfig) -> None:
+    """mix.criterion=bce: DeiT III's thresholded targets leave no room for label smoothing."""
+    if cfg.mix.criterion == Criterion.bce and cfg.mix.label_smoothing > 0:
+        raise ConfigError(f"mix.criterion=bce with mix.label_smoothing={cfg.mix.label_smoothing}: binary cross-entropy "
+                          "makes every class above 0 in the mixed target a positive (DeiT III), so every smoothed "
+                          "class would be one; set mix.label_smoothing=0, as DeiT III does with BCE.")
+
+
+def check_layer_decay(cfg: DictConfig) -> None:
+    """finetune.layer_decay: a ratio zeta in (0, 1], on a model whose layers are `blocks` (a ViT)."""
+    import torch
+
+    from deit_ablate.models import build_model, student_model_name
+
+    zeta = cfg.finetune.layer_decay
+    if zeta is None:
+        return
+    if not 0 < zeta <= 1:
+        raise ConfigError(f"finetune.layer_decay={zeta}: the ratio zeta between one layer's lr and the next must lie "
+                          "in (0, 1] (1 = no decay; BEiT uses 0.65 for base models, 0.75 for large), or null for off.")
+    name = student_model_name(cfg)
+    with torch.device("meta"):  # the architecture only
+        model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=name)
+    if not hasattr(model, "blocks"):
+        raise ConfigError(f"finetune.layer_decay={zeta} decays the lr over a ViT's `blocks`, which {name} has not; "
+                          "unset it (finetune.layer_decay=null) or fine-tune a ViT.")
+
+
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
     check_known_keys(cfg)
     check_ranges(cfg)
     check_names(cfg)
     check_sam(cfg)
+    check_criterion(cfg)
     check_auto_augment(cfg.augment.auto_augment)
     check_three_augment_and_crop(cfg)
     for key in PROBABILITIES:
@@ -263,10 +292,11 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
                               "Pick a `model=` option (see conf/model/) or a timm model name in model.name.")
     check_model_options(cfg)
     check_image_sizes(cfg)
+    check_layer_decay(cfg)
     optimizers = {cfg.optimizer.name, cfg.finetune.optimizer}
     for name in optimizers:
         if name not in list_optimizers():
-            raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw or optimizer=sgd.")
+            raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw, sgd or lamb.")
     if cfg.data.name != DataName.builtin:
         check_data_root(cfg)
     check_distill_config(cfg)
