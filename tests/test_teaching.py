@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +30,8 @@ from deit_ablate.optim import build_optimizer, build_scheduler
 from deit_ablate.rundir import LAST, RunDir, runs_root
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, fixed_view_transform, split_targets, teacher_table
 from deit_ablate.validate import check_teacher_view
-from tests.conftest import TINY, compose_config, run_train
+from tests import teaching_ddp_worker
+from tests.conftest import REPO, TINY, compose_config, run_train
 
 STUDENT = ["model=vit_demo", "model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]
 
@@ -171,3 +175,18 @@ def test_a_two_step_run_with_a_fixed_teacher(tmp_path, data_cache, teacher_run):
     assert "distill.teacher_view=fixed" in student.name
     result = json.loads(RunDir(student).result.read_text())
     assert result["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_under_two_ranks_every_rank_holds_every_images_cached_outputs(tmp_path):
+    out = tmp_path / "table"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29861",
+               str(REPO / "tests" / "teaching_ddp_worker.py"), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with torch.no_grad():
+        expected = torch.stack([teaching_ddp_worker.teacher()(image[None])[0]
+                                for image in teaching_ddp_worker.images()])
+    for rank in (0, 1):  # rank 0 computed images 0, 2, 4 and rank 1 images 1, 3; both hold all five
+        torch.testing.assert_close(torch.load(f"{out}.{rank}.pt"), expected)
