@@ -190,3 +190,30 @@ def test_under_two_ranks_every_rank_holds_every_images_cached_outputs(tmp_path):
                                 for image in teaching_ddp_worker.images()])
     for rank in (0, 1):  # rank 0 computed images 0, 2, 4 and rank 1 images 1, 3; both hold all five
         torch.testing.assert_close(torch.load(f"{out}.{rank}.pt"), expected)
+
+
+def test_both_options_compose_at_paper_scale_with_their_values():
+    cfg = compose_config(["preset=paper", "stage=pretrain", "mix=function_matching", "distill=soft"])
+    assert (cfg.mix.mixup_alpha, cfg.mix.cutmix_alpha, cfg.mix.prob, cfg.mix.label_smoothing) == (1.0, 0.0, 1.0, 0.0)
+    assert cfg.distill.teacher_view == "same"
+    check_teacher_view(cfg)
+    cfg = compose_config(["preset=paper", "distill=soft", "distill.teacher_view=fixed", "mix=none"])
+    check_teacher_view(cfg)
+    assert cfg.distill.teacher_view == "fixed" and cfg.resolution.train_size == 224
+
+
+def test_a_training_step_in_two_chunks_looks_up_each_chunks_own_rows():
+    torch.manual_seed(0)
+    student = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 10))
+    table = torch.randn(9, 10)
+    loss = FixedTeacherLoss(DistillationLoss(torch.nn.CrossEntropyLoss(), "hard", 0.5, 1.0), table)
+    images, labels, indices = torch.randn(4, 3, 2, 2), torch.tensor([1, 2, 3, 4]), torch.tensor([8, 0, 5, 5])
+    with torch.no_grad():  # by hand, at the starting weights: 1/2 CE(label) + 1/2 CE(teacher's arg-max), per chunk
+        logits = student(images)
+        halves = [0.5 * F.cross_entropy(logits[s], labels[s]) + 0.5 * F.cross_entropy(logits[s], table[indices[s]]
+                  .argmax(-1)) for s in (slice(0, 2), slice(2, 4))]
+    optimizer = build_optimizer(student, "sgd", 0.1, 0.0)
+    trainer = Trainer(model=student, optimizer=optimizer, loss_fn=loss, info=DistInfo(), accum_steps=2,
+                      scheduler=build_scheduler(optimizer, 10, 0, 0.1, 0.1))
+    got = trainer.train_step(images, torch.stack([labels, indices], dim=1))
+    torch.testing.assert_close(got, (halves[0] + halves[1]) / 2)
