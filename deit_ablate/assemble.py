@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
-from deit_ablate.config import DistillKind, Precision, Stage
+from deit_ablate.config import DistillKind, Precision, Stage, TeacherView
 from deit_ablate.data.datasets import build_dataset, dataset_root
 from deit_ablate.data.loader import ShardSampler, build_loader, build_train_loader, build_train_sampler
 from deit_ablate.data.transforms import BatchNormalize, build_eval_transform, build_train_pipeline
@@ -24,6 +24,7 @@ from deit_ablate.optim import build_optimizer, build_scheduler, describe_layer_d
 from deit_ablate.plan import RunPlan
 from deit_ablate.stages import StageRecipe, fix_layer_scale, load_pretrained
 from deit_ablate.teacher import build_teacher, teacher_forward
+from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, build_fixed_teacher_table
 
 
 def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
@@ -77,6 +78,8 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
     root = dataset_root(cfg) if root is None else root
     train_transform, batch_transform = build_train_pipeline(cfg)
     train_set = build_dataset(cfg, "train", train_transform, root)
+    if cfg.distill.type != DistillKind.none and cfg.distill.teacher_view == TeacherView.fixed:
+        train_set = WithIndex(train_set)  # the loss looks up each image's cached teacher outputs by its index
     val_set = build_dataset(cfg, "val", build_eval_transform(cfg), root)
     train_sampler = build_train_sampler(train_set, cfg.augment.repeated_aug, info.world_size, info.rank)
     train_loader = build_train_loader(train_set, train_sampler, per_rank, cfg, info.device)
@@ -120,7 +123,7 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None  # starts from the loaded weights
     if cfg.runtime.compile:
         compile_in_place(module)  # after the EMA copy, which is only evaluated and stays eager
-    loss_fn = build_loss_fn(cfg, module, build_criterion(cfg.mix, mixup), info.device)
+    loss_fn = build_loss_fn(cfg, module, build_criterion(cfg.mix, mixup), info.device, info)
     precision = cfg.train.amp
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
                       accum_steps=plan.batch.accum_steps, mixup=mixup, ema=ema,
@@ -164,7 +167,8 @@ def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps
     return build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, recipe.warmup_lr)
 
 
-def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.Module, device: torch.device):
+def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.Module, device: torch.device,
+                  info: DistInfo | None = None):
     """The loss of one (mixed) batch: the class criterion, plus the teacher's term when distilling."""
     distill = cfg.distill
     if distill.type == DistillKind.none:
@@ -173,5 +177,10 @@ def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.M
     distill_loss = DistillationLoss(criterion, distill.type, distill.alpha, distill.tau, distill.kl_normalization)
     if hasattr(model, "set_distilled_training"):
         model.set_distilled_training(distill.type in TOKEN_KINDS)
-    # The teacher sees exactly the student's batch: augmented, then mixed by Mixup/CutMix.
+    if distill.teacher_view == TeacherView.fixed:
+        # Beyer et al. 2022's fixed teacher: its outputs on one view per image, computed once (teacher_cache.py).
+        info = info if info is not None else DistInfo(device=device)
+        return FixedTeacherLoss(distill_loss, build_fixed_teacher_table(teacher, cfg, info))
+    # Consistent teaching (Beyer et al. 2022): the teacher sees exactly the student's batch, augmented, then mixed
+    # by Mixup/CutMix.
     return lambda images, outputs, targets: distill_loss(outputs, teacher_forward(teacher, images), targets)

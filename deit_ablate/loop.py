@@ -57,6 +57,7 @@ class Progress:
 def image_folders(pieces: Pieces) -> list[SkippingImageFolder]:
     """The run's datasets that watch for unreadable images."""
     sets = (pieces.loaders.train_loader.dataset, pieces.loaders.val_loader.dataset)
+    sets = tuple(getattr(d, "dataset", d) for d in sets)  # teacher_cache.WithIndex wraps the training set
     return [d for d in sets if isinstance(d, SkippingImageFolder)]
 
 

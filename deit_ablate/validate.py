@@ -11,7 +11,17 @@ import timm
 from omegaconf import DictConfig, OmegaConf
 from timm.optim import list_optimizers
 
-from deit_ablate.config import Config, Criterion, CropMode, DataBackend, DataName, DistillKind, MixMode, TrackingMode
+from deit_ablate.config import (
+    Config,
+    Criterion,
+    CropMode,
+    DataBackend,
+    DataName,
+    DistillKind,
+    MixMode,
+    TeacherView,
+    TrackingMode,
+)
 from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
@@ -254,6 +264,22 @@ def check_layer_decay(cfg: DictConfig) -> None:
                           "unset it (finetune.layer_decay=null) or fine-tune a ViT.")
 
 
+def check_teacher_view(cfg: DictConfig) -> None:
+    """distill.teacher_view=fixed (Beyer et al. 2022's fixed teacher): a teacher, unmixed batches, the PIL loader."""
+    if cfg.distill.teacher_view != TeacherView.fixed:
+        return
+    if cfg.distill.type == DistillKind.none:
+        raise ConfigError("distill.teacher_view=fixed says what a teacher sees, but distill=none has no teacher: pick "
+                          "a distillation kind (e.g. distill=soft) or drop distill.teacher_view.")
+    if cfg.mix.mixup_alpha > 0 or cfg.mix.cutmix_alpha > 0:
+        raise ConfigError("distill.teacher_view=fixed distils towards cached outputs of each unmixed image, which "
+                          "a Mixup/CutMix image has none of (Beyer et al.'s fixed teacher trains without mixing): add "
+                          "mix=none, or keep teacher_view=same (with mix=function_matching: function matching).")
+    if cfg.data.backend == DataBackend.dali:
+        raise ConfigError("distill.teacher_view=fixed needs each image's index, which the DALI loader does not hand "
+                          "through: use data.backend=pil (the default) for a fixed teacher.")
+
+
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
     check_known_keys(cfg)
@@ -299,6 +325,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw, sgd or lamb.")
     if cfg.data.name != DataName.builtin:
         check_data_root(cfg)
+    check_teacher_view(cfg)
     check_distill_config(cfg)
     if world_size is not None:
         plan_batch(cfg, world_size)
