@@ -8,10 +8,10 @@ from typing import Any
 import timm
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 from timm.layers import resample_abs_pos_embed
 from timm.models import model_entrypoint
 from timm.models.deit import VisionTransformerDistilled
+from torch import nn
 
 from deit_ablate.deeper import OPTIONS, apply_options, split_options
 from deit_ablate.errors import ConfigError
