@@ -173,3 +173,5 @@ def test_a_run_with_four_registers_trains_and_logs_the_high_norm_share(tmp_path,
     run_train(TINY + ["+model.kwargs.reg_tokens=4", "train.max_steps=2"], tmp_path, data_cache)
     [result] = [json.loads(p.read_text()) for p in runs_root(tmp_path / "outputs").glob(f"*/{RESULT}")]
     assert result["status"] == "finished" and 0.0 <= result["high_norm_tokens"] <= 100.0
+    [metrics] = runs_root(tmp_path / "outputs").glob("*/metrics.csv")
+    assert "val/high_norm_tokens" in metrics.read_text().splitlines()[0].split(",")
