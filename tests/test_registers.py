@@ -69,6 +69,17 @@ def test_the_registers_take_part_in_the_forward_pass():
     assert plain.num_prefix_tokens == 2 and plain.pos_embed.shape[1] == 2 + 16
 
 
+def test_average_pooling_skips_the_registers():
+    model = tiny_vit(name="deit_tiny_patch16_224")
+    pooled = build_model(OmegaConf.create({"name": "deit_tiny_patch16_224", "dropout": 0.0, "drop_path": 0.0,
+                                           "kwargs": {"patch_size": PATCH, "embed_dim": WIDTH, "depth": 1,
+                                                      "num_heads": 2, "reg_tokens": 4, "class_token": False,
+                                                      "global_pool": "avg"}}), 10, 32).eval()
+    assert model.num_prefix_tokens == 5 and pooled.num_prefix_tokens == 4
+    tokens = pooled.forward_features(torch.randn(2, 3, 32, 32))
+    torch.testing.assert_close(pooled.forward_head(tokens, pre_logits=True), pooled.fc_norm(tokens[:, 4:].mean(1)))
+
+
 def test_the_finetune_resize_keeps_the_prefix_rows_and_resizes_only_the_grid():
     small, large = tiny_vit(img_size=32), tiny_vit(img_size=48)  # 4 x 4 patches, then 6 x 6
     state = resize_pos_embed_state(small.state_dict(), large)
@@ -142,6 +153,10 @@ def test_only_vits_are_measured():
 
     assert measures_high_norm(tiny_vit()) and measures_high_norm(tiny_vit(name="deit_tiny_patch16_224"))
     assert not measures_high_norm(timm.create_model("resnet10t", num_classes=10))
+    class_attention = build_model(OmegaConf.create({"name": "deit_tiny_patch16_224", "dropout": 0.0, "drop_path": 0.0,
+                                                    "kwargs": {"patch_size": PATCH, "embed_dim": WIDTH, "depth": 1,
+                                                               "num_heads": 2, "class_attn_depth": 1}}), 10, 32)
+    assert not measures_high_norm(class_attention)  # its final norm sees the class embedding only
     cnn = timm.create_model("resnet10t", num_classes=10).eval()
     metrics = evaluate(cnn, [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))], DistInfo())
     assert "high_norm_tokens" not in metrics
