@@ -59,7 +59,10 @@ class RegisterDistilledViT(VisionTransformerDistilled):
 
 
 def with_registers(model: VisionTransformerDistilled) -> RegisterDistilledViT:
-    """The distilled ViT `model`, built by timm with `reg_tokens`, made to use them (see RegisterDistilledViT)."""
+    """The distilled ViT `model`, built by timm with `reg_tokens`, made to use them (see RegisterDistilledViT).
+
+    timm's entry points build their own class, so the model is re-classed in place: RegisterDistilledViT adds no
+    module, it only puts the registers in the sequence, which needs one more position row per register."""
     model.__class__ = RegisterDistilledViT
     model.num_prefix_tokens = 2 + model.num_reg_tokens
     rows = model.patch_embed.num_patches + (0 if model.no_embed_class else model.num_prefix_tokens)
