@@ -13,6 +13,7 @@ from timm.data import Mixup
 from timm.utils import ModelEmaV3
 from tqdm import tqdm
 
+from deit_ablate.artifacts import HighNormCounter, high_norm_percent, measures_high_norm
 from deit_ablate.distributed import DistInfo, all_reduce_sum
 from deit_ablate.losses import distilled_eval_outputs, distilled_head_logits
 from deit_ablate.models import set_training_mode
@@ -288,9 +289,25 @@ def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dt
     """Top-1, top-5 (in percent) and mean cross-entropy over the whole eval set, summed across ranks.
 
     A model with a distillation token is ranked by its fused prediction (rule `fusion`); the class head, the
-    distillation head and the other fusion rule are reported as top1_cls, top1_dist and top1_fused_alt."""
+    distillation head and the other fusion rule are reported as top1_cls, top1_dist and top1_fused_alt. A ViT also
+    reports high_norm_tokens: the percentage of its output patch tokens of high norm (deit_ablate.artifacts)."""
     model = getattr(model, "module", model)
     model.eval()
+    counter = HighNormCounter(model, info.device) if measures_high_norm(model) else None
+    try:
+        metrics = _evaluate(model, loader, info, amp_dtype, max_batches, fusion)
+    finally:
+        if counter is not None:
+            counter.remove()
+    if counter is not None:
+        all_reduce_sum(counter.sums, info)
+        metrics["high_norm_tokens"] = high_norm_percent(counter.sums)
+    return metrics
+
+
+def _evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dtype | None,
+              max_batches: int | None, fusion: str) -> dict[str, float]:
+    """evaluate's accuracy and loss."""
     sums = torch.zeros(7, dtype=torch.float64, device=info.device)  # correct@1, @5, loss, count, then _HEADS
     autocast = (torch.autocast(device_type=info.device.type, dtype=amp_dtype) if amp_dtype is not None
                 else contextlib.nullcontext())

@@ -10,6 +10,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from timm.layers import resample_abs_pos_embed
 from timm.models import model_entrypoint
+from timm.models.deit import VisionTransformerDistilled
+from torch import nn
 
 from deit_ablate.deeper import OPTIONS, apply_options, split_options
 from deit_ablate.errors import ConfigError
@@ -36,6 +38,60 @@ def model_family(name: str) -> str | None:
     return "cait" if model_entrypoint(name).__module__.endswith(".cait") else "vit"
 
 
+class RegisterDistilledViT(VisionTransformerDistilled):
+    """timm's distilled ViT (DeiT section 5) with register tokens (Darcet et al. 2024, arXiv:2309.16588).
+
+    timm's distilled ViT builds `reg_token` when given `reg_tokens` but never puts it in the sequence; here the
+    tokens are [class, distillation, registers..., patches], so the heads still read rows 0 and 1 and every prefix
+    token (registers included) has a position-embedding row, as in timm's ViT with registers."""
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        pos_embed = self.pos_embed
+        if self.dynamic_img_size:
+            pos_embed = resample_abs_pos_embed(pos_embed, new_size=x.shape[1:3], old_size=self.patch_embed.grid_size,
+                                               num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
+            x = x.view(batch, -1, x.shape[-1])
+        prefix = [token.expand(batch, -1, -1) for token in (self.cls_token, self.dist_token, self.reg_token)]
+        if self.no_embed_class:
+            return self.pos_drop(torch.cat(prefix + [x + pos_embed], dim=1))
+        return self.pos_drop(torch.cat(prefix + [x], dim=1) + pos_embed)
+
+
+def with_registers(model: VisionTransformerDistilled) -> RegisterDistilledViT:
+    """The distilled ViT `model`, built by timm with `reg_tokens`, made to use them (see RegisterDistilledViT).
+
+    timm's entry points build their own class, so the model is re-classed in place: RegisterDistilledViT adds no
+    module, it only puts the registers in the sequence, which needs one more position row per register."""
+    model.__class__ = RegisterDistilledViT
+    model.num_prefix_tokens = 2 + model.num_reg_tokens
+    rows = model.patch_embed.num_patches + (0 if model.no_embed_class else model.num_prefix_tokens)
+    model.pos_embed = nn.Parameter(torch.zeros(1, rows, model.embed_dim, device=model.pos_embed.device))
+    nn.init.trunc_normal_(model.pos_embed, std=0.02)  # as timm initialises a ViT's position embedding
+    return model
+
+
+def register_tokens(kwargs: dict[str, Any]) -> int:
+    """The number of register tokens `model.kwargs` asks for (timm's `reg_tokens`; 0 when unset)."""
+    return int(kwargs.get("reg_tokens") or 0)
+
+
+def check_register_tokens(name: str, kwargs: dict[str, Any]) -> None:
+    """`model.kwargs.reg_tokens`: a whole number >= 0, on a model whose token sequence takes registers."""
+    count = kwargs.get("reg_tokens")
+    if count is None:
+        return
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ConfigError(f"model.kwargs.reg_tokens={count} must be a whole number >= 0 (Darcet et al. 2024: 0, 1, 4).")
+    if count and model_family(name) != "vit" and not (is_vision_transformer(name) and has_distillation_token(name)):
+        raise ConfigError(f"model.kwargs.reg_tokens={count}: register tokens exist for timm's ViT and DeiT (with or "
+                          f"without distillation token), which {name} is not. Remove model.kwargs.reg_tokens or "
+                          "choose such a model (model=vit_demo, model=deit_base, ...).")
+    if count and kwargs.get("class_attn_depth"):
+        raise ConfigError(f"model.kwargs.reg_tokens={count} with model.kwargs.class_attn_depth: the class-attention "
+                          "stage reads patches only and takes no registers. Set one of them to 0.")
+
+
 def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: str | None = None) -> torch.nn.Module:
     """A freshly initialised timm model (`name`, else model.name); never loads weights from a hub."""
     name = name or model_cfg.name
@@ -59,6 +115,8 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
         drop_path_rate=model_cfg.drop_path,
         **kwargs,
     )
+    if register_tokens(kwargs) and isinstance(model, VisionTransformerDistilled):
+        model = with_registers(model)
     if options == OPTIONS:
         return model
     return apply_options(model, options, model_cfg.drop_path, kwargs.get("init_values"))
@@ -156,7 +214,8 @@ def resize_pos_embed_state(
     dst_shape = model.pos_embed.shape
     if src.shape == dst_shape:
         return out
-    # the position rows that are not patches (class/distillation tokens; none in CaiT, whose class token enters late)
+    # the position rows that are not patches (class/distillation/register tokens; none in CaiT, whose class token
+    # enters late): kept as they are, only the grid is resized
     n_prefix = dst_shape[1] - model.patch_embed.num_patches
     if src.ndim != 3 or src.shape[-1] != dst_shape[-1]:
         raise ValueError(
@@ -168,8 +227,9 @@ def resize_pos_embed_state(
     if old_patches <= 0 or side * side != old_patches:
         raise ValueError(
             f"pos_embed has {src.shape[1]} rows, which is not {n_prefix} prefix rows plus a square patch "
-            f"grid; the checkpoint's prefix tokens (class/distillation) differ from the model's "
-            f"({n_prefix}). Load a checkpoint of the same model family (distilled into distilled)."
+            f"grid; the checkpoint's prefix tokens (class/distillation/registers) differ from the "
+            f"model's ({n_prefix}). Load a checkpoint of the same model family (distilled into distilled, the same "
+            "model.kwargs.reg_tokens)."
         )
     new_grid = list(model.patch_embed.grid_size)
     out["pos_embed"] = resample_abs_pos_embed(

@@ -19,6 +19,8 @@ def summarize(status: str, metrics: dict, ema_metrics: dict, best_top1: float, e
         if "top1_cls" in metrics:  # a model with a distillation token: both heads and both fusion rules
             final.update(top1_cls=metrics["top1_cls"], top1_dist=metrics["top1_dist"], top1_fused=metrics["top1"],
                          top1_fused_alt=metrics["top1_fused_alt"])
+        if "high_norm_tokens" in metrics:  # a ViT: its share of high-norm patch tokens (deit_ablate.artifacts)
+            final["high_norm_tokens"] = metrics["high_norm_tokens"]
     if ema_metrics:
         final.update(top1_ema_final=ema_metrics["top1"], top5_ema_final=ema_metrics["top5"],
                      top1_ema_best=best_top1)
