@@ -5,13 +5,16 @@ stages, the baseline is DeiT III's released ViT-B recipe, and a paper-scale dry 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import timm
 import torch
 
 from deit_ablate.optim import scaled_lr
+from deit_ablate.rundir import RESULT, runs_root
 from deit_ablate.studies import CONF_DIR, paper_tables, studies
-from tests.conftest import CONF, identity_of, run_train
+from tests.conftest import CONF, TINY, identity_of, run_train
 from tests.test_ablation import _composed, _flat
 
 STUDY = "deit3"
@@ -164,3 +167,15 @@ def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     names = sorted(line.split(f"{STUDY}=", 1)[1].split(",", 1)[0].split("-", 1)[0] for line in lines)
     assert names == sorted(PAPER) and all(line.endswith("train from step 0") for line in lines)
     assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())
+
+
+@pytest.mark.slow  # ~10 s: two short demo runs
+def test_low_resolution_row_pretrains_at_24_and_fine_tunes_its_checkpoint_at_32(tmp_path, data_cache):
+    """res_128 at demo scale: the pre-training at 24 px (3 x 3 patches), its fine-tune at 32 px (4 x 4) from it."""
+    proc = run_train(["-m", f"{STUDY}=res_128", "stage=pretrain,finetune", "train.max_steps=2"] + TINY,
+                     tmp_path, data_cache)
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("[run] ") and " at " in line]
+    assert [line.split(" at ", 1)[1].split("px", 1)[0] for line in runs] == ["24", "32"]
+    assert "pretrain at 24px" in runs[0] and "finetune at 32px" in runs[1]
+    results = [json.loads(p.read_text()) for p in runs_root(tmp_path / "outputs").glob(f"{STUDY}=res_128*/{RESULT}")]
+    assert sorted((r["status"], r["steps_done"]) for r in results) == [("finished", 2)] * 2
