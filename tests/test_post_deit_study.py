@@ -11,10 +11,12 @@ import pytest
 import timm
 import torch
 
+from deit_ablate.errors import ConfigError
 from deit_ablate.optim import scaled_lr
 from deit_ablate.rundir import RESULT, runs_root
 from deit_ablate.studies import CONF_DIR, paper_tables, studies
-from tests.conftest import CONF, TINY, identity_of, run_train
+from deit_ablate.validate import check_pretrain_size
+from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
 from tests.test_ablation import _composed, _flat
 
 STUDY = "deit3"
@@ -27,9 +29,11 @@ ROWS: dict[str, tuple[str, dict, dict, dict, dict]] = {
     # 224 throughout: the fine-tune at 224 (demo: 32), not the preset's 384 (48)
     "res_224": ("baseline", {}, {"resolution.train_size": 224, "resolution.eval_size": 224},
                 {}, {"resolution.train_size": 32, "resolution.eval_size": 32}),
-    # low-resolution pre-training, then the same fine-tune as res_224
-    "res_128": ("res_224", {"resolution.train_size": 128, "resolution.eval_size": 128}, {},
-                {"resolution.train_size": 24, "resolution.eval_size": 24}, {}),
+    # low-resolution pre-training, then the same fine-tune as res_224; the fine-tune names the pre-training's size
+    "res_128": ("res_224", {"resolution.train_size": 128, "resolution.eval_size": 128, "finetune.pretrain_size": 128},
+                {"finetune.pretrain_size": 128},
+                {"resolution.train_size": 24, "resolution.eval_size": 24, "finetune.pretrain_size": 24},
+                {"finetune.pretrain_size": 24}),
     **{f"registers_{n}": ("baseline", *[{"model.kwargs.reg_tokens": n}] * 4) for n in (1, 4)},
     **{f"layer_decay_{tag}": ("baseline", *[{"finetune.layer_decay": z}] * 4)
        for tag, z in (("065", 0.65), ("075", 0.75), ("08", 0.8))},
@@ -119,6 +123,24 @@ def test_low_resolution_rows_pretrain_at_their_size_and_fine_tune_at_224():
                      ("res_224", "paper", "pretrain"): 224, ("res_224", "paper", "finetune"): 224,
                      ("res_224", "demo", "pretrain"): 32, ("res_224", "demo", "finetune"): 32}
     assert 1 - (128 // 16) ** 2 / (224 // 16) ** 2 == pytest.approx(1 - (126 // 14) ** 2 / (224 // 14) ** 2, abs=0.02)
+
+
+@pytest.mark.parametrize("preset", ["paper", "demo"])
+def test_fine_tunes_of_pretrainings_that_differ_only_in_size_are_different_runs(preset):
+    """res_128 and res_224 fine-tune at the same size with the same recipe; their pre-trainings differ."""
+    tuned = {row: identity_of([f"{STUDY}={row}", f"preset={preset}", "stage=finetune"])
+             for row in ("res_128", "res_224")}
+    assert tuned["res_128"].digest != tuned["res_224"].digest and tuned["res_128"].run_id != tuned["res_224"].run_id
+    pre = {row: identity_of([f"{STUDY}={row}", f"preset={preset}"]).digest for row in ("res_224", "baseline")}
+    assert pre["res_224"] == pre["baseline"]  # 224 throughout pre-trains as the baseline: one run
+
+
+def test_a_pretrain_size_that_is_not_the_pretrainings_is_refused():
+    cfg = compose_config([f"{STUDY}=res_128", "preset=paper", "resolution.train_size=224"])
+    with pytest.raises(ConfigError, match=r"finetune.pretrain_size=128 but .* resolution.train_size=224"):
+        check_pretrain_size(cfg)
+    check_pretrain_size(compose_config([f"{STUDY}=res_128", "preset=paper"]))  # its own size: accepted
+    check_pretrain_size(compose_config([f"{STUDY}=res_128", "preset=paper", "stage=finetune"]))  # fine-tunes at 224
 
 
 def test_fine_tune_rows_share_the_baselines_pretraining():
