@@ -204,6 +204,9 @@ class FinetuneConfig:
     # no stochastic depth, no dropout in this stage. True trains it in train mode.
     train_mode: bool = False
     layer_decay: float | None = None  # layer-wise lr decay zeta: block k at zeta^(L-k) of the lr (None: off)
+    # The size this row pre-trains at when it is not the preset's (DeiT III's low-resolution pre-training): a
+    # fine-tune's config then tells apart pre-trainings that differ only in size (None: the preset's).
+    pretrain_size: int | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ ADDED_KEYS: dict[str, object] = {
     "mix.criterion": "ce",
     "distill.teacher_view": "same",
     "finetune.layer_decay": None,
+    "finetune.pretrain_size": None,  # a row's own pre-training size, named in its fine-tune's identity
 }
 # A permission, not the experiment: the teacher's weights (recorded in the run folder) stand for it.
 TEACHER_PERMISSION = "distill.teacher.allow_unfinished"

@@ -1,5 +1,6 @@
 """The config resolvers Hydra's configs use: `${run_name:}`, the run's folder name (its identity), and
-`${at_scale:PAPER,DEMO}`, how a study's row gives a number at both scales."""
+`${at_scale:PAPER,DEMO}`, how a study's row gives a number at both scales, and `${at_stage:PRETRAIN,FINETUNE}`, how
+a row gives a number for each stage."""
 
 from __future__ import annotations
 
@@ -36,10 +37,17 @@ def _at_scale_resolver(paper: Any, demo: Any, *, _root_: DictConfig) -> Any:
     return demo if _root_.get("preset") == "demo" else paper
 
 
+def _at_stage_resolver(pretrain: Any, finetune: Any, *, _root_: DictConfig) -> Any:
+    return finetune if _root_.get("stage") == "finetune" else pretrain
+
+
 def register_resolvers() -> None:
-    """Make `${run_name:}` (the run's folder name, from the whole config) and `${at_scale:PAPER,DEMO}` (the first
-    value, or the second under `preset=demo`: how a study's rows give a number at both scales) available."""
+    """Make `${run_name:}` (the run's folder name, from the whole config), `${at_scale:PAPER,DEMO}` (the first
+    value, or the second under `preset=demo`: how a study's rows give a number at both scales) and
+    `${at_stage:PRETRAIN,FINETUNE}` (the second under `stage=finetune`) available."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver("run_name", _run_name_resolver)
     if not OmegaConf.has_resolver("at_scale"):
         OmegaConf.register_new_resolver("at_scale", _at_scale_resolver)
+    if not OmegaConf.has_resolver("at_stage"):  # a row's resolution per stage (conf/deit3/res_*.yaml)
+        OmegaConf.register_new_resolver("at_stage", _at_stage_resolver)

@@ -207,6 +207,15 @@ def check_image_sizes(cfg: DictConfig) -> None:
             f"eval_size / crop_pct), or pick a resolution option that sets both.")
 
 
+def check_pretrain_size(cfg: DictConfig) -> None:
+    """finetune.pretrain_size, where set, is the size the pre-training stage trains at."""
+    size = cfg.finetune.pretrain_size
+    if size is not None and cfg.stage == "pretrain" and size != cfg.resolution.train_size:
+        raise ConfigError(f"finetune.pretrain_size={size} but this pre-training trains at resolution.train_size="
+                          f"{cfg.resolution.train_size}. Set resolution.train_size={size} for the pre-training "
+                          "(conf/deit3/res_128.yaml shows how), or finetune.pretrain_size=null.")
+
+
 def check_sam(cfg: DictConfig) -> None:
     """optimizer.sam_rho: SAM's radius, a finite number >= 0 (0 = off)."""
     rho = cfg.optimizer.sam_rho
@@ -322,6 +331,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_model_options(cfg)
     check_image_sizes(cfg)
     check_layer_decay(cfg)
+    check_pretrain_size(cfg)
     optimizers = {cfg.optimizer.name, cfg.finetune.optimizer}
     for name in optimizers:
         if name not in list_optimizers():
