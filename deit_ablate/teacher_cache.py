@@ -18,12 +18,12 @@ import time
 
 import torch
 from omegaconf import DictConfig
-from timm.data import create_transform
 from torch import nn
 from torch.utils.data import Dataset
 
 from deit_ablate.data.datasets import build_dataset, dataset_root
 from deit_ablate.data.loader import ShardSampler, build_loader
+from deit_ablate.data.transforms import build_eval_transform
 from deit_ablate.distributed import DistInfo, all_reduce_sum
 from deit_ablate.logs import log
 from deit_ablate.teacher import teacher_forward
@@ -49,15 +49,9 @@ def split_targets(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fixed_view_transform(cfg: DictConfig):
-    """The teacher's fixed view: resize to train_size / crop_pct, centre-crop train_size, normalize."""
-    return create_transform(
-        input_size=cfg.resolution.train_size,
-        is_training=False,
-        crop_pct=cfg.resolution.crop_pct,
-        interpolation=cfg.augment.interpolation,
-        mean=tuple(cfg.data.mean),
-        std=tuple(cfg.data.std),
-    )
+    """The teacher's fixed view: the evaluation transform at the training size (resize to train_size / crop_pct,
+    centre-crop train_size, normalize)."""
+    return build_eval_transform(cfg, size=cfg.resolution.train_size)
 
 
 def fixed_view_dataset(cfg: DictConfig) -> Dataset:

@@ -49,10 +49,10 @@ def build_train_pipeline(cfg: DictConfig) -> tuple[Callable | None, BatchNormali
     return per_image, per_batch
 
 
-def build_eval_transform(cfg: DictConfig) -> Callable:
-    """Resize to eval_size / crop_pct, center-crop eval_size, normalize."""
+def build_eval_transform(cfg: DictConfig, size: int | None = None) -> Callable:
+    """Resize to size / crop_pct, center-crop size (resolution.eval_size unless given), normalize."""
     return create_transform(
-        input_size=cfg.resolution.eval_size,
+        input_size=size or cfg.resolution.eval_size,
         is_training=False,
         crop_pct=cfg.resolution.crop_pct,
         interpolation=cfg.augment.interpolation,
