@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -226,13 +227,17 @@ def test_an_unreadable_image_under_ddp_stops_every_rank_with_one_line_each(tmp_p
     # One copy per image: the file is on one rank only (with repeated augmentation both ranks may read a copy)
     args = ["data=imagefolder", f"data.root={root}", "data.num_classes=10", "runtime.on_bad_image=fail",
             "augment.repeated_aug=1"] + TINY
+    # torchrun kills the other worker once one has failed; checking on them every 5 s (not 0.1 s) leaves the other
+    # rank the time to find its peer gone at its next collective even on a loaded machine, which is what is tested
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29535",
-                str(REPO / "train.py")]
+                "--monitor-interval=5", str(REPO / "train.py")]
     proc = run_train(args, tmp_path, data_cache, module=torchrun, check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert f"error: {bad} cannot be read as an image" in output
-    assert "stopped because another rank left the process group mid-run (Connection closed by peer)" in output
+    assert f"error: {bad} cannot be read as an image" in output, output[-4000:]
+    # how the lost peer shows depends on when the other rank meets it: closed, reset, or a broken pipe
+    assert re.search(r"stopped because another rank left the process group mid-run \((Connection closed by peer|"
+                     r"Connection reset by peer|Broken pipe)\)", output), output[-4000:]
     for ours in (REPO / "deit_ablate", REPO / "train.py"):  # no traceback through our code
         assert f'File "{ours}' not in output, output[-3000:]
 
