@@ -176,6 +176,7 @@ def test_the_command_records_the_figures_in_result_json_and_prints_them(measured
     assert "recorded in" in proc.stdout and "wandb summary of run id" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_same_seed_measures_the_same_figures_again(measured, data_cache: Path) -> None:
     run_dir, _ = measured
     first = json.loads((run_dir / "result.json").read_text())["sharpness"]
@@ -279,6 +280,7 @@ def test_at_end_measures_the_final_weights_as_the_command_does(at_end_run: Share
         assert again[name] == pytest.approx(sharp[name], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_lost_wandb_log_gets_the_figures_again(at_end_run: SharedRun, data_cache: Path, tmp_path: Path) -> None:
     sharp = json.loads((at_end_run.run_dir() / "result.json").read_text())["sharpness"]
     outputs = at_end_run.copy_into(tmp_path)

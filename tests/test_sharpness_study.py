@@ -144,6 +144,7 @@ def test_recipe_vit_original_applies_over_any_study_row_and_the_preset():
     assert _flat(_composed(["recipe=vit_original", "ablation=ema"]))["train.ema"] is True  # the row wins
 
 
+@pytest.mark.slow
 def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     root = tmp_path / "imagenet"
     for split in ("train", "val"):
@@ -157,6 +158,7 @@ def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())
 
 
+@pytest.mark.slow
 def test_a_demo_row_trains_two_steps(tmp_path, data_cache):
     run_train([f"{STUDY}=rho_02", "train.max_steps=2"] + TINY, tmp_path, data_cache)
     results = [json.loads(p.read_text()) for p in runs_root(tmp_path / "outputs").glob(f"{STUDY}=rho_02*/{RESULT}")]
