@@ -279,6 +279,7 @@ def _history_rows(outputs) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_a_demo_run_with_sam_finishes_and_logs_its_cost(tmp_path, data_cache):
     proc = run_train(TINY + ["optimizer.sam_rho=0.2", "train.max_steps=3", "runtime.log_interval=1"], tmp_path,
                      data_cache)

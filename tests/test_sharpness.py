@@ -265,6 +265,7 @@ def _logged_figures(outputs: Path) -> dict[str, float]:
     return {k: logged.summary[f"sharpness/{k}"] for k in FIGURES}
 
 
+@pytest.mark.slow
 def test_at_end_measures_the_final_weights_as_the_command_does(at_end_run: SharedRun, data_cache: Path,
                                                                tmp_path: Path) -> None:
     proc = at_end_run.proc
