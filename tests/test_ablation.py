@@ -127,6 +127,7 @@ def test_whole_table_both_stages_in_one_sweep_lands_26_runs(tmp_path, data_cache
     assert proc.stdout.count("finetune at 48px") == 13
 
 
+@pytest.mark.slow
 def test_relaunched_sweep_skips_finished_runs_and_resumes_the_rest(tmp_path, data_cache):
     sweep = ["-m", "ablation=baseline,no_mixup", "stage=pretrain,finetune", "train.max_steps=9",
              "train.epochs=2"] + TINY

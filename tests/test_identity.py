@@ -129,6 +129,7 @@ def _plan(proc: subprocess.CompletedProcess) -> list[str]:
     return sorted(line.split("): ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("[dry run]"))
 
 
+@pytest.mark.slow
 def test_dry_run_plans_what_the_sweep_then_does(tmp_path, data_cache):
     sweep = ["-m", "ablation=baseline,no_mixup", "stage=pretrain,finetune", "finetune.lr=1e-3", "finetune.epochs=1",
              "train.max_steps=2"] + TINY

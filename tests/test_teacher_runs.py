@@ -39,6 +39,7 @@ def _students(cwd: Path, teacher: Path, root: str = "outputs") -> list[Path]:
     return [p for p in (runs_root(cwd / root)).iterdir() if p.is_dir() and p != teacher]
 
 
+@pytest.mark.slow
 def test_an_unfinished_teacher_run_is_refused_before_anything_starts(tmp_path, data_cache, teacher_run):
     teacher = _copy_teacher(tmp_path, teacher_run)
     RunDir(teacher).result.unlink()  # killed after 1 of its 2 epochs
