@@ -161,6 +161,7 @@ def test_finetune_before_pretraining_is_a_clear_error(tmp_path, data_cache):
 
 
 
+@pytest.mark.slow
 def test_resolution_sweep_fine_tunes_one_pretrained_checkpoint_at_each_size(tmp_path, data_cache):
     run_train(TINY + ["train.max_steps=2"], tmp_path, data_cache)
     proc = run_train(["-m", "stage=finetune", "resolution=24px,48px", "train.max_steps=2"] + TINY, tmp_path,

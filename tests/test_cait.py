@@ -417,6 +417,7 @@ def test_ls_fixed_trains_with_the_diagonal_its_layerscale_run_learned(tmp_path, 
         RunDir(run).log.read_text()
 
 
+@pytest.mark.slow
 def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_finds_the_study(tmp_path, data_cache,
                                                                                             capsys, one_step_run):
     # Two Gloo processes, two steps of the class-attention model with a fixed LayerScale: a parameter left without

@@ -77,6 +77,7 @@ def _launch(args: list[str], cwd: Path, cache: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_relaunch_with_other_runtime_settings_resumes_the_same_run(tmp_path, data_cache, tiny_data):
     args = TINY + ["train.epochs=3", "runtime.checkpoint_every_steps=1"]  # tiny_data: drawn before the clock starts
     proc = _launch(args, tmp_path, data_cache)
