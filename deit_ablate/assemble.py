@@ -143,10 +143,7 @@ def stage_optimizer(cfg: DictConfig, recipe: StageRecipe, module: torch.nn.Modul
     """This stage's optimizer at its batch-scaled lr; a fine-tune with finetune.layer_decay gets one lr scale per
     layer, logged."""
     lr = scaled_lr(recipe.lr, recipe.global_batch, cfg.optimizer.lr_base_batch)
-    layer_decay = cfg.finetune.layer_decay if cfg.stage == Stage.finetune else None
-    if layer_decay is not None and not hasattr(module, "blocks"):
-        raise ConfigError(f"finetune.layer_decay={layer_decay} decays the lr over a ViT's `blocks`, which "
-                          f"{type(module).__name__} has not; unset finetune.layer_decay for this model.")
+    layer_decay = cfg.finetune.layer_decay if cfg.stage == Stage.finetune else None  # checked: validate.py
     optimizer = build_optimizer(module, recipe.optimizer, lr, recipe.weight_decay, cfg.optimizer.momentum,
                                 tuple(cfg.optimizer.betas), cfg.optimizer.eps, layer_decay=layer_decay)
     if layer_decay is not None and info.is_main:
