@@ -152,6 +152,13 @@ def upstream_overrides(cfg: DictConfig, overrides: list[str]) -> list[str] | Non
     return layer_scale_source_overrides(cfg, overrides)
 
 
+def upstream_role(cfg: DictConfig) -> str:
+    """What the run that `cfg` starts from is to it, in words ("its pre-training"), for logs and plans."""
+    if cfg.stage == Stage.finetune:
+        return "its pre-training"
+    return "its LayerScale run"
+
+
 def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
     """The folder of the LayerScale run whose learned diagonal this run fixes (CaiT appendix A's control): the run
     of the same overrides with `cait=<model.kwargs.layer_scale_from>`, composed as Hydra would; None when unset."""

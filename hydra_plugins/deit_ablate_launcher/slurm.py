@@ -71,8 +71,8 @@ class DeitSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Validate all runs, submit them, wait, and return their results in sweep order."""
-        from deit_ablate.config import Stage
         from deit_ablate.errors import ConfigError
+        from deit_ablate.stages import upstream_role
 
         assert self.config is not None and self.hydra_context is not None
         configs = self._validated_configs(job_overrides)
@@ -104,8 +104,7 @@ class DeitSlurmLauncher(SlurmLauncher):
             executor.update_parameters(slurm_additional_parameters={
                 **extra, "dependency": f"afterok:{jobs[parent].job_id}", "kill-on-invalid-dep": "yes"})
             jobs[i] = executor.submit(self, *params[i])
-            what = "its pre-training" if configs[i].stage == Stage.finetune else "its LayerScale run"
-            log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} ({what})")
+            log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} ({upstream_role(configs[i])})")
         # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
         # which resumes from its own latest checkpoint (deit_ablate/run.py).
         return [jobs[i].results()[0] for i in range(len(params))]
@@ -119,15 +118,15 @@ def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],
     from deit_ablate.config import Stage
     from deit_ablate.stages import finished_layer_scale_run, upstream_overrides
 
-    pretrain_index = {cfg.hydra.sweep.subdir: i for i, cfg in enumerate(configs) if cfg.stage == Stage.pretrain}
+    run_index = {cfg.hydra.sweep.subdir: i for i, cfg in enumerate(configs)}
     upstream = {}
     for i, (cfg, overrides) in enumerate(zip(configs, job_overrides, strict=True)):
         parent_overrides = upstream_overrides(cfg, list(overrides))
         if parent_overrides is None:
             continue
         parent = subdir_of(parent_overrides)
-        if parent in pretrain_index:
-            upstream[i] = pretrain_index[parent]
+        if parent in run_index:
+            upstream[i] = run_index[parent]
         elif cfg.stage == Stage.pretrain:
             finished_layer_scale_run(cfg, list(overrides))
     return upstream
