@@ -42,7 +42,7 @@ def resolve_run(reference: str) -> RunDir:
 def build_parser() -> argparse.ArgumentParser:
     """The command's arguments."""
     parser = argparse.ArgumentParser(prog="python -m deit_ablate.disagreement", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="finished run folders (or names under outputs/runs)")
+    parser.add_argument("run", nargs="+", metavar="RUN", help="finished run folders (or names under outputs/runs)")
     parser.add_argument("--label", action="append", default=None,
                         help="a run's label in the matrix, one per RUN in order (default: its model name)")
     parser.add_argument("--out", default=None, help="a folder for the CSV, JSON, markdown and heatmap PNG")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print (and write) the matrix; 0 on success, 2 with one line on stderr for bad input."""
     args = build_parser().parse_args(argv)
     try:
-        print(report(args.runs, args.label, args.out), end="")
+        print(report(args.run, args.label, args.out), end="")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
