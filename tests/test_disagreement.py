@@ -135,6 +135,34 @@ def test_shards_go_back_in_dataset_order_each_image_once():
     assert merged["main"].tolist() == [10, 11, 12, 13, 14]
 
 
+def test_the_final_evaluation_keeps_the_predictions_of_the_headline_weights():
+    from types import SimpleNamespace
+
+    from deit_ablate.loop import EpochLoop, Progress
+    from deit_ablate.losses import distilled_head_logits, fuse_predictions
+
+    dataset = eval_data()
+    images = dataset.tensors[0]
+    loader = DataLoader(dataset, batch_size=3, sampler=ShardSampler(len(dataset), 1, 0))
+    model, ema = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 5)), tiny_distilled()
+    with torch.inference_mode():
+        by_model = model(images).argmax(1).tolist()
+        by_ema = fuse_predictions(*distilled_head_logits(ema.eval(), images), "prob").argmax(1).tolist()
+    settings = SimpleNamespace(train=SimpleNamespace(eval_max_batches=None), distill=SimpleNamespace(fusion="prob"))
+    # without EMA the model's predictions; with EMA (its top-1 is the headline) the EMA's
+    for kept, whose, head, expected in ((None, "model", "main", by_model),
+                                        (SimpleNamespace(module=ema), "ema", "fused", by_ema)):
+        loop = SimpleNamespace(progress=Progress(), plan=SimpleNamespace(settings=settings),
+                               pieces=SimpleNamespace(loaders=SimpleNamespace(val_loader=loader)),
+                               trainer=SimpleNamespace(model=model, ema=kept, info=DistInfo(), amp_dtype=None),
+                               collect_bad_images=lambda: None)
+        EpochLoop.evaluate_now(loop)
+        arrays = loop.progress.predictions.arrays()
+        assert loop.progress.predicted_by == whose
+        assert arrays[head].tolist() == expected
+        assert arrays["labels"].tolist() == dataset.tensors[1].tolist()
+
+
 # --- two ranks -------------------------------------------------------------------------------------------------
 
 IMAGES = 7  # not divisible by 2: rank 0 evaluates 4 images, rank 1 three
