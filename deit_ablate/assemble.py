@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from timm.utils import ModelEmaV3
 
 from deit_ablate.config import DistillKind, Precision, Stage, TeacherView
@@ -22,7 +22,7 @@ from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, compile_in_place
 from deit_ablate.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
 from deit_ablate.plan import RunPlan
-from deit_ablate.stages import StageRecipe, fix_layer_scale, load_pretrained
+from deit_ablate.stages import StageRecipe, fix_layer_scale, load_backbone, load_pretrained
 from deit_ablate.teacher import build_teacher, teacher_forward
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, build_fixed_teacher_table
 
@@ -95,9 +95,15 @@ def build_student(plan: RunPlan, info: DistInfo) -> tuple[torch.nn.Module, dict[
     """The student on this rank's device, from its pre-training's weights in a fine-tune, with a fixed LayerScale
     diagonal where the row asks for one; wrapped in DDP on several ranks."""
     cfg = plan.settings
-    model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=plan.model_name)
+    model = build_model(stage_model_config(cfg), cfg.data.num_classes, cfg.resolution.train_size,
+                        name=plan.model_name)
     model = model.to(info.device)
-    if plan.recipe.init_checkpoint is not None:
+    if plan.recipe.init_checkpoint is not None and plan.is_transfer:
+        heads = load_backbone(model, plan.recipe.init_checkpoint)
+        if info.is_main:
+            log.info(f"[run] transferring from {plan.recipe.init_checkpoint}: new head(s) {', '.join(heads)} for "
+                     f"{cfg.data.num_classes} classes")
+    elif plan.recipe.init_checkpoint is not None:
         load_pretrained(model, plan.recipe.init_checkpoint)
         if info.is_main:
             log.info(f"[run] fine-tuning from {plan.recipe.init_checkpoint}")
@@ -138,6 +144,14 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
     return Pieces(trainer, loaders, layer_scale)
 
 
+def stage_model_config(cfg: DictConfig) -> DictConfig:
+    """The model block this stage builds: a transfer's stochastic depth is transfer.drop_path (issue #45 removes
+    it), every other stage's model.drop_path."""
+    if cfg.stage != Stage.transfer:
+        return cfg.model
+    return OmegaConf.merge(cfg.model, {"drop_path": cfg.transfer.drop_path})
+
+
 def stage_optimizer(cfg: DictConfig, recipe: StageRecipe, module: torch.nn.Module, info: DistInfo
                     ) -> torch.optim.Optimizer:
     """This stage's optimizer at its batch-scaled lr; a fine-tune with finetune.layer_decay gets one lr scale per
@@ -168,7 +182,9 @@ def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.M
                   info: DistInfo | None = None):
     """The loss of one (mixed) batch: the class criterion, plus the teacher's term when distilling."""
     distill = cfg.distill
-    if distill.type == DistillKind.none:
+    # a transfer trains on its new labels only: its source's teacher knows other classes (a distilled model's two
+    # new heads learn the labels through the mean of their logits, timm's output when not distilling)
+    if distill.type == DistillKind.none or cfg.stage == Stage.transfer:
         return lambda images, outputs, targets: criterion(outputs, targets)
     teacher = build_teacher(cfg, device)
     distill_loss = DistillationLoss(criterion, distill.type, distill.alpha, distill.tau, distill.kl_normalization)

@@ -82,7 +82,7 @@ def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
         if info.is_main:
             report_finished(plan, result)
         return result
-    if plan.is_finetune:
+    if plan.is_finetune or plan.is_transfer:
         upstream = pretrain_status(plan.settings, plan.upstream)
         if upstream != "finished":
             return record_without_training(plan, upstream, info.is_main)
