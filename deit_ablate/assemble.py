@@ -22,7 +22,7 @@ from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, compile_in_place
 from deit_ablate.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
 from deit_ablate.plan import RunPlan
-from deit_ablate.stages import StageRecipe, fix_layer_scale, load_backbone, load_pretrained
+from deit_ablate.stages import StageRecipe, classifier_names, fix_layer_scale, load_backbone, load_pretrained
 from deit_ablate.teacher import build_teacher, teacher_forward
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, build_fixed_teacher_table
 
@@ -66,6 +66,7 @@ class Pieces:
     trainer: Trainer
     loaders: Loaders
     layer_scale_from: dict[str, str] | None = None  # the run whose learned LayerScale diagonal it fixes
+    transfer_from: dict[str, Any] | None = None  # a transfer's source: its run, checkpoint and the new head(s)
 
 
 def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
@@ -141,7 +142,17 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
         log.info(f"[run] SAM on: rho {trainer.sam_rho} around {recipe.optimizer} (Foret et al. 2021), two forward and "
                  f"backward passes per step, each chunk of {plan.batch.micro_batch} images perturbed by its own "
                  "gradient (m-sharpness)")
-    return Pieces(trainer, loaders, layer_scale)
+    return Pieces(trainer, loaders, layer_scale, transfer_source(plan, module))
+
+
+def transfer_source(plan: RunPlan, module: torch.nn.Module) -> dict[str, Any] | None:
+    """What a transfer started from, for its result: the source run's folder, the checkpoint, the new head(s) and
+    their class count (None for the other stages)."""
+    if not plan.is_transfer:
+        return None
+    return {"run": plan.upstream.name if plan.upstream is not None else None,
+            "checkpoint": str(plan.recipe.init_checkpoint), "heads": list(classifier_names(module)),
+            "num_classes": int(plan.settings.data.num_classes)}
 
 
 def stage_model_config(cfg: DictConfig) -> DictConfig:

@@ -274,6 +274,9 @@ class RuntimeConfig:
     log_interval: int = 10
     checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)
     checkpoint_every_minutes: float = 10.0  # ... and every M minutes (0: off), so preemption loses little
+    # where the Table 7 transfer rows find their datasets, each under the row's name (conf/transfer/: cifar10/,
+    # flowers/, ...); data.root overrides it for one run. Where data lies is not which data it is (the fingerprint).
+    data_dir: str = "data"
     output_root: str = "outputs"  # run folders under <output_root>/runs, wandb logs under <output_root>/wandb
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     dry_run: bool = False  # print each run's identity and what a launch would do, then stop

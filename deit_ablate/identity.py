@@ -31,8 +31,11 @@ from deit_ablate.studies import study_names
 FINETUNE_ONLY = ("finetune",)
 # Overrides that pick the stage of a run rather than the experiment it continues.
 STAGE_OVERRIDES = ("stage", "resolution")
-# What a transfer run sets that its source run never had: its study row, its recipe and the data it transfers to.
-TRANSFER_OVERRIDES = (TRANSFER_ONLY, "data")
+# What a transfer run sets that its source run never had: its study row and recipe (`transfer`, `transfer.*`) and
+# the keys that name the dataset it moves to. Other data overrides (the built-in set's size, the loader) stay.
+TRANSFER_OVERRIDES = (TRANSFER_ONLY,)
+TRANSFER_DATA_KEYS = ("data", "data.name", "data.root", "data.num_classes", "data.mean", "data.std",
+                      "data.builtin.classes")
 # What a shortened folder name keeps in front after the study rows (all studies, Table 8's first): the seed.
 KEPT_VISIBLE = ("seed",)
 
@@ -205,8 +208,8 @@ def pretrain_overrides(overrides: list[str]) -> list[str]:
 
 def transfer_source_overrides(overrides: list[str], source_stage: str) -> list[str]:
     """The overrides of the run that a transfer launched with `overrides` fine-tunes on its new data: the same
-    without the stage, resolution, the transfer row and recipe and the data, at `source_stage`."""
-    kept = [item for item in overrides if _override_key(item) not in STAGE_OVERRIDES
+    without the stage, resolution, the transfer row and recipe and the new dataset's keys, at `source_stage`."""
+    kept = [item for item in overrides if _override_key(item) not in (*STAGE_OVERRIDES, *TRANSFER_DATA_KEYS)
             and _override_key(item).split(".", 1)[0] not in TRANSFER_OVERRIDES]
     return kept if source_stage == "pretrain" else [f"stage={source_stage}", *kept]
 

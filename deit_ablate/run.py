@@ -193,6 +193,8 @@ def _final_summary(plan: RunPlan, pieces: Pieces, progress: Progress, facts: dic
     final["streams"] = STREAMS_VERSION
     if pieces.layer_scale_from is not None:
         final["layer_scale_from"] = pieces.layer_scale_from
+    if pieces.transfer_from is not None:
+        final["transfer_from"] = pieces.transfer_from
     if trainer.scaler is not None:
         final["amp_skipped_steps"] = trainer.amp_skipped_steps
     if progress.bad_images or image_folders(pieces):
