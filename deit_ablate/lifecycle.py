@@ -121,9 +121,11 @@ def log_again_if_lost(plan: RunPlan, what_happened: str) -> None:
 
 
 def record_without_training(plan: RunPlan, upstream: str, is_main: bool = True) -> dict[str, Any]:
-    """A fine-tune stage whose pre-training diverged: nothing to fine-tune, logged with the same status."""
+    """A fine-tune stage whose pre-training diverged (a transfer whose source did): nothing to train from, logged
+    with the same status."""
     final = {"status": upstream, "steps_done": 0, "epochs_done": 0, "train_seconds": 0.0,
-             "note": f"pre-training ended as {upstream}; not fine-tuned"}
+             "note": (f"its source run ended as {upstream}; not transferred" if plan.is_transfer
+                      else f"pre-training ended as {upstream}; not fine-tuned")}
     if not is_main:
         return final
     tracker = Tracker(plan.settings, plan.identity, plan.data, enabled=True, run_dir=plan.run_dir.path)
