@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.config import DataName, DistillKind, Stage, compose_run_config
 from deit_ablate.data.builtin import CLASS_SETS
@@ -75,6 +75,11 @@ def check_transfer_config(cfg: DictConfig) -> None:
     if cfg.data.name == DataName.builtin and classes not in CLASS_SETS:
         raise ConfigError(f"data.builtin.classes={classes} is not a built-in class set; use one of "
                           f"{', '.join(CLASS_SETS)} (data/builtin.py).")
+    row = OmegaConf.select(cfg, "hydra.runtime.choices.transfer", default=None)
+    if row is not None and cfg.stage != Stage.transfer:
+        raise ConfigError(f"transfer={row} is a transfer to another dataset (stage=transfer), but stage={cfg.stage} "
+                          f"was given too: drop stage={cfg.stage} to transfer, or drop transfer={row} to train "
+                          "that stage on the source's own data.")
     if cfg.stage != Stage.transfer:
         return
     if cfg.transfer.source_stage == Stage.transfer:

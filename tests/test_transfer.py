@@ -129,6 +129,8 @@ def test_source_overrides_drop_the_transfer_and_its_dataset() -> None:
     assert upstream_role(cfg) == "its source run"
     with pytest.raises(ConfigError, match="transfer.source_stage=transfer"):
         check_transfer_config(compose_config(["transfer=builtin_b", "transfer.source_stage=transfer"]))
+    with pytest.raises(ConfigError, match="transfer=builtin_b is a transfer .* drop stage=finetune"):
+        check_transfer_config(compose_run_config(["transfer=builtin_b", "stage=finetune"]))
 
 
 def test_paper_transfer_recipe_is_issue_45s(tmp_path: Path) -> None:
