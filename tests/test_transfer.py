@@ -7,6 +7,7 @@ import hashlib
 import json
 import pickle
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -236,3 +237,17 @@ def test_demo_transfer_to_the_second_builtin_set_end_to_end(tmp_path: Path, data
     trained = torch.load(RunDir(run).last_checkpoint, weights_only=True)["model"]
     before = torch.load(RunDir(source).last_checkpoint, weights_only=True)["model"]
     assert trained["head.weight"].shape == (10, 32) and not torch.equal(trained["head.weight"], before["head.weight"])
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch: start the cluster with scripts/slurm_up.sh")
+def test_slurm_chains_a_transfer_after_its_source(tmp_path: Path, data_cache: Path) -> None:
+    # a sweep can hold a source and its transfer when the transfer keeps the source's data (stage=transfer, no row)
+    slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=20"]
+    proc = run_train(["-m", "stage=pretrain,transfer", "transfer.source_stage=pretrain", "transfer.global_batch=32",
+                      "train.max_steps=3", *slurm, *TINY], tmp_path, data_cache, timeout=900)
+    assert re.search(r"#1 : stage=transfer .* waits for job \d+ \(its source run\)", proc.stderr + proc.stdout, re.S)
+    results = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")}
+    (transfer,) = [r for r in results.values() if "transfer_from" in r]
+    assert transfer["status"] == "finished" and transfer["transfer_from"]["run"] in results
+    assert results[transfer["transfer_from"]["run"]]["status"] == "finished"
