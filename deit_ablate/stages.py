@@ -1,5 +1,6 @@
-"""The two stages of Table 8: pre-training from scratch, then fine-tuning at a higher resolution; and the runs a run
-starts from: a fine-tune's pre-training, or the LayerScale run whose learned diagonal CaiT's control fixes."""
+"""The two stages of Table 8: pre-training from scratch, then fine-tuning at a higher resolution, and Table 7's
+transfer to another dataset; and the runs a run starts from: a fine-tune's pre-training, a transfer's source run
+(transfer.py), or the LayerScale run whose learned diagonal CaiT's control fixes."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from deit_ablate.identity import (
 )
 from deit_ablate.models import resize_pos_embed_state
 from deit_ablate.rundir import LAST, RUNS, RunDir, runs_root
+from deit_ablate.transfer import SOURCE_ROLE, source_overrides, source_run_dir, source_status
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,17 @@ def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
     """This stage's global batch and the key that sets it (finetune.global_batch, else train.global_batch)."""
     if cfg.stage == Stage.finetune and cfg.finetune.global_batch is not None:
         return cfg.finetune.global_batch, "finetune.global_batch"
+    if cfg.stage == Stage.transfer:
+        return cfg.transfer.global_batch, "transfer.global_batch"
     return cfg.train.global_batch, "train.global_batch"
+
+
+def upstream_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the run this stage starts from: a fine-tune's pre-training or a transfer's source (None for a
+    pre-training, or a stage started from an init_checkpoint)."""
+    if cfg.stage == Stage.transfer:
+        return source_run_dir(cfg, overrides)
+    return pretrain_run_dir(cfg, overrides)
 
 
 def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
@@ -63,7 +75,10 @@ def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> Run
 
 
 def pretrain_status(cfg: DictConfig, upstream: RunDir | None) -> str:
-    """How the pre-training run `upstream` ended ("finished", "diverged", ...); a ConfigError if it has not."""
+    """How the pre-training run `upstream` (a transfer: its source run) ended ("finished", "diverged", ...); a
+    ConfigError if it has not."""
+    if cfg.stage == Stage.transfer:
+        return source_status(cfg, upstream)
     if cfg.finetune.init_checkpoint:
         path = Path(cfg.finetune.init_checkpoint).expanduser()
         if not path.is_file():
@@ -89,6 +104,8 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
         opt = cfg.optimizer
         return StageRecipe(global_batch, opt.name, opt.lr, opt.weight_decay, cfg.train.epochs, opt.warmup_epochs,
                            opt.warmup_lr, opt.min_lr)
+    if cfg.stage == Stage.transfer:
+        return transfer_recipe(cfg, upstream)
     ft = cfg.finetune
     if ft.init_checkpoint:
         init = Path(ft.init_checkpoint).expanduser()
@@ -96,6 +113,18 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
         init = (upstream or pretrain_run_dir(cfg)).last_checkpoint
     return StageRecipe(global_batch, ft.optimizer, ft.lr, ft.weight_decay, ft.epochs, ft.warmup_epochs,
                        ft.warmup_lr, ft.min_lr, train_mode=ft.train_mode, init_checkpoint=init)
+
+
+def transfer_recipe(cfg: DictConfig, source: RunDir | None = None) -> StageRecipe:
+    """Table 7's transfer (the `transfer` block, facebookresearch/deit issue #45), in train mode like a pre-training,
+    from transfer.init_checkpoint, else from the last checkpoint of its source run."""
+    tr = cfg.transfer
+    if tr.init_checkpoint:
+        init = Path(tr.init_checkpoint).expanduser()
+    else:
+        init = (source or source_run_dir(cfg)).last_checkpoint
+    return StageRecipe(tr.global_batch, tr.optimizer, tr.lr, tr.weight_decay, tr.epochs, tr.warmup_epochs,
+                       tr.warmup_lr, tr.min_lr, train_mode=True, init_checkpoint=init)
 
 
 def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -112,6 +141,27 @@ def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:
 def load_pretrained(model: torch.nn.Module, path: str | Path) -> None:
     """Load pre-trained weights into `model`, resizing the position embeddings to its grid."""
     model.load_state_dict(resize_pos_embed_state(pretrained_weights(path), model))
+
+
+def classifier_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """The module names of `model`'s classification head(s): `head`, and `head_dist` on a distilled DeiT."""
+    heads = model.get_classifier()
+    heads = heads if isinstance(heads, tuple) else (heads,)
+    return tuple(name for name, module in model.named_modules() if name and any(module is h for h in heads))
+
+
+def load_backbone(model: torch.nn.Module, path: str | Path) -> tuple[str, ...]:
+    """Load pre-trained weights into `model` but for its classification head(s), which stay newly initialised for
+    the new classes (a transfer); position embeddings resized to its grid. Returns the heads' names."""
+    heads = classifier_names(model)
+    state = {key: value for key, value in pretrained_weights(path).items()
+             if not any(key.startswith(head + ".") for head in heads)}
+    missing, unexpected = model.load_state_dict(resize_pos_embed_state(state, model), strict=False)
+    not_heads = [key for key in missing if not any(key.startswith(head + ".") for head in heads)]
+    if not_heads or unexpected:
+        raise ConfigError(f"the checkpoint {path} is another architecture than this transfer's model: missing "
+                          f"{not_heads[:5]}, unexpected {unexpected[:5]}. Transfer with the source run's model.")
+    return heads
 
 
 # The study whose rows model.kwargs.layer_scale_from names, and the keys of the row that fixes a learned diagonal
@@ -149,6 +199,8 @@ def upstream_overrides(cfg: DictConfig, overrides: list[str]) -> list[str] | Non
     fine-tune's pre-training, or the LayerScale run whose diagonal a pre-training fixes (None: no such run)."""
     if cfg.stage == Stage.finetune:
         return pretrain_overrides(overrides)
+    if cfg.stage == Stage.transfer:
+        return source_overrides(cfg, overrides)
     return layer_scale_source_overrides(cfg, overrides)
 
 
@@ -156,6 +208,8 @@ def upstream_role(cfg: DictConfig) -> str:
     """What the run that `cfg` starts from is to it, in words ("its pre-training"), for logs and plans."""
     if cfg.stage == Stage.finetune:
         return "its pre-training"
+    if cfg.stage == Stage.transfer:
+        return SOURCE_ROLE
     return "its LayerScale run"
 
 
