@@ -22,6 +22,7 @@ ADDED_KEYS: dict[str, object] = {
     "distill.teacher_view": "same",
     "finetune.layer_decay": None,
     "finetune.pretrain_size": None,  # a row's own pre-training size, named in its fine-tune's identity
+    "distill.teacher.chain": None,  # a teacher trained in the same sweep (Table 2); its weights' digest stands for it
 }
 # A permission, not the experiment: the teacher's weights (recorded in the run folder) stand for it.
 TEACHER_PERMISSION = "distill.teacher.allow_unfinished"

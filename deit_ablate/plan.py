@@ -79,7 +79,7 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     named = folder_identity(cfg, run_dir.name, overrides, choices)  # the folder Hydra made, or found
     data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
     # the teacher's weights, refused when they are not those the run folder records
-    identity = agree(info, lambda: with_run_teacher(with_data(named, data), cfg, run_dir))
+    identity = agree(info, lambda: with_run_teacher(with_data(named, data), cfg, run_dir, overrides))
     upstream = pretrain_run_dir(cfg, overrides)
     return RunPlan(settings=cfg, overrides=tuple(overrides), identity=identity, run_dir=run_dir, data=data,
                    batch=plan_batch(cfg, info.world_size), recipe=stage_recipe(cfg, upstream),
