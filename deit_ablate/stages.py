@@ -187,7 +187,7 @@ def chained_teacher(cfg: DictConfig) -> str | None:
 def teacher_run_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
     """The overrides of the teacher run a chained student distils from (None when distill.teacher.chain is unset):
     the student's pre-training overrides without the Table 2 row, distill.* and model.* ones, plus model=<chain>:
-    the run `python train.py model=<chain> ...` trains, with the DeiT recipe, as the paper trained its teachers."""
+    the run `python train.py model=<chain> ...` trains, with the DeiT recipe (as DeiT trained its RegNetY-16GF)."""
     chain = chained_teacher(cfg)
     if chain is None:
         return None
