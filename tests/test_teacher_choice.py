@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,24 @@ def _one(outputs: Path, fragment: str, other: str, absent: bool = False) -> str:
              and (other not in p.name if absent else other in p.name)]
     assert len(names) == 1, names
     return names[0]
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch: start the cluster with scripts/slurm_up.sh")
+def test_a_slurm_submission_chains_teacher_student_and_finetune_with_afterok(tmp_path, data_cache):
+    slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=2",
+             "hydra.launcher.timeout_min=20"]
+    proc = run_train(["-m", "teacher=regnety_16gf", "stage=pretrain,finetune", "finetune.epochs=1",
+                      "train.max_steps=2", *slurm, *TINY], tmp_path, data_cache, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert re.search(r"#0 : model=cnn_demo ", log)  # the teacher run, added by the sweeper, queued first
+    student = re.search(r"#1 waits for job (\d+) \(its teacher run\)", log)
+    finetune = re.search(r"#2 waits for job (\d+) \(its pre-training\)", log)
+    assert student and finetune and int(finetune.group(1)) > int(student.group(1))
+    outputs = tmp_path / "outputs"
+    teacher = RunDir.under(outputs, _one(outputs, "model=cnn_demo", ""))
+    pretrain = RunDir.under(outputs, _one(outputs, "teacher=regnety_16gf,", "finetune", absent=True))
+    tuned = RunDir.under(outputs, _one(outputs, "teacher=regnety_16gf,", "finetune"))
+    assert pretrain.read_result()["teacher"]["run"] == teacher.name
+    times = [run.result.stat().st_mtime_ns for run in (teacher, pretrain, tuned)]
+    assert times == sorted(times) and tuned.read_result()["status"] == "finished"
