@@ -86,8 +86,7 @@ class Preflight(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_launch(config)
-        if not config.runtime.dry_run:
-            check_teacher_trained(config)
         if config.runtime.dry_run:
             print_plans([config], [Path(str(config.hydra.run.dir))])
             sys.exit(0)
+        check_teacher_trained(config)

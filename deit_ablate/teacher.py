@@ -233,7 +233,7 @@ def check_distill_config(cfg) -> None:
     chained = teacher_run_dir(cfg, overrides)
     if chained is not None and teacher_run_state(chained) != "finished":
         return  # trained first by the sweep; a single launch is refused by preflight (stages.finished_teacher_run)
-    reference = teacher_reference(cfg, overrides)
+    reference = str(chained.path) if chained is not None else cfg.distill.teacher.checkpoint
     source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, reference)
     if source.run is not None:
         check_teacher_run(source.run, reference, cfg.distill.teacher.allow_unfinished)
@@ -321,7 +321,8 @@ def teacher_identity(cfg, run_dir: RunDir, overrides: list[str] | None = None) -
         if cfg.runtime.dry_run:
             return None  # the dry run says it waits for it (lifecycle.launch_plan)
         finished_teacher_run(cfg, overrides)  # refused, with the command that trains it
-    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, teacher_reference(cfg, overrides))
+    reference = str(chained.path) if chained is not None else None
+    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, reference)
     path = Path(source.checkpoint).resolve()
     recorded = (run_dir.read_identity() or {}).get("teacher")
     stat = _stat(path)
