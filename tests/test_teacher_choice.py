@@ -82,7 +82,7 @@ def test_table2_rows_numbers_and_models_at_paper_scale():
         cfg = _hydra_config(["preset=paper", f"teacher={row}"])
         assert cfg.distill.type == DistillKind.hard_token and cfg.distill.teacher.chain == option
         assert student_model_name(cfg) == "deit_base_distilled_patch16_224"
-        assert _hydra_config([f"model={option}"]).model.name == timm_name
+        assert _hydra_config([f"model={option}"]).model.name == timm_name == cfg.distill.teacher.model
         assert _hydra_config([f"teacher={row}"]).distill.teacher.chain == demo_option
 
 
