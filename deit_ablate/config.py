@@ -122,6 +122,9 @@ class TeacherConfig:
     # A teacher run folder without a finished result is refused; true distils from its latest checkpoint, with a
     # warning. A permission, not the experiment: the weights' digest (recorded in the run folder) stands for it.
     allow_unfinished: bool = False
+    # A model option (conf/model/<chain>.yaml) this project trains first as the teacher, in the same sweep: the run
+    # of this run's overrides with model=<chain> and no distillation (stages.teacher_run_overrides). Table 2.
+    chain: str | None = None
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""The two stages of Table 8: pre-training from scratch, then fine-tuning at a higher resolution, and Table 7's
+"""The stages of a run: pre-training from scratch, then fine-tuning at a higher resolution (Table 8), and Table 7's
 transfer to another dataset; and the runs a run starts from: a fine-tune's pre-training, a transfer's source run
-(transfer.py), or the LayerScale run whose learned diagonal CaiT's control fixes."""
+(transfer.py), the LayerScale run whose learned diagonal CaiT's control fixes, or the teacher run a chained student
+distils from (Table 2, distill.teacher.chain)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from deit_ablate.identity import (
 )
 from deit_ablate.models import resize_pos_embed_state
 from deit_ablate.rundir import LAST, RUNS, RunDir, runs_root
+from deit_ablate.studies import study_names
 from deit_ablate.transfer import SOURCE_ROLE, source_overrides, source_run_dir, source_status
 
 
@@ -196,11 +198,14 @@ def layer_scale_source_overrides(cfg: DictConfig, overrides: list[str] | None = 
 
 def upstream_overrides(cfg: DictConfig, overrides: list[str]) -> list[str] | None:
     """The overrides of the run that a run launched with `overrides` starts from, which a sweep must train first: a
-    fine-tune's pre-training, or the LayerScale run whose diagonal a pre-training fixes (None: no such run)."""
+    fine-tune's pre-training, the teacher run a chained student distils from, or the LayerScale run whose diagonal a
+    pre-training fixes (None: no such run)."""
     if cfg.stage == Stage.finetune:
         return pretrain_overrides(overrides)
     if cfg.stage == Stage.transfer:
         return source_overrides(cfg, overrides)
+    if chained_teacher(cfg) is not None:
+        return teacher_run_overrides(cfg, overrides)
     return layer_scale_source_overrides(cfg, overrides)
 
 
@@ -210,7 +215,71 @@ def upstream_role(cfg: DictConfig) -> str:
         return "its pre-training"
     if cfg.stage == Stage.transfer:
         return SOURCE_ROLE
+    if chained_teacher(cfg) is not None:
+        return "its teacher run"
     return "its LayerScale run"
+
+
+# The overrides a teacher run leaves out besides every study row (Table 2's, Table 5's ⚗ rows): the student's
+# distillation and its model's keys (the teacher is conf/model/<chain>.yaml as it stands, with the DeiT recipe).
+CHAIN_DROPPED = ("distill", "model")
+
+
+def chained_teacher(cfg: DictConfig) -> str | None:
+    """The model option of the teacher this run trains first (distill.teacher.chain), or None; a ConfigError when
+    conf/model/ has no such option."""
+    chain = cfg.distill.teacher.get("chain")
+    if chain is None or cfg.stage == Stage.transfer:  # a transfer distils from no teacher (transfer.py)
+        return None
+    if not (CONF_DIR / "model" / f"{chain}.yaml").is_file():
+        options = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise ConfigError(f"distill.teacher.chain={chain} is not a model option (conf/model/). Name one of: "
+                          f"{', '.join(options)}.")
+    return str(chain)
+
+
+def teacher_run_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
+    """The overrides of the teacher run a chained student distils from (None when distill.teacher.chain is unset):
+    the student's pre-training overrides without study rows, distill.* and model.* ones, plus model=<chain>:
+    the run `python train.py model=<chain> ...` trains, with the DeiT recipe (as DeiT trained its RegNetY-16GF)."""
+    chain = chained_teacher(cfg)
+    if chain is None:
+        return None
+    kept = pretrain_overrides(task_overrides() if overrides is None else overrides)
+    dropped = (*CHAIN_DROPPED, *study_names())
+    return [f"model={chain}", *(item for item in kept if _override_group(item) not in dropped)]
+
+
+def _override_group(item: str) -> str:
+    """The top-level key or group an override sets (`distill` for `distill.alpha=0.5` and `distill=hard`)."""
+    return item.split("=", 1)[0].lstrip("+~").split(".", 1)[0]
+
+
+def teacher_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the teacher run a chained student distils from (None when distill.teacher.chain is unset)."""
+    teacher_overrides = teacher_run_overrides(cfg, overrides)
+    if teacher_overrides is None:
+        return None
+    upstream = compose_run_config(teacher_overrides)
+    identity = run_identity(upstream, teacher_overrides, composed_choices(upstream))
+    return RunDir.under(cfg.runtime.output_root, folder_name(identity, runs_root(cfg.runtime.output_root)))
+
+
+def finished_teacher_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The finished teacher run a chained student distils from (None when unchained); a ConfigError naming it and
+    the command that trains it when it has not finished."""
+    source = teacher_run_dir(cfg, overrides)
+    if source is None:
+        return None
+    result = source.read_result()
+    if result is None or result["status"] != "finished":
+        state = "has not finished" if result is None else f"ended as {result['status']}"
+        raise ConfigError(
+            f"this run distils from the teacher run '{source.name}' (distill.teacher.chain={chained_teacher(cfg)}), "
+            f"which {state} ({source.result}). Train it first: {_train_command(teacher_run_overrides(cfg, overrides))}"
+            "; or sweep the student with -m (the sweep trains its teacher run first; on SLURM the student waits "
+            "for it).")
+    return source
 
 
 def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
