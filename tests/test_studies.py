@@ -69,8 +69,8 @@ def test_the_registry_finds_the_studies_in_the_config_folders():
     assert studies.defaults_list() == [{"ablation": "baseline"}, {"cait": None}, {"deit3": None},
                                        {"headline": None}, {"sam": None}, {"teacher": None}, {"transfer": None}]
     assert studies.default_tables() == {"ablation": "table8", "cait": "cait", "deit3": "deit3", "headline": "table5",
-                                        "sam": "sam", "teacher": "table2", "transfer": "table7", "distill.type": "table3",
-                                        "resolution.train_size": "table10"}
+                                        "sam": "sam", "teacher": "table2", "transfer": "table7",
+                                        "distill.type": "table3", "resolution.train_size": "table10"}
     # Tables 3 and 10 are paper tables of groups that are not studies (their rows are a config key)
     assert set(studies.paper_tables()) == {"table8", "cait", "deit3", "sam", "table2", "table3", "table3_tiny",
                                            "table10", "table7", "table5"}
