@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from timm.utils import ModelEmaV3
 
 from deit_ablate.config import DistillKind, Precision, Stage, TeacherView
@@ -22,7 +22,7 @@ from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, compile_in_place
 from deit_ablate.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
 from deit_ablate.plan import RunPlan
-from deit_ablate.stages import StageRecipe, fix_layer_scale, load_pretrained
+from deit_ablate.stages import StageRecipe, classifier_names, fix_layer_scale, load_backbone, load_pretrained
 from deit_ablate.teacher import build_teacher, teacher_forward
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, build_fixed_teacher_table
 
@@ -66,6 +66,7 @@ class Pieces:
     trainer: Trainer
     loaders: Loaders
     layer_scale_from: dict[str, str] | None = None  # the run whose learned LayerScale diagonal it fixes
+    transfer_from: dict[str, Any] | None = None  # a transfer's source: its run, checkpoint and the new head(s)
 
 
 def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
@@ -95,9 +96,15 @@ def build_student(plan: RunPlan, info: DistInfo) -> tuple[torch.nn.Module, dict[
     """The student on this rank's device, from its pre-training's weights in a fine-tune, with a fixed LayerScale
     diagonal where the row asks for one; wrapped in DDP on several ranks."""
     cfg = plan.settings
-    model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=plan.model_name)
+    model = build_model(stage_model_config(cfg), cfg.data.num_classes, cfg.resolution.train_size,
+                        name=plan.model_name)
     model = model.to(info.device)
-    if plan.recipe.init_checkpoint is not None:
+    if plan.recipe.init_checkpoint is not None and plan.is_transfer:
+        heads = load_backbone(model, plan.recipe.init_checkpoint)
+        if info.is_main:
+            log.info(f"[run] transferring from {plan.recipe.init_checkpoint}: new head(s) {', '.join(heads)} for "
+                     f"{cfg.data.num_classes} classes")
+    elif plan.recipe.init_checkpoint is not None:
         load_pretrained(model, plan.recipe.init_checkpoint)
         if info.is_main:
             log.info(f"[run] fine-tuning from {plan.recipe.init_checkpoint}")
@@ -135,7 +142,25 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
         log.info(f"[run] SAM on: rho {trainer.sam_rho} around {recipe.optimizer} (Foret et al. 2021), two forward and "
                  f"backward passes per step, each chunk of {plan.batch.micro_batch} images perturbed by its own "
                  "gradient (m-sharpness)")
-    return Pieces(trainer, loaders, layer_scale)
+    return Pieces(trainer, loaders, layer_scale, transfer_source(plan, module))
+
+
+def transfer_source(plan: RunPlan, module: torch.nn.Module) -> dict[str, Any] | None:
+    """What a transfer started from, for its result: the source run's folder, the checkpoint, the new head(s) and
+    their class count (None for the other stages)."""
+    if not plan.is_transfer:
+        return None
+    return {"run": plan.upstream.name if plan.upstream is not None else None,
+            "checkpoint": str(plan.recipe.init_checkpoint), "heads": list(classifier_names(module)),
+            "num_classes": int(plan.settings.data.num_classes)}
+
+
+def stage_model_config(cfg: DictConfig) -> DictConfig:
+    """The model block this stage builds: a transfer's stochastic depth is transfer.drop_path (issue #45 removes
+    it), every other stage's model.drop_path."""
+    if cfg.stage != Stage.transfer:
+        return cfg.model
+    return OmegaConf.merge(cfg.model, {"drop_path": cfg.transfer.drop_path})
 
 
 def stage_optimizer(cfg: DictConfig, recipe: StageRecipe, module: torch.nn.Module, info: DistInfo
@@ -168,7 +193,9 @@ def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.M
                   info: DistInfo | None = None):
     """The loss of one (mixed) batch: the class criterion, plus the teacher's term when distilling."""
     distill = cfg.distill
-    if distill.type == DistillKind.none:
+    # a transfer trains on its new labels only: its source's teacher knows other classes (a distilled model's two
+    # new heads learn the labels through the mean of their logits, timm's output when not distilling)
+    if distill.type == DistillKind.none or cfg.stage == Stage.transfer:
         return lambda images, outputs, targets: criterion(outputs, targets)
     teacher = build_teacher(cfg, device)
     distill_loss = DistillationLoss(criterion, distill.type, distill.alpha, distill.tau, distill.kl_normalization)

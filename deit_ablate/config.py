@@ -19,8 +19,8 @@ class Choice(str, Enum):
         return self.value
 
 
-Stage = Choice("Stage", {name: name for name in ("pretrain", "finetune")})
-DataName = Choice("DataName", {name: name for name in ("builtin", "imagenet", "imagefolder", "cifar100")})
+Stage = Choice("Stage", {name: name for name in ("pretrain", "finetune", "transfer")})
+DataName = Choice("DataName", {name: name for name in ("builtin", "imagenet", "imagefolder", "cifar10", "cifar100")})
 EraseMode = Choice("EraseMode", {name: name for name in ("pixel", "rand", "const")})  # timm RandomErasing
 MixMode = Choice("MixMode", {name: name for name in ("batch", "pair", "elem")})  # timm Mixup
 DistillKind = Choice("DistillKind", {name: name for name in ("none", "soft", "hard", "hard_token", "soft_token")})
@@ -58,6 +58,9 @@ class BuiltinDataConfig:
     train_per_class: int = 500
     val_per_class: int = 100
     seed: int = 0
+    # which shapes: `shapes` (the 10 classes of every run so far) or `shapes_b` (10 others: a second dataset for
+    # the demo's transfer stage; data/builtin.py CLASS_SETS)
+    classes: str = "shapes"
 
 
 @dataclass
@@ -119,6 +122,9 @@ class TeacherConfig:
     # A teacher run folder without a finished result is refused; true distils from its latest checkpoint, with a
     # warning. A permission, not the experiment: the weights' digest (recorded in the run folder) stands for it.
     allow_unfinished: bool = False
+    # A model option (conf/model/<chain>.yaml) this project trains first as the teacher, in the same sweep: the run
+    # of this run's overrides with model=<chain> and no distillation (stages.teacher_run_overrides). Table 2.
+    chain: str | None = None
 
 
 @dataclass
@@ -210,6 +216,29 @@ class FinetuneConfig:
 
 
 @dataclass
+class TransferConfig:
+    """DeiT Table 7: fine-tune a finished run on another dataset with a new classification head.
+
+    The released code has no transfer command; its first author gave the recipe in facebookresearch/deit issue #45
+    (2021-01-22): SGD, batch 768, lr 0.01, weight decay 1e-4, 1000 epochs at 224 or 384 px, random erasing and
+    stochastic depth removed, the rest as on ImageNet (RandAugment, Mixup/CutMix, label smoothing, repeated
+    augmentation, 5 warm-up epochs, cosine). main.py's lr is per 512 images, like optimizer.lr."""
+
+    source_stage: Stage = Stage.finetune  # the run transferred: finetune (Table 7's DeiT-B⚗↑384) or pretrain
+    init_checkpoint: str | None = None  # None: the source run's last checkpoint (its EMA weights if kept)
+    optimizer: str = "sgd"
+    global_batch: int = 768
+    lr: float = 0.01  # per lr_base_batch images, like optimizer.lr
+    weight_decay: float = 1e-4
+    epochs: int = 1000
+    warmup_epochs: float = 5.0
+    warmup_lr: float = 1e-6  # main.py's --warmup-lr default
+    min_lr: float = 1e-5  # main.py's --min-lr default
+    drop_path: float = 0.0  # stochastic depth removed (issue #45)
+    reprob: float = 0.0  # random erasing removed (issue #45)
+
+
+@dataclass
 class TrainConfig:
     """Length, batch and precision of a run."""
 
@@ -248,6 +277,9 @@ class RuntimeConfig:
     log_interval: int = 10
     checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)
     checkpoint_every_minutes: float = 10.0  # ... and every M minutes (0: off), so preemption loses little
+    # where the Table 7 transfer rows find their datasets, each under the row's name (conf/transfer/: cifar10/,
+    # flowers/, ...); data.root overrides it for one run. Where data lies is not which data it is (the fingerprint).
+    data_dir: str = "data"
     output_root: str = "outputs"  # run folders under <output_root>/runs, wandb logs under <output_root>/wandb
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     dry_run: bool = False  # print each run's identity and what a launch would do, then stop
@@ -271,6 +303,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     resolution: ResolutionConfig = field(default_factory=ResolutionConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sharpness: SharpnessConfig = field(default_factory=SharpnessConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

@@ -24,13 +24,18 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from deit_ablate.keys import ADDED_KEYS, NOT_EXPERIMENT, NOT_IDENTITY, is_default_leaf, legacy_keys
+from deit_ablate.keys import ADDED_KEYS, NOT_EXPERIMENT, NOT_IDENTITY, TRANSFER_ONLY, is_default_leaf, legacy_keys
 from deit_ablate.studies import study_names
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
 FINETUNE_ONLY = ("finetune",)
 # Overrides that pick the stage of a run rather than the experiment it continues.
 STAGE_OVERRIDES = ("stage", "resolution")
+# What a transfer run sets that its source run never had: its study row and recipe (`transfer`, `transfer.*`) and
+# the keys that name the dataset it moves to. Other data overrides (the built-in set's size, the loader) stay.
+TRANSFER_OVERRIDES = (TRANSFER_ONLY,)
+TRANSFER_DATA_KEYS = ("data", "data.name", "data.root", "data.num_classes", "data.mean", "data.std",
+                      "data.builtin.classes")
 # What a shortened folder name keeps in front after the study rows (all studies, Table 8's first): the seed.
 KEPT_VISIBLE = ("seed",)
 
@@ -135,8 +140,13 @@ def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
 
 
 def _stage_drop(cfg: DictConfig) -> tuple[str, ...]:
-    """A pre-training run's identity leaves out the fine-tune recipe, which it never uses."""
-    return FINETUNE_ONLY if str(cfg.stage) == "pretrain" else ()
+    """A run's identity leaves out the recipes of later stages, which it never uses: a pre-training both the
+    fine-tune and the transfer recipe, a fine-tune the transfer recipe. A transfer keeps the fine-tune recipe, which
+    names its source run."""
+    stage = str(cfg.stage)
+    if stage == "pretrain":
+        return (*FINETUNE_ONLY, TRANSFER_ONLY)
+    return (TRANSFER_ONLY,) if stage == "finetune" else ()
 
 
 def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, Any]) -> RunIdentity:
@@ -194,6 +204,14 @@ def pretrain_overrides(overrides: list[str]) -> list[str]:
     """The overrides of the pre-training run that a fine-tune launched with `overrides` continues."""
     return [item for item in overrides
             if _override_key(item) not in STAGE_OVERRIDES and _override_key(item).split(".", 1)[0] != "finetune"]
+
+
+def transfer_source_overrides(overrides: list[str], source_stage: str) -> list[str]:
+    """The overrides of the run that a transfer launched with `overrides` fine-tunes on its new data: the same
+    without the stage, resolution, the transfer row and recipe and the new dataset's keys, at `source_stage`."""
+    kept = [item for item in overrides if _override_key(item) not in (*STAGE_OVERRIDES, *TRANSFER_DATA_KEYS)
+            and _override_key(item).split(".", 1)[0] not in TRANSFER_OVERRIDES]
+    return kept if source_stage == "pretrain" else [f"stage={source_stage}", *kept]
 
 
 def swap_overrides(overrides: list[str], choice: str, drop_keys: tuple[str, ...] = ()) -> list[str]:

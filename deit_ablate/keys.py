@@ -22,7 +22,12 @@ ADDED_KEYS: dict[str, object] = {
     "distill.teacher_view": "same",
     "finetune.layer_decay": None,
     "finetune.pretrain_size": None,  # a row's own pre-training size, named in its fine-tune's identity
+    "data.builtin.classes": "shapes",  # the built-in set's shapes; shapes_b (the demo's transfer data) is other data
+    "distill.teacher.chain": None,  # a teacher trained in the same sweep (Table 2); its weights' digest stands for it
 }
+# The transfer recipe (DeiT Table 7), which only the transfer stage reads: runs of the other stages leave it out of
+# their identity and their settings (logs from before it have none).
+TRANSFER_ONLY = "transfer"
 # A permission, not the experiment: the teacher's weights (recorded in the run folder) stand for it.
 TEACHER_PERMISSION = "distill.teacher.allow_unfinished"
 # Leaves of the experiment that never enter its identity.
@@ -62,6 +67,11 @@ def legacy_keys(choices: dict[str, Any]) -> dict[str, str]:
 def is_default_leaf(dotted: str, value: Any) -> bool:
     """Whether a leaf holds a default that the identity leaves out (`data.backend=pil`), as if it were unset."""
     return dotted in ADDED_KEYS and value == ADDED_KEYS[dotted]
+
+
+def unused_by_stage(dotted: str, stage: Any) -> bool:
+    """Whether a dotted key belongs to a stage block the run's stage never reads (`transfer.*` outside transfer)."""
+    return str(stage) != TRANSFER_ONLY and (dotted == TRANSFER_ONLY or dotted.startswith(TRANSFER_ONLY + "."))
 
 
 def is_execution_key(dotted: str) -> bool:

@@ -18,7 +18,7 @@ from deit_ablate.plan import RunPlan
 from deit_ablate.report import wandb_summary
 from deit_ablate.rundir import RunDir, wandb_root
 from deit_ablate.runlock import RunLock
-from deit_ablate.stages import layer_scale_run_dir
+from deit_ablate.stages import layer_scale_run_dir, teacher_run_dir, upstream_role
 from deit_ablate.stopping import StopRequested
 from deit_ablate.streams import copies_augmented_alike
 from deit_ablate.tracking import Tracker, read_epoch_rows, wandb_logs
@@ -121,9 +121,11 @@ def log_again_if_lost(plan: RunPlan, what_happened: str) -> None:
 
 
 def record_without_training(plan: RunPlan, upstream: str, is_main: bool = True) -> dict[str, Any]:
-    """A fine-tune stage whose pre-training diverged: nothing to fine-tune, logged with the same status."""
+    """A fine-tune stage whose pre-training diverged (a transfer whose source did): nothing to train from, logged
+    with the same status."""
     final = {"status": upstream, "steps_done": 0, "epochs_done": 0, "train_seconds": 0.0,
-             "note": f"pre-training ended as {upstream}; not fine-tuned"}
+             "note": (f"its source run ended as {upstream}; not transferred" if plan.is_transfer
+                      else f"pre-training ended as {upstream}; not fine-tuned")}
     if not is_main:
         return final
     tracker = Tracker(plan.settings, plan.identity, plan.data, enabled=True, run_dir=plan.run_dir.path)
@@ -158,18 +160,34 @@ def resume_point(run_dir: RunDir, info: DistInfo) -> tuple[Path, dict[str, Any]]
 
 
 def _waits_for(plan: RunPlan, source: RunDir | None) -> str | None:
-    """What keeps the run from training now (its pre-training or its LayerScale run `source`), or None."""
+    """What keeps the run from training now (its pre-training, its teacher run or its LayerScale run `source`), or
+    None."""
     if plan.upstream is not None:
         upstream = previous_result(plan.upstream, is_main=False)
+        role = upstream_role(plan.settings)  # its pre-training, or a transfer's source run
         if upstream is None:
-            return f"wait for its pre-training {plan.upstream.name}"
+            return f"wait for {role} {plan.upstream.name}"
         if upstream["status"] != "finished":
-            return f"record as {upstream['status']} without training (its pre-training {plan.upstream.name})"
+            return f"record as {upstream['status']} without training ({role} {plan.upstream.name})"
+    teacher = _waits_for_teacher(plan)
+    if teacher is not None:
+        return teacher
     source_result = previous_result(source, is_main=False) if source is not None else None
     if source is not None and source_result is None:
         return f"wait for its LayerScale run {source.name}"
     if source_result is not None and source_result["status"] != "finished":
         return f"refuse (its LayerScale run {source.name} ended as {source_result['status']})"
+    return None
+
+
+def _waits_for_teacher(plan: RunPlan) -> str | None:
+    """What keeps a chained student from training now: its teacher run (distill.teacher.chain), or None."""
+    teacher = teacher_run_dir(plan.settings, list(plan.overrides))
+    result = previous_result(teacher, is_main=False) if teacher is not None else None
+    if teacher is not None and result is None:
+        return f"wait for its teacher run {teacher.name}"
+    if result is not None and result["status"] != "finished":
+        return f"refuse (its teacher run {teacher.name} ended as {result['status']})"
     return None
 
 

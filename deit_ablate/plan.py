@@ -28,7 +28,7 @@ from deit_ablate.identity import (
 from deit_ablate.models import student_model_name
 from deit_ablate.resolvers import folder_identity
 from deit_ablate.rundir import RunDir
-from deit_ablate.stages import StageRecipe, pretrain_run_dir, stage_recipe
+from deit_ablate.stages import StageRecipe, stage_recipe, upstream_run_dir
 from deit_ablate.teacher import with_run_teacher
 from deit_ablate.validate import BatchPlan, plan_batch
 
@@ -45,11 +45,15 @@ class RunPlan:
     batch: BatchPlan
     recipe: StageRecipe
     model_name: str  # the student's timm model (the distilled twin under a token distillation)
-    upstream: RunDir | None  # a fine-tune's pre-training run
+    upstream: RunDir | None  # the run this stage starts from: a fine-tune's pre-training, a transfer's source
 
     @property
     def is_finetune(self) -> bool:
         return self.settings.stage == Stage.finetune
+
+    @property
+    def is_transfer(self) -> bool:
+        return self.settings.stage == Stage.transfer
 
 
 def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
@@ -66,6 +70,12 @@ def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     return current
 
 
+def stage_teacher(identity: RunIdentity, cfg: DictConfig, run_dir: RunDir) -> RunIdentity:
+    """`identity` with the teacher this stage distils from; a transfer distils from none (its source's teacher
+    knows other classes), so it reads no teacher weights."""
+    return identity if cfg.stage == Stage.transfer else with_run_teacher(identity, cfg, run_dir)
+
+
 def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
               overrides: list[str] | None = None) -> RunPlan:
     """The plan of the run `cfg` describes (the running Hydra job's folder and overrides unless given); a problem
@@ -79,8 +89,8 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     named = folder_identity(cfg, run_dir.name, overrides, choices)  # the folder Hydra made, or found
     data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
     # the teacher's weights, refused when they are not those the run folder records
-    identity = agree(info, lambda: with_run_teacher(with_data(named, data), cfg, run_dir))
-    upstream = pretrain_run_dir(cfg, overrides)
+    identity = agree(info, lambda: stage_teacher(with_data(named, data), cfg, run_dir))
+    upstream = upstream_run_dir(cfg, overrides)
     return RunPlan(settings=cfg, overrides=tuple(overrides), identity=identity, run_dir=run_dir, data=data,
                    batch=plan_batch(cfg, info.world_size), recipe=stage_recipe(cfg, upstream),
                    model_name=student_model_name(cfg), upstream=upstream)

@@ -34,6 +34,18 @@ def check_launch(cfg: DictConfig, world_size: int | None = None, where: str = ""
         refuse(error, where)
 
 
+def check_teacher_trained(cfg: DictConfig) -> None:
+    """A single launch of a chained student (distill.teacher.chain) whose teacher run has not finished: one line
+    naming the command that trains it, and exit status 2 (a sweep trains it first instead)."""
+    from deit_ablate.errors import ConfigError
+    from deit_ablate.stages import finished_teacher_run
+
+    try:
+        finished_teacher_run(cfg, list(cfg.hydra.overrides.task))
+    except ConfigError as error:
+        refuse(error)
+
+
 def sweep_run_dir(cfg: DictConfig) -> Path:
     """The folder of a run composed by a sweep (its config holds Hydra's node)."""
     return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
@@ -77,3 +89,4 @@ class Preflight(Callback):
         if config.runtime.dry_run:
             print_plans([config], [Path(str(config.hydra.run.dir))])
             sys.exit(0)
+        check_teacher_trained(config)

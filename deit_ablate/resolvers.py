@@ -38,13 +38,13 @@ def _at_scale_resolver(paper: Any, demo: Any, *, _root_: DictConfig) -> Any:
 
 
 def _at_stage_resolver(pretrain: Any, finetune: Any, *, _root_: DictConfig) -> Any:
-    return finetune if _root_.get("stage") == "finetune" else pretrain
+    return pretrain if _root_.get("stage") == "pretrain" else finetune  # a transfer continues a fine-tuned model
 
 
 def register_resolvers() -> None:
     """Make `${run_name:}` (the run's folder name, from the whole config), `${at_scale:PAPER,DEMO}` (the first
     value, or the second under `preset=demo`: how a study's rows give a number at both scales) and
-    `${at_stage:PRETRAIN,FINETUNE}` (the second under `stage=finetune`) available."""
+    `${at_stage:PRETRAIN,FINETUNE}` (the second at every stage after pre-training) available."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver("run_name", _run_name_resolver)
     if not OmegaConf.has_resolver("at_scale"):

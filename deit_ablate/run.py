@@ -83,7 +83,7 @@ def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
         if info.is_main:
             report_finished(plan, result)
         return result
-    if plan.is_finetune:
+    if plan.is_finetune or plan.is_transfer:
         upstream = pretrain_status(plan.settings, plan.upstream)
         if upstream != "finished":
             return record_without_training(plan, upstream, info.is_main)
@@ -216,6 +216,8 @@ def _final_summary(plan: RunPlan, pieces: Pieces, progress: Progress, facts: dic
     final["streams"] = STREAMS_VERSION
     if pieces.layer_scale_from is not None:
         final["layer_scale_from"] = pieces.layer_scale_from
+    if pieces.transfer_from is not None:
+        final["transfer_from"] = pieces.transfer_from
     if trainer.scaler is not None:
         final["amp_skipped_steps"] = trainer.amp_skipped_steps
     if progress.bad_images or image_folders(pieces):

@@ -1,5 +1,7 @@
-"""The two stages of Table 8: pre-training from scratch, then fine-tuning at a higher resolution; and the runs a run
-starts from: a fine-tune's pre-training, or the LayerScale run whose learned diagonal CaiT's control fixes."""
+"""The stages of a run: pre-training from scratch, then fine-tuning at a higher resolution (Table 8), and Table 7's
+transfer to another dataset; and the runs a run starts from: a fine-tune's pre-training, a transfer's source run
+(transfer.py), the LayerScale run whose learned diagonal CaiT's control fixes, or the teacher run a chained student
+distils from (Table 2, distill.teacher.chain)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from deit_ablate.identity import (
 )
 from deit_ablate.models import resize_pos_embed_state
 from deit_ablate.rundir import LAST, RUNS, RunDir, runs_root
+from deit_ablate.studies import study_names
+from deit_ablate.transfer import SOURCE_ROLE, source_overrides, source_run_dir, source_status
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,17 @@ def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
     """This stage's global batch and the key that sets it (finetune.global_batch, else train.global_batch)."""
     if cfg.stage == Stage.finetune and cfg.finetune.global_batch is not None:
         return cfg.finetune.global_batch, "finetune.global_batch"
+    if cfg.stage == Stage.transfer:
+        return cfg.transfer.global_batch, "transfer.global_batch"
     return cfg.train.global_batch, "train.global_batch"
+
+
+def upstream_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the run this stage starts from: a fine-tune's pre-training or a transfer's source (None for a
+    pre-training, or a stage started from an init_checkpoint)."""
+    if cfg.stage == Stage.transfer:
+        return source_run_dir(cfg, overrides)
+    return pretrain_run_dir(cfg, overrides)
 
 
 def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
@@ -63,7 +77,10 @@ def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> Run
 
 
 def pretrain_status(cfg: DictConfig, upstream: RunDir | None) -> str:
-    """How the pre-training run `upstream` ended ("finished", "diverged", ...); a ConfigError if it has not."""
+    """How the pre-training run `upstream` (a transfer: its source run) ended ("finished", "diverged", ...); a
+    ConfigError if it has not."""
+    if cfg.stage == Stage.transfer:
+        return source_status(cfg, upstream)
     if cfg.finetune.init_checkpoint:
         path = Path(cfg.finetune.init_checkpoint).expanduser()
         if not path.is_file():
@@ -89,6 +106,8 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
         opt = cfg.optimizer
         return StageRecipe(global_batch, opt.name, opt.lr, opt.weight_decay, cfg.train.epochs, opt.warmup_epochs,
                            opt.warmup_lr, opt.min_lr)
+    if cfg.stage == Stage.transfer:
+        return transfer_recipe(cfg, upstream)
     ft = cfg.finetune
     if ft.init_checkpoint:
         init = Path(ft.init_checkpoint).expanduser()
@@ -96,6 +115,18 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
         init = (upstream or pretrain_run_dir(cfg)).last_checkpoint
     return StageRecipe(global_batch, ft.optimizer, ft.lr, ft.weight_decay, ft.epochs, ft.warmup_epochs,
                        ft.warmup_lr, ft.min_lr, train_mode=ft.train_mode, init_checkpoint=init)
+
+
+def transfer_recipe(cfg: DictConfig, source: RunDir | None = None) -> StageRecipe:
+    """Table 7's transfer (the `transfer` block, facebookresearch/deit issue #45), in train mode like a pre-training,
+    from transfer.init_checkpoint, else from the last checkpoint of its source run."""
+    tr = cfg.transfer
+    if tr.init_checkpoint:
+        init = Path(tr.init_checkpoint).expanduser()
+    else:
+        init = (source or source_run_dir(cfg)).last_checkpoint
+    return StageRecipe(tr.global_batch, tr.optimizer, tr.lr, tr.weight_decay, tr.epochs, tr.warmup_epochs,
+                       tr.warmup_lr, tr.min_lr, train_mode=True, init_checkpoint=init)
 
 
 def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -112,6 +143,27 @@ def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:
 def load_pretrained(model: torch.nn.Module, path: str | Path) -> None:
     """Load pre-trained weights into `model`, resizing the position embeddings to its grid."""
     model.load_state_dict(resize_pos_embed_state(pretrained_weights(path), model))
+
+
+def classifier_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """The module names of `model`'s classification head(s): `head`, and `head_dist` on a distilled DeiT."""
+    heads = model.get_classifier()
+    heads = heads if isinstance(heads, tuple) else (heads,)
+    return tuple(name for name, module in model.named_modules() if name and any(module is h for h in heads))
+
+
+def load_backbone(model: torch.nn.Module, path: str | Path) -> tuple[str, ...]:
+    """Load pre-trained weights into `model` but for its classification head(s), which stay newly initialised for
+    the new classes (a transfer); position embeddings resized to its grid. Returns the heads' names."""
+    heads = classifier_names(model)
+    state = {key: value for key, value in pretrained_weights(path).items()
+             if not any(key.startswith(head + ".") for head in heads)}
+    missing, unexpected = model.load_state_dict(resize_pos_embed_state(state, model), strict=False)
+    not_heads = [key for key in missing if not any(key.startswith(head + ".") for head in heads)]
+    if not_heads or unexpected:
+        raise ConfigError(f"the checkpoint {path} is another architecture than this transfer's model: missing "
+                          f"{not_heads[:5]}, unexpected {unexpected[:5]}. Transfer with the source run's model.")
+    return heads
 
 
 # The study whose rows model.kwargs.layer_scale_from names, and the keys of the row that fixes a learned diagonal
@@ -146,9 +198,14 @@ def layer_scale_source_overrides(cfg: DictConfig, overrides: list[str] | None = 
 
 def upstream_overrides(cfg: DictConfig, overrides: list[str]) -> list[str] | None:
     """The overrides of the run that a run launched with `overrides` starts from, which a sweep must train first: a
-    fine-tune's pre-training, or the LayerScale run whose diagonal a pre-training fixes (None: no such run)."""
+    fine-tune's pre-training, the teacher run a chained student distils from, or the LayerScale run whose diagonal a
+    pre-training fixes (None: no such run)."""
     if cfg.stage == Stage.finetune:
         return pretrain_overrides(overrides)
+    if cfg.stage == Stage.transfer:
+        return source_overrides(cfg, overrides)
+    if chained_teacher(cfg) is not None:
+        return teacher_run_overrides(cfg, overrides)
     return layer_scale_source_overrides(cfg, overrides)
 
 
@@ -156,7 +213,73 @@ def upstream_role(cfg: DictConfig) -> str:
     """What the run that `cfg` starts from is to it, in words ("its pre-training"), for logs and plans."""
     if cfg.stage == Stage.finetune:
         return "its pre-training"
+    if cfg.stage == Stage.transfer:
+        return SOURCE_ROLE
+    if chained_teacher(cfg) is not None:
+        return "its teacher run"
     return "its LayerScale run"
+
+
+# The overrides a teacher run leaves out besides every study row (Table 2's, Table 5's ⚗ rows): the student's
+# distillation and its model's keys (the teacher is conf/model/<chain>.yaml as it stands, with the DeiT recipe).
+CHAIN_DROPPED = ("distill", "model")
+
+
+def chained_teacher(cfg: DictConfig) -> str | None:
+    """The model option of the teacher this run trains first (distill.teacher.chain), or None; a ConfigError when
+    conf/model/ has no such option."""
+    chain = cfg.distill.teacher.get("chain")
+    if chain is None or cfg.stage == Stage.transfer:  # a transfer distils from no teacher (transfer.py)
+        return None
+    if not (CONF_DIR / "model" / f"{chain}.yaml").is_file():
+        options = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise ConfigError(f"distill.teacher.chain={chain} is not a model option (conf/model/). Name one of: "
+                          f"{', '.join(options)}.")
+    return str(chain)
+
+
+def teacher_run_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
+    """The overrides of the teacher run a chained student distils from (None when distill.teacher.chain is unset):
+    the student's pre-training overrides without study rows, distill.* and model.* ones, plus model=<chain>:
+    the run `python train.py model=<chain> ...` trains, with the DeiT recipe (as DeiT trained its RegNetY-16GF)."""
+    chain = chained_teacher(cfg)
+    if chain is None:
+        return None
+    kept = pretrain_overrides(task_overrides() if overrides is None else overrides)
+    dropped = (*CHAIN_DROPPED, *study_names())
+    return [f"model={chain}", *(item for item in kept if _override_group(item) not in dropped)]
+
+
+def _override_group(item: str) -> str:
+    """The top-level key or group an override sets (`distill` for `distill.alpha=0.5` and `distill=hard`)."""
+    return item.split("=", 1)[0].lstrip("+~").split(".", 1)[0]
+
+
+def teacher_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the teacher run a chained student distils from (None when distill.teacher.chain is unset)."""
+    teacher_overrides = teacher_run_overrides(cfg, overrides)
+    if teacher_overrides is None:
+        return None
+    upstream = compose_run_config(teacher_overrides)
+    identity = run_identity(upstream, teacher_overrides, composed_choices(upstream))
+    return RunDir.under(cfg.runtime.output_root, folder_name(identity, runs_root(cfg.runtime.output_root)))
+
+
+def finished_teacher_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The finished teacher run a chained student distils from (None when unchained); a ConfigError naming it and
+    the command that trains it when it has not finished."""
+    source = teacher_run_dir(cfg, overrides)
+    if source is None:
+        return None
+    result = source.read_result()
+    if result is None or result["status"] != "finished":
+        state = "has not finished" if result is None else f"ended as {result['status']}"
+        raise ConfigError(
+            f"this run distils from the teacher run '{source.name}' (distill.teacher.chain={chained_teacher(cfg)}), "
+            f"which {state} ({source.result}). Train it first: {_train_command(teacher_run_overrides(cfg, overrides))}"
+            "; or sweep the student with -m (the sweep trains its teacher run first; on SLURM the student waits "
+            "for it).")
+    return source
 
 
 def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:

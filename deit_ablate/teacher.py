@@ -20,8 +20,9 @@ from deit_ablate.config import DistillKind, Stage
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import RunIdentity, with_teacher
 from deit_ablate.logs import log
-from deit_ablate.models import student_model_name
+from deit_ablate.models import is_vision_transformer, student_model_name
 from deit_ablate.rundir import RunDir, find_run, runs_root
+from deit_ablate.stages import finished_teacher_run, teacher_run_dir
 
 
 class TeacherLoadError(ConfigError):
@@ -150,9 +151,10 @@ class TeacherSource:
     run: RunDir | None = None
 
 
-def resolve_teacher(teacher_cfg, output_root: str | Path) -> TeacherSource:
-    """The teacher's architecture, kwargs and checkpoint file; a run folder (or run name) brings all three."""
-    reference = teacher_cfg.checkpoint
+def resolve_teacher(teacher_cfg, output_root: str | Path, reference: str | None = None) -> TeacherSource:
+    """The teacher's architecture, kwargs and checkpoint file; a run folder (or run name) brings all three.
+    `reference` (a chained teacher's run folder, teacher_reference) stands for distill.teacher.checkpoint."""
+    reference = teacher_cfg.checkpoint if reference is None else reference
     name, kwargs = teacher_cfg.model, dict(teacher_cfg.kwargs)
     if reference is None or str(reference).strip() == "":
         return TeacherSource(name, kwargs, None)  # load_teacher explains what to do
@@ -161,8 +163,10 @@ def resolve_teacher(teacher_cfg, output_root: str | Path) -> TeacherSource:
     if run is None:
         return TeacherSource(name, kwargs, path)
     if run.hydra_config.exists():
-        model = yaml.safe_load(run.hydra_config.read_text())["model"]
-        name, kwargs = model["name"], dict(model.get("kwargs") or {})
+        config = yaml.safe_load(run.hydra_config.read_text())
+        name, kwargs = config["model"]["name"], dict(config["model"].get("kwargs") or {})
+        if is_vision_transformer(name):  # a ViT teacher (Table 2's DeiT-B): its grid, resampled to the student's
+            kwargs.update(img_size=config["resolution"]["train_size"], dynamic_img_size=True)
     return TeacherSource(name, kwargs, run.weights(), run)
 
 
@@ -222,11 +226,17 @@ def check_distill_config(cfg) -> None:
     teacher resolves to a loadable file."""
     kind = cfg.distill.type
     student_model_name(cfg)
+    check_chain_keys(cfg)
     if kind == DistillKind.none:
         return
-    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
+    overrides = list(cfg.hydra.overrides.task) if "hydra" in cfg else None
+    chained = teacher_run_dir(cfg, overrides)
+    if chained is not None and teacher_run_state(chained) != "finished":
+        return  # trained first by the sweep; a single launch is refused by preflight (stages.finished_teacher_run)
+    reference = str(chained.path) if chained is not None else cfg.distill.teacher.checkpoint
+    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, reference)
     if source.run is not None:
-        check_teacher_run(source.run, cfg.distill.teacher.checkpoint, cfg.distill.teacher.allow_unfinished)
+        check_teacher_run(source.run, reference, cfg.distill.teacher.allow_unfinished)
     if source.checkpoint is None or not Path(source.checkpoint).is_file():
         load_teacher(source.model, source.checkpoint, cfg.data.num_classes)  # raises for a missing/unset checkpoint
     if not timm.is_model(source.model):
@@ -234,9 +244,30 @@ def check_distill_config(cfg) -> None:
                           "architecture.")
 
 
-def build_teacher(cfg, device: torch.device) -> nn.Module:
+def check_chain_keys(cfg) -> None:
+    """A ConfigError when distill.teacher.chain is set with a teacher checkpoint, or without distillation."""
+    chain = cfg.distill.teacher.get("chain")
+    if chain is None:
+        return
+    if cfg.distill.teacher.checkpoint:
+        raise ConfigError(f"distill.teacher.chain={chain} and distill.teacher.checkpoint="
+                          f"{cfg.distill.teacher.checkpoint} are both set: chain trains the teacher in the same sweep, "
+                          "checkpoint names one trained already. Set only one of them.")
+    if cfg.distill.type == DistillKind.none:
+        raise ConfigError(f"distill.teacher.chain={chain} is set but distill=none: there is no student to distil. "
+                          "Pick a distillation (e.g. distill=hard_token) or drop distill.teacher.chain.")
+
+
+def teacher_reference(cfg, overrides: list[str] | None = None) -> str | None:
+    """The teacher the run distils from: its chained teacher run's folder (distill.teacher.chain), else
+    distill.teacher.checkpoint."""
+    chained = teacher_run_dir(cfg, overrides)
+    return str(chained.path) if chained is not None else cfg.distill.teacher.checkpoint
+
+
+def build_teacher(cfg, device: torch.device, overrides: list[str] | None = None) -> nn.Module:
     """The frozen teacher on `device` (channels_last on GPU), checked against the data's class count."""
-    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
+    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, teacher_reference(cfg, overrides))
     teacher = load_teacher(source.model, source.checkpoint, cfg.data.num_classes, **source.kwargs).to(device)
     if device.type == "cuda" and not hasattr(teacher, "pos_embed"):
         teacher = teacher.to(memory_format=torch.channels_last)
@@ -279,12 +310,19 @@ def _describe(teacher: Mapping[str, Any]) -> str:
     return f"sha1 {teacher['digest'][:12]}, {where}{teacher['checkpoint']}"
 
 
-def teacher_identity(cfg, run_dir: RunDir) -> dict[str, Any] | None:
-    """What the run distils from (None without distillation): the teacher run's name, id and state, the checkpoint
-    file and the digest of its weights. A ConfigError when the run folder records other teacher weights."""
+def teacher_identity(cfg, run_dir: RunDir, overrides: list[str] | None = None) -> dict[str, Any] | None:
+    """What the run distils from (None without distillation, or in a dry run whose chained teacher run has not
+    trained yet): the teacher run's name, id, state and top-1, the checkpoint file and the digest of its weights. A
+    ConfigError when the run folder records other teacher weights, or the chained teacher run has not finished."""
     if cfg.distill.type == DistillKind.none:
         return None
-    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root)
+    chained = teacher_run_dir(cfg, overrides)
+    if chained is not None and teacher_run_state(chained) != "finished":
+        if cfg.runtime.dry_run:
+            return None  # the dry run says it waits for it (lifecycle.launch_plan)
+        finished_teacher_run(cfg, overrides)  # refused, with the command that trains it
+    reference = str(chained.path) if chained is not None else None
+    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, reference)
     path = Path(source.checkpoint).resolve()
     recorded = (run_dir.read_identity() or {}).get("teacher")
     stat = _stat(path)
@@ -293,7 +331,7 @@ def teacher_identity(cfg, run_dir: RunDir) -> dict[str, Any] | None:
     run = source.run
     teacher = {"run": run.name if run else None, "run_id": _run_id(run) if run else None,
                "status": teacher_run_state(run) if run else None, "checkpoint": str(path), "digest": digest,
-               "stat": stat}
+               "stat": stat, **_teacher_top1(run)}
     if recorded is not None and recorded.get("digest") != digest:
         raise ConfigError(
             f"{run_dir.path} holds this experiment distilled from other teacher weights ({_describe(recorded)}) than "
@@ -303,10 +341,19 @@ def teacher_identity(cfg, run_dir: RunDir) -> dict[str, Any] | None:
     return teacher
 
 
-def with_run_teacher(identity: RunIdentity, cfg, run_dir: RunDir) -> RunIdentity:
+def with_run_teacher(identity: RunIdentity, cfg, run_dir: RunDir, overrides: list[str] | None = None) -> RunIdentity:
     """`identity` with the teacher the run distils from (identity.with_teacher); a ConfigError when the run folder
     records other teacher weights."""
-    return with_teacher(identity, teacher_identity(cfg, run_dir), run_dir.read_identity())
+    return with_teacher(identity, teacher_identity(cfg, run_dir, overrides), run_dir.read_identity())
+
+
+def _teacher_top1(run: RunDir | None) -> dict[str, float]:
+    """The teacher run's own top-1 from its result (Table 2's teacher column), where it has one."""
+    with contextlib.suppress(ConfigError, ValueError, OSError):
+        result = run.read_result() if run is not None else None
+        if result and isinstance(result.get("top1"), (int, float)):
+            return {"top1": float(result["top1"])}
+    return {}
 
 
 def _run_id(run: RunDir) -> str | None:

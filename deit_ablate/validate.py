@@ -19,16 +19,19 @@ from deit_ablate.config import (
     DataName,
     DistillKind,
     MixMode,
+    Stage,
     TeacherView,
     TrackingMode,
 )
 from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
+from deit_ablate.models import student_model_name
 from deit_ablate.rundir import check_output_root
 from deit_ablate.stages import layer_scale_row, stage_global_batch
 from deit_ablate.teacher import check_distill_config
 from deit_ablate.tracking import check_tracking
+from deit_ablate.transfer import check_transfer_config
 
 # Keys that must be at least a bound (None, where the schema allows it, means a default and is not checked).
 AT_LEAST = {"optimizer.lr": (0.0, False), "finetune.lr": (0.0, False), "train.epochs": (1, True),
@@ -332,14 +335,18 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_image_sizes(cfg)
     check_layer_decay(cfg)
     check_pretrain_size(cfg)
-    optimizers = {cfg.optimizer.name, cfg.finetune.optimizer}
+    optimizers = {cfg.optimizer.name, cfg.finetune.optimizer, cfg.transfer.optimizer}
     for name in optimizers:
         if name not in list_optimizers():
             raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw, sgd or lamb.")
     if cfg.data.name != DataName.builtin:
         check_data_root(cfg)
     check_teacher_view(cfg)
-    check_distill_config(cfg)
+    check_transfer_config(cfg)
+    if cfg.stage == Stage.transfer:  # a transfer trains without its source's teacher, whose classes are others
+        student_model_name(cfg)
+    else:
+        check_distill_config(cfg)
     if world_size is not None:
         plan_batch(cfg, world_size)
 

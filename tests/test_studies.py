@@ -55,18 +55,25 @@ def throwaway_study() -> Iterator[Path]:
 
 
 def test_the_registry_finds_the_studies_in_the_config_folders():
-    assert studies.study_names() == ("ablation", "cait", "deit3", "sam")
-    table8, cait, deit3, sam = studies.studies()
+    assert studies.study_names() == ("ablation", "cait", "deit3", "headline", "sam", "teacher", "transfer")
+    table8, cait, deit3, headline, sam, teacher, transfer = studies.studies()
     assert (table8.table, table8.baseline, table8.default, len(table8.rows)) == ("table8", "baseline", "baseline", 13)
     assert table8.rows[:2] == ("baseline", "sgd")  # the paper table's order
     assert (cait.table, cait.baseline, cait.default, len(cait.rows)) == ("cait", "depth12", None, 29)
     assert (sam.table, sam.baseline, sam.default, len(sam.rows)) == ("sam", "baseline", None, 12)
     assert (deit3.table, deit3.baseline, deit3.default, len(deit3.rows)) == ("deit3", "baseline", None, 14)
-    assert studies.defaults_list() == [{"ablation": "baseline"}, {"cait": None}, {"deit3": None}, {"sam": None}]
-    assert studies.default_tables() == {"ablation": "table8", "cait": "cait", "deit3": "deit3", "sam": "sam",
+    assert (transfer.table, transfer.default, transfer.rows[:2], len(transfer.rows)) == ("table7", None,
+                                                                                         ("cifar10", "cifar100"), 7)
+    assert (headline.table, headline.baseline, headline.default, len(headline.rows)) == ("table5", "deit_b", None, 7)
+    assert (teacher.table, teacher.baseline, teacher.default, len(teacher.rows)) == ("table2", "regnety_16gf", None, 4)
+    assert studies.defaults_list() == [{"ablation": "baseline"}, {"cait": None}, {"deit3": None},
+                                       {"headline": None}, {"sam": None}, {"teacher": None}, {"transfer": None}]
+    assert studies.default_tables() == {"ablation": "table8", "cait": "cait", "deit3": "deit3", "headline": "table5",
+                                        "sam": "sam", "teacher": "table2", "transfer": "table7",
                                         "distill.type": "table3", "resolution.train_size": "table10"}
     # Tables 3 and 10 are paper tables of groups that are not studies (their rows are a config key)
-    assert set(studies.paper_tables()) == {"table8", "cait", "deit3", "sam", "table3", "table3_tiny", "table10"}
+    assert set(studies.paper_tables()) == {"table8", "cait", "deit3", "sam", "table2", "table3", "table3_tiny",
+                                           "table10", "table7", "table5"}
 
 
 def test_the_preset_defaults_come_from_the_config_files():
@@ -83,7 +90,7 @@ def test_tags_name_table_8_bare_and_other_studies_by_group():
 
 
 def test_a_new_study_is_a_group_with_no_row_by_default(throwaway_study):
-    assert studies.study_names() == ("ablation", "cait", "deit3", "sam", STUDY)
+    assert studies.study_names() == ("ablation", "cait", "deit3", "headline", "sam", "teacher", "transfer", STUDY)
     assert compose_config([f"{STUDY}=smooth2"]).mix.label_smoothing == 0.2
     assert compose_config([]).mix.label_smoothing == 0.1  # no row unless one is named
     long = TINY + ["train.max_steps=1", "seed=1", f"{STUDY}=smooth0"]  # too long for a folder name: cut

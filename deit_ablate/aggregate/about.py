@@ -64,7 +64,7 @@ def model_text(run: RunInfo) -> str:
 
 def epochs_text(run: RunInfo, stage: str) -> str:
     """The epochs the run's stage was set to train."""
-    value = _get(run.config, "finetune.epochs" if stage == "finetune" else "train.epochs")
+    value = _get(run.config, {"finetune": "finetune.epochs", "transfer": "transfer.epochs"}.get(stage, "train.epochs"))
     return NOT_RECORDED if value is None else format_value(value)
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from deit_ablate.studies import default_tables, paper_tables
 
-STAGES = ("pretrain", "finetune")
-STAGE_NAMES = {"pretrain": "pre-train", "finetune": "fine-tune"}
+STAGES = ("pretrain", "finetune", "transfer")
+STAGE_NAMES = {"pretrain": "pre-train", "finetune": "fine-tune", "transfer": "transfer"}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import io
 import json
 from typing import Any
 
-from . import sharp
+from . import sharp, teachers
 from .about import fact_lines, facts, headline
 from .cells import Cell, Row, Split, Table
 from .paper import STAGE_NAMES
@@ -102,6 +102,7 @@ def to_json_dict(table: Table) -> dict[str, Any]:
                 "in_paper": row.in_paper,
                 "delta_to": row.delta_to or None,
                 "cells": {s: cell_record(row.cells[s]) for s in table.stages},
+                **teachers.record(table, row),
             }
             for row in table.rows
         ],
@@ -224,7 +225,7 @@ def _headers(table: Table) -> list[str]:
             heads.append("Δ 95% CI")
             if table.paper is not None:
                 heads.append("seeds/arm")
-    return heads + sharp.headers(table)
+    return heads + teachers.headers(table) + sharp.headers(table)
 
 
 def _row_label(row: Row) -> str:
@@ -245,7 +246,7 @@ def _cells(table: Table, row: Row, digits: int) -> list[str]:
             out.append(interval_text(cell, digits))
             if table.paper is not None:
                 out.append(seeds_text(cell))
-    return out + sharp.cells(table, row)
+    return out + teachers.cells(table, row, digits) + sharp.cells(table, row)
 
 
 def _caption(table: Table, markdown: bool = True) -> str:

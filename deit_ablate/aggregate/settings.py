@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from deit_ablate.keys import LEGACY_CHOICE_KEYS, is_default_leaf, is_execution_key
+from deit_ablate.keys import LEGACY_CHOICE_KEYS, is_default_leaf, is_execution_key, unused_by_stage
 from deit_ablate.studies import default_choices, preset_choices
 
 from .paper import default_table, paper_table
@@ -54,8 +54,10 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def experiment_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings that decide a run's result: the flat config without seed, run names and execution keys."""
-    return {k: v for k, v in flatten(config).items() if not _ignored(k, v)}
+    """The settings that decide a run's result: the flat config without seed, run names and execution keys (nor
+    the transfer recipe outside the transfer stage)."""
+    stage = config.get("stage", "pretrain")
+    return {k: v for k, v in flatten(config).items() if not _ignored(k, v) and not unused_by_stage(k, stage)}
 
 
 def signature(settings: dict[str, Any]) -> tuple[tuple[str, str], ...]:

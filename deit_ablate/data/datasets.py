@@ -1,4 +1,4 @@
-"""Datasets by name: the built-in shapes, ImageNet or any ImageFolder tree, CIFAR-100 from local files."""
+"""Datasets by name: the built-in shapes, ImageNet or any ImageFolder tree, CIFAR-10 and CIFAR-100 from disk."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from torchvision.datasets import CIFAR100
 
 from deit_ablate.config import DataName
 from deit_ablate.data.bad_images import GONE_HINT, SkippingImageFolder
-from deit_ablate.data.builtin import ensure_builtin_dataset
+from deit_ablate.data.builtin import DEFAULT_CLASS_SET, ensure_builtin_dataset
+from deit_ablate.data.cifar10 import CIFAR10Pickles, cifar10_fingerprint, cifar10_folder
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.data.fingerprint import dataset_fingerprint, describe_fingerprint
 from deit_ablate.data.images import IMAGE_EXTENSIONS, class_names, has_image, load_rgb
@@ -37,7 +38,7 @@ def dataset_root(cfg: DictConfig) -> Path:
     if data.name == DataName.builtin:
         b = data.builtin
         root = data.root or Path(os.environ.get("DEIT_ABLATE_CACHE", ".cache")) / "builtin"
-        return ensure_builtin_dataset(root, b.image_size, b.train_per_class, b.val_per_class, b.seed)
+        return ensure_builtin_dataset(root, b.image_size, b.train_per_class, b.val_per_class, b.seed, b.classes)
     return check_data_root(cfg)
 
 
@@ -53,6 +54,8 @@ def check_data_root(cfg: DictConfig) -> Path:
     if not root.is_dir():
         raise ConfigError(f"data.root={data.root} does not exist or is not a folder. Point data.root at the "
                           f"{data.name} folder (for ImageNet, the one holding train/ and val/).")
+    if data.name == DataName.cifar10:
+        cifar10_folder(root)
     if data.name in (DataName.imagenet, DataName.imagefolder):
         missing = [split for split in ("train", "val") if not (root / split).is_dir()]
         if missing:
@@ -113,7 +116,9 @@ def check_same_classes(root: Path, num_classes: int) -> None:
 def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path | None = None) -> Dataset:
     """The `split` ("train" or "val") of the configured dataset with `transform` applied."""
     root = root or dataset_root(cfg)
-    if cfg.data.name == DataName.cifar100:
+    if cfg.data.name == DataName.cifar10:
+        dataset = CIFAR10Pickles(root, train=split == "train", transform=transform)
+    elif cfg.data.name == DataName.cifar100:
         try:
             dataset = CIFAR100(str(root), train=split == "train", transform=transform, download=False)
         except RuntimeError as error:
@@ -133,13 +138,24 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
     return dataset
 
 
+def builtin_params(builtin: DictConfig) -> dict:
+    """The built-in set's drawing parameters as its fingerprint hashes them: the default class set left out, so
+    the digests (and wandb ids) of runs from before data.builtin.classes stay what they were."""
+    params = dict(builtin)
+    if params.get("classes") == DEFAULT_CLASS_SET:
+        params.pop("classes")
+    return params
+
+
 def data_fingerprint(cfg: DictConfig) -> dict:
     """Which data a run trains on, by content: the built-in set by its drawing parameters, a folder by its
     fingerprint (class names, image counts, relative paths and sizes; cached next to the data)."""
     if cfg.data.name == DataName.builtin and not cfg.data.root:
-        params = dict(cfg.data.builtin)
+        params = builtin_params(cfg.data.builtin)
         digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
         return {"digest": digest, "builtin": params}
+    if cfg.data.name == DataName.cifar10:
+        return cifar10_fingerprint(check_data_root(cfg))
     root = dataset_root(cfg) if cfg.data.name != DataName.builtin else Path(cfg.data.root).expanduser()
     fingerprint = dataset_fingerprint(root)
     if "not_read" in fingerprint:

@@ -13,6 +13,12 @@ from deit_ablate.data.fast_jpeg import fast_train_transform
 from deit_ablate.data.three_augment import THREE_AUGMENT_POLICY, with_simple_crop
 
 
+def stage_reprob(cfg: DictConfig) -> float:
+    """Random erasing's probability in this stage: transfer.reprob in a transfer (issue #45 removes it), else
+    augment.reprob."""
+    return float(cfg.transfer.reprob if str(cfg.stage) == "transfer" else cfg.augment.reprob)
+
+
 def build_train_transform(cfg: DictConfig) -> Callable:
     """Random-resized (or DeiT III's simple) crop, flip, the auto-augment policy or 3-Augment, colour jitter where
     timm applies it, normalization and random erasing."""
@@ -26,7 +32,7 @@ def build_train_transform(cfg: DictConfig) -> Callable:
         color_jitter=aug.color_jitter,
         auto_augment=THREE_AUGMENT_POLICY if aug.three_augment else aug.auto_augment,
         interpolation=aug.interpolation,
-        re_prob=aug.reprob,
+        re_prob=stage_reprob(cfg),
         re_mode=aug.remode,
         re_count=aug.recount,
         mean=tuple(cfg.data.mean),

@@ -5,7 +5,8 @@
    write, online tracking without a wandb key or server): one error, nothing submitted. The sweeper
    (sweeper.py) checks them once before, with this launcher's world size, and plans dry runs itself.
 2. A run that starts from another run of the same sweep waits for it with a SLURM dependency (afterok): a
-   fine-tune for its pre-training, so both columns of Table 8 are one submission, and CaiT's LayerScale control
+   fine-tune for its pre-training, so both columns of Table 8 are one submission, a chained student
+   (distill.teacher.chain, Table 2) for its teacher run, and CaiT's LayerScale control
    (model.kwargs.layer_scale_from) for the LayerScale run whose learned diagonal it fixes.
 
 Hydra only loads launchers from the `hydra_plugins` package, hence this module's home. It stays light to
@@ -113,10 +114,11 @@ class DeitSlurmLauncher(SlurmLauncher):
 def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],
                   subdir_of: Callable[[list[str]], str]) -> dict[int, int]:
     """For each run of the sweep that starts from another of its runs (deit_ablate.stages.upstream_overrides), the
-    index of that run; `subdir_of` names a run's folder from its overrides. A LayerScale control whose LayerScale
-    run is neither in the sweep nor finished is a ConfigError (the run would stop on it once queued)."""
+    index of that run; `subdir_of` names a run's folder from its overrides. A LayerScale control or a chained
+    student whose LayerScale or teacher run is neither in the sweep nor finished is a ConfigError (the run would
+    stop on it once queued)."""
     from deit_ablate.config import Stage
-    from deit_ablate.stages import finished_layer_scale_run, upstream_overrides
+    from deit_ablate.stages import finished_layer_scale_run, finished_teacher_run, upstream_overrides
 
     run_index = {cfg.hydra.sweep.subdir: i for i, cfg in enumerate(configs)}
     upstream = {}
@@ -128,6 +130,7 @@ def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],
         if parent in run_index:
             upstream[i] = run_index[parent]
         elif cfg.stage == Stage.pretrain:
+            finished_teacher_run(cfg, list(overrides))
             finished_layer_scale_run(cfg, list(overrides))
     return upstream
 

@@ -1,0 +1,90 @@
+"""DeiT Table 7's transfer stage: the finished run a transfer starts from (its source), found by its overrides as a
+fine-tune finds its pre-training, and the checks a transfer config gets before anything is queued.
+
+A transfer launched with `transfer=<row>` (or `stage=transfer`) fine-tunes the run of the same command without the
+row, the stage, the resolution, the `transfer.*` and the data overrides, at `transfer.source_stage` (the ↑384
+fine-tune by default, Table 7's DeiT-B⚗↑384). That run's folder comes from its identity, composed as Hydra would.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from deit_ablate.config import DataName, DistillKind, Stage, compose_run_config
+from deit_ablate.data.builtin import CLASS_SETS
+from deit_ablate.errors import ConfigError
+from deit_ablate.identity import (
+    composed_choices,
+    folder_name,
+    run_identity,
+    task_overrides,
+    transfer_source_overrides,
+)
+from deit_ablate.rundir import LAST, RUNS, RunDir, runs_root
+
+SOURCE_ROLE = "its source run"
+
+
+def source_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
+    """The overrides of the run a transfer starts from (None: not a transfer, or one from transfer.init_checkpoint)."""
+    if cfg.stage != Stage.transfer or cfg.transfer.init_checkpoint:
+        return None
+    return transfer_source_overrides(task_overrides() if overrides is None else overrides,
+                                     str(cfg.transfer.source_stage))
+
+
+def source_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the run a transfer fine-tunes on its new data (None when there is none to find)."""
+    upstream_overrides = source_overrides(cfg, overrides)
+    if upstream_overrides is None:
+        return None
+    upstream = compose_run_config(upstream_overrides)
+    identity = run_identity(upstream, upstream_overrides, composed_choices(upstream))
+    return RunDir.under(cfg.runtime.output_root, folder_name(identity, runs_root(cfg.runtime.output_root)))
+
+
+def train_command(overrides: list[str]) -> str:
+    """The command line that trains the run of `overrides`."""
+    return " ".join(["python train.py", *(shlex.quote(item) for item in overrides)])
+
+
+def source_status(cfg: DictConfig, source: RunDir | None, overrides: list[str] | None = None) -> str:
+    """How the source run ended ("finished", "diverged", ...); a ConfigError with the command that trains it when it
+    has not."""
+    if cfg.transfer.init_checkpoint:
+        path = Path(cfg.transfer.init_checkpoint).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"transfer.init_checkpoint={path} does not exist. Point it at a checkpoint of a "
+                              f"finished run (outputs/{RUNS}/<run>/{LAST}).")
+        return "finished"
+    result = source.read_result()
+    if result is None:
+        command = train_command(source_overrides(cfg, overrides) or [])
+        raise ConfigError(f"stage=transfer starts from the run '{source.name}', which has not finished "
+                          f"({source.result} is missing). Train it first: {command}; or sweep both in one command "
+                          "(on SLURM the transfer waits for it), or set transfer.init_checkpoint=/path/to/ckpt.pt.")
+    return result["status"]
+
+
+def check_transfer_config(cfg: DictConfig) -> None:
+    """The transfer block and the built-in class set make sense, before anything is queued."""
+    classes = cfg.data.builtin.classes
+    if cfg.data.name == DataName.builtin and classes not in CLASS_SETS:
+        raise ConfigError(f"data.builtin.classes={classes} is not a built-in class set; use one of "
+                          f"{', '.join(CLASS_SETS)} (data/builtin.py).")
+    row = OmegaConf.select(cfg, "hydra.runtime.choices.transfer", default=None)
+    if row is not None and cfg.stage != Stage.transfer:
+        raise ConfigError(f"transfer={row} is a transfer to another dataset (stage=transfer), but stage={cfg.stage} "
+                          f"was given too: drop stage={cfg.stage} to transfer, or drop transfer={row} to train "
+                          "that stage on the source's own data.")
+    if cfg.stage != Stage.transfer:
+        return
+    if cfg.transfer.source_stage == Stage.transfer:
+        raise ConfigError("transfer.source_stage=transfer: a transfer starts from a pre-training or a fine-tune; set "
+                          "transfer.source_stage=finetune (Table 7's ↑384 model) or pretrain.")
+    if cfg.distill.teacher_view != "same" and cfg.distill.type != DistillKind.none:
+        raise ConfigError("distill.teacher_view names what a teacher sees, but the transfer stage trains without its "
+                          "source's teacher (other classes): drop distill.teacher_view.")

@@ -1,0 +1,86 @@
+"""DeiT Table 5, the headline models: DeiT-Ti / S / B, their ⚗ twins distilled from a chained RegNetY-16GF teacher,
+and the 1000-epoch DeiT-B⚗, as a study with the numbers the seeds state."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from deit_ablate.aggregate.paper import paper_table
+from deit_ablate.config import DistillKind
+from deit_ablate.models import student_model_name
+from deit_ablate.stages import teacher_run_overrides
+from deit_ablate.studies import studies
+from tests.conftest import CONF, compose_config, identity_of, run_train
+
+STUDY = "headline"
+# The seeds' numbers (deit-blog-post "7. Results", the chapter's distillation table): top-1 at 224 and ↑384.
+TABLE5 = {"deit_ti": (72.2, None), "deit_s": (None, None), "deit_b": (81.8, 83.1), "deit_ti_distilled": (74.5, None),
+          "deit_s_distilled": (None, None), "deit_b_distilled": (83.4, 84.5), "deit_b_distilled_1000ep": (84.2, 85.2)}
+# Each row at paper scale: the model trained (timm name, with the width and heads the row gives), distilled, epochs.
+MODELS = {"deit_ti": ("deit_tiny_patch16_224", 192, 3), "deit_s": ("deit_small_patch16_224", 384, 6),
+          "deit_b": ("deit_base_patch16_224", None, None)}
+
+
+def test_table5_rows_and_numbers_are_the_seeds():
+    study = next(s for s in studies() if s.name == STUDY)
+    assert (study.table, study.baseline, study.default, study.rows) == ("table5", "deit_b", None, tuple(TABLE5))
+    table = paper_table("table5")
+    assert table.columns == {"pretrain": "224", "finetune": "↑384"} and table.absent == "not in the text"
+    raw = json.loads((CONF / STUDY / "numbers.json").read_text())["table5"]
+    assert {row["key"]: (row["pretrain"], row["finetune"]) for row in raw["rows"]} == TABLE5
+
+
+@pytest.mark.parametrize("row", list(TABLE5))
+def test_each_row_trains_its_model_at_paper_scale(row):
+    cfg = compose_config(["preset=paper", f"{STUDY}={row}"])
+    size = row.split("_")[1]
+    name, width, heads = MODELS[f"deit_{size}"]
+    distilled = "distilled" in row
+    expected = name.replace("_patch", "_distilled_patch") if distilled else name
+    assert student_model_name(cfg) == expected
+    assert (cfg.model.kwargs.get("embed_dim"), cfg.model.kwargs.get("num_heads")) == (width, heads)
+    assert cfg.distill.type == (DistillKind.hard_token if distilled else DistillKind.none)
+    assert cfg.distill.teacher.chain == ("regnety_160" if distilled else None)
+    assert cfg.train.epochs == (1000 if row.endswith("1000ep") else 300)
+
+
+def test_the_rows_share_runs_with_the_other_studies():
+    """DeiT-B is Table 8's baseline run and DeiT-B⚗ Table 2's RegNetY-16GF row: one experiment, one folder."""
+    paper = ["preset=paper"]
+    assert identity_of([*paper, f"{STUDY}=deit_b"]).digest == identity_of(paper).digest
+    assert (identity_of([*paper, f"{STUDY}=deit_b_distilled"]).digest
+            == identity_of([*paper, "teacher=regnety_16gf"]).digest)
+    assert identity_of([*paper, f"{STUDY}=deit_ti"]).digest != identity_of(paper).digest
+
+
+def test_a_distilled_rows_teacher_run_is_the_plain_regnet_run():
+    overrides = ["preset=paper", f"{STUDY}=deit_ti_distilled", "seed=2"]
+    cfg = compose_config(overrides)
+    assert teacher_run_overrides(cfg, overrides) == ["model=regnety_160", "preset=paper", "seed=2"]
+
+
+@pytest.mark.slow
+def test_the_paper_scale_dry_run_plans_every_row_its_teacher_and_fine_tunes(tmp_path, data_cache):
+    root = tmp_path / "imagenet"
+    for split in ("train", "val"):
+        (root / split / "a").mkdir(parents=True)
+        (root / split / "a" / "x.ppm").write_bytes(b"P6 1 1 255\n\x00\x00\x00")
+    proc = run_train(["-m", f"{STUDY}=glob(*)", "stage=pretrain,finetune", "preset=paper", f"data.root={root}",
+                      "data.num_classes=1", "runtime.dry_run=true"], tmp_path, data_cache)
+    plans = re.findall(r"\[dry run\] (\S+) \(wandb id \w+\): (.*)", proc.stdout)
+    teacher = identity_of(["model=regnety_160", "preset=paper", f"data.root={root}", "data.num_classes=1"]).name
+    names = [name for name, _ in plans]
+    assert names.count(teacher) == 1 and plans[names.index(teacher)][1] == "train from step 0"
+    waiting = [i for i, (_, plan) in enumerate(plans) if plan == f"wait for its teacher run {teacher}"]
+    assert waiting and names.index(teacher) < min(waiting)  # the chained teacher before its first student
+    rows = {(re.search(rf"{STUDY}=(\w+)", name).group(1), "stage=finetune" in name): plan
+            for name, plan in plans if name != teacher}
+    assert len(rows) == 2 * len(TABLE5) == len(plans) - 1
+    for row in TABLE5:
+        waits = "distilled" in row
+        assert rows[row, False] == (f"wait for its teacher run {teacher}" if waits else "train from step 0")
+        assert rows[row, True].startswith("wait for its pre-training")
+    assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())

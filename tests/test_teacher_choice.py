@@ -1,0 +1,212 @@
+"""DeiT Table 2 (which teacher) as one chained sweep: the teacher run, the distilled student, its fine-tune."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from deit_ablate.aggregate import cli
+from deit_ablate.aggregate.paper import paper_table
+from deit_ablate.aggregate.reader import RunInfo
+from deit_ablate.aggregate.render import render, to_json_dict
+from deit_ablate.aggregate.table import build_table
+from deit_ablate.config import DistillKind
+from deit_ablate.errors import ConfigError
+from deit_ablate.models import student_model_name
+from deit_ablate.preflight import check_teacher_trained
+from deit_ablate.rundir import RunDir, wandb_root
+from deit_ablate.stages import teacher_run_dir, teacher_run_overrides, upstream_overrides, upstream_role
+from deit_ablate.studies import studies
+from deit_ablate.teacher import check_distill_config, file_weights_digest
+from hydra_plugins.deit_ablate_launcher.slurm import submission_order, upstream_jobs
+from hydra_plugins.deit_ablate_launcher.sweeper import chain_order
+from tests.conftest import CONF, TINY, identity_of, run_train
+
+# Table 2 as the seeds state it (deit-blog-post "6. Which Teacher?", the chapter for RegNetY-8GF): teacher top-1,
+# student at 224, student at ↑384 (None: not in the text).
+TABLE2 = {"deit_b": (81.8, 81.9, 83.1), "regnety_4gf": (80.0, 82.7, 83.6), "regnety_8gf": (81.7, 82.7, None),
+          "regnety_16gf": (82.9, 83.1, 84.2)}
+# Each row's teacher: the model option at paper scale and its timm name, the model option at demo scale.
+TEACHERS = {"deit_b": ("deit_base", "deit_base_patch16_224", "vit_demo"),
+            "regnety_4gf": ("regnety_040", "regnety_040", "cnn_demo"),
+            "regnety_8gf": ("regnety_080", "regnety_080", "cnn_demo"),
+            "regnety_16gf": ("regnety_160", "regnety_160", "cnn_demo")}
+
+
+def _hydra_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def test_the_teacher_run_is_the_students_run_with_the_teachers_model_and_no_distillation(tmp_path):
+    root = f"runtime.output_root={tmp_path}"
+    student = ["teacher=regnety_16gf", "stage=finetune", "resolution=48px", "finetune.lr=1e-5", "distill.alpha=0.3",
+               "model.drop_path=0.2", "seed=3", "augment.reprob=0.1", root]
+    cfg = _hydra_config(student)
+    assert teacher_run_overrides(cfg, student) == ["model=cnn_demo", "seed=3", "augment.reprob=0.1", root]
+    # At paper scale the same row chains RegNetY-16GF; the run is `python train.py model=regnety_160 ...` itself.
+    paper = ["preset=paper", "teacher=regnety_16gf", "seed=3", root]
+    teacher = teacher_run_overrides(_hydra_config(paper), paper)
+    assert teacher == ["model=regnety_160", "preset=paper", "seed=3", root]
+    assert teacher_run_dir(_hydra_config(paper), paper).name == identity_of(teacher).name
+    # The demo ViT teacher is the plain demo run (shared with every study's), whatever overrides name it.
+    demo = ["teacher=deit_b", root]
+    assert teacher_run_dir(_hydra_config(demo), demo).name.endswith(identity_of([root]).digest)
+    assert teacher_run_overrides(_hydra_config([root]), [root]) is None  # an unchained run has no teacher run
+
+
+def test_chain_with_a_checkpoint_or_without_distillation_is_refused():
+    with pytest.raises(ConfigError, match=r"distill\.teacher\.chain=cnn_demo and distill\.teacher\.checkpoint="):
+        check_distill_config(_hydra_config(["teacher=regnety_16gf", "distill.teacher.checkpoint=/tmp/x.pt"]))
+    with pytest.raises(ConfigError, match="distill=none"):
+        check_distill_config(_hydra_config(["distill.teacher.chain=cnn_demo"]))
+    with pytest.raises(ConfigError, match="not a model option"):
+        check_distill_config(_hydra_config(["distill=hard_token", "distill.teacher.chain=regnety_999"]))
+
+
+def test_table2_rows_numbers_and_models_at_paper_scale():
+    study = next(s for s in studies() if s.name == "teacher")
+    assert study.table == "table2" and study.baseline == "regnety_16gf" and study.default is None
+    assert study.rows == tuple(TABLE2)
+    table = paper_table("table2")
+    assert table.columns == {"pretrain": "224", "finetune": "↑384"} and table.absent == "not in the text"
+    raw = json.loads((CONF / "teacher" / "numbers.json").read_text())["table2"]
+    for row in raw["rows"]:
+        assert (row["teacher_top1"], row["pretrain"], row["finetune"]) == TABLE2[row["key"]]
+    for row, (option, timm_name, demo_option) in TEACHERS.items():
+        cfg = _hydra_config(["preset=paper", f"teacher={row}"])
+        assert cfg.distill.type == DistillKind.hard_token and cfg.distill.teacher.chain == option
+        assert student_model_name(cfg) == "deit_base_distilled_patch16_224"
+        assert _hydra_config([f"model={option}"]).model.name == timm_name == cfg.distill.teacher.model
+        assert _hydra_config([f"teacher={row}"]).distill.teacher.chain == demo_option
+
+
+def test_chain_order_puts_each_teacher_run_before_its_first_student_once():
+    # two students of one teacher T, one of U (finished), a plain run P
+    assert chain_order(["s1", "f1", "s2", "p"], ["T", "T", "T", None], set()) == ["T", 0, 1, 2, 3]
+    assert chain_order(["s1", "s2"], ["T", "U"], {"U"}) == ["T", 0, 1]
+    # the teacher run listed later in the sweep moves up; listed earlier, it stays where it is
+    assert chain_order(["s1", "p", "T"], ["T", None, None], set()) == [2, 0, 1]
+    assert chain_order(["T", "s1"], [None, "T"], set()) == [0, 1]
+
+
+def test_slurm_chains_teacher_then_student_then_finetune(tmp_path):
+    common = [f"runtime.output_root={tmp_path}", *TINY]
+    student = ["teacher=regnety_16gf", "stage=pretrain", *common]
+    teacher = teacher_run_overrides(_hydra_config(student), student)
+    jobs = [teacher, student, ["teacher=regnety_16gf", "stage=finetune", *common]]
+    configs = [_hydra_config(job) for job in jobs]
+    assert upstream_overrides(configs[1], jobs[1]) == teacher
+    assert [upstream_role(cfg) for cfg in configs[1:]] == ["its teacher run", "its pre-training"]
+    upstream = upstream_jobs(configs, jobs, lambda job: _hydra_config(job).hydra.sweep.subdir)
+    assert upstream == {1: 0, 2: 1}
+    assert submission_order(upstream) == [(1, 0), (2, 1)]
+    # Alone, with its teacher run untrained, the student is refused before anything is queued, naming the command.
+    with pytest.raises(ConfigError, match="has not finished.*python train.py model=cnn_demo"):
+        upstream_jobs(configs[1:2], jobs[1:2], lambda job: _hydra_config(job).hydra.sweep.subdir)
+
+
+def _student(rid: str, row: str, stage: str, top1: float, teacher: str, teacher_top1: float) -> RunInfo:
+    config = {"preset": "demo", "stage": stage, "seed": 0, "ablation": "baseline", "choices": {"teacher": row}}
+    summary = {"status": "finished", "top1": top1, "teacher": {"run": teacher, "top1": teacher_top1}}
+    return RunInfo(run_id=rid, config=config, summary=summary)
+
+
+def test_table2_view_shows_the_teachers_top1_beside_the_students():
+    runs = [_student("a", "deit_b", "pretrain", 40.0, "model=vit_demo-1", 35.5),
+            _student("b", "deit_b", "finetune", 42.0, "model=vit_demo-1", 35.5),
+            _student("c", "regnety_16gf", "pretrain", 45.0, "model=cnn_demo-2", 50.25)]
+    table = build_table(runs, rows="teacher", only_present=True)
+    text = render(table, "markdown")
+    assert "teacher ours | teacher paper |" in text
+    assert re.search(r"\| deit_b \| 40\.00 .*\| 81\.9 \|.*\| 83\.1 \|.*\| 35\.50 \| 81\.8 \|", text)
+    assert re.search(r"\| regnety_16gf \| 45\.00 .*\| 84\.2 \|.*\| 50\.25 \| 82\.9 \|", text)
+    record = next(r for r in to_json_dict(table)["rows"] if r["key"] == "deit_b")
+    assert record["teacher_runs"] == ["model=vit_demo-1"] and record["teacher_paper"] == 81.8
+    assert "teacher ours" not in render(build_table(runs, rows="stage", only_present=True), "markdown")
+
+
+def test_dry_run_shows_the_chain_in_order(tmp_path, data_cache):
+    proc = run_train(["-m", "teacher=deit_b,regnety_16gf", "stage=pretrain,finetune", "runtime.dry_run=true",
+                      *TINY], tmp_path, data_cache)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
+    assert len(lines) == 6
+    chains = (("model=vit_demo", "teacher=deit_b"), ("model=cnn_demo", "teacher=regnety_16gf"))
+    for i, (teacher, row) in enumerate(chains):
+        first, student, finetune = lines[3 * i: 3 * i + 3]
+        teacher_run = first.split()[2]
+        student_run = student.split()[2]
+        assert teacher in teacher_run and first.endswith("train from step 0")
+        assert student_run.startswith(row) and student.endswith(f"wait for its teacher run {teacher_run}")
+        assert finetune.endswith(f"wait for its pre-training {student_run}")
+    assert not (tmp_path / "outputs" / "runs").exists()  # a dry run writes nothing
+
+
+def test_a_single_launch_of_a_student_without_its_teacher_run_names_the_command(tmp_path, capsys):
+    # preflight's check of `python train.py teacher=regnety_16gf` (no sweep to train the teacher run first)
+    cfg = _hydra_config(["teacher=regnety_16gf", f"runtime.output_root={tmp_path}"])
+    with pytest.raises(SystemExit) as stopped:
+        check_teacher_trained(cfg)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert "has not finished" in error and f"python train.py model=cnn_demo runtime.output_root={tmp_path}" in error
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_two_teacher_sweep_trains_teachers_then_students_then_finetunes(tmp_path, data_cache, capsys):
+    tiny = [*TINY, "finetune.epochs=1", "train.max_steps=4"]
+    run_train(["-m", "teacher=deit_b,regnety_16gf", "stage=pretrain,finetune", *tiny], tmp_path, data_cache)
+    outputs = tmp_path / "outputs"
+    for row, model in (("deit_b", "model=vit_demo"), ("regnety_16gf", "model=cnn_demo")):
+        student = RunDir.under(outputs, _one(outputs, f"teacher={row},", "finetune", absent=True))
+        finetune = RunDir.under(outputs, _one(outputs, f"teacher={row},", "finetune"))
+        teacher = RunDir.under(outputs, _one(outputs, model, ""))
+        recorded = student.read_result()["teacher"]
+        assert recorded["run"] == teacher.name and recorded["top1"] == teacher.read_result()["top1"]
+        assert recorded["digest"] == file_weights_digest(teacher.weights())
+        assert finetune.read_result()["teacher"]["digest"] == recorded["digest"]  # the fine-tune distils from it too
+        # teacher, then student, then fine-tune
+        times = [run.result.stat().st_mtime_ns for run in (teacher, student, finetune)]
+        assert times == sorted(times)
+    assert cli.main([str(wandb_root(outputs)), "--rows", "teacher", "--format", "json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    rows = {row["key"]: row for row in table["rows"]}
+    for row in ("deit_b", "regnety_16gf"):
+        assert rows[row]["cells"]["pretrain"]["n"] == 1 and rows[row]["cells"]["finetune"]["n"] == 1
+        assert rows[row]["cells"]["pretrain"]["paper"] == TABLE2[row][1]
+        assert rows[row]["teacher_paper"] == TABLE2[row][0] and len(rows[row]["teacher_top1"]) == 1
+
+
+def _one(outputs: Path, fragment: str, other: str, absent: bool = False) -> str:
+    """The one run folder whose name holds `fragment`, and `other` (or not, `absent`)."""
+    names = [p.name for p in (outputs / "runs").iterdir() if p.is_dir() and fragment in p.name
+             and (other not in p.name if absent else other in p.name)]
+    assert len(names) == 1, names
+    return names[0]
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch: start the cluster with scripts/slurm_up.sh")
+def test_a_slurm_submission_chains_teacher_student_and_finetune_with_afterok(tmp_path, data_cache):
+    slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=2",
+             "hydra.launcher.timeout_min=20"]
+    proc = run_train(["-m", "teacher=regnety_16gf", "stage=pretrain,finetune", "finetune.epochs=1",
+                      "train.max_steps=2", *slurm, *TINY], tmp_path, data_cache, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert re.search(r"#0 : model=cnn_demo ", log)  # the teacher run, added by the sweeper, queued first
+    student = re.search(r"#1 waits for job (\d+) \(its teacher run\)", log)
+    finetune = re.search(r"#2 waits for job (\d+) \(its pre-training\)", log)
+    assert student and finetune and int(finetune.group(1)) > int(student.group(1))
+    outputs = tmp_path / "outputs"
+    teacher = RunDir.under(outputs, _one(outputs, "model=cnn_demo", ""))
+    pretrain = RunDir.under(outputs, _one(outputs, "teacher=regnety_16gf,", "finetune", absent=True))
+    tuned = RunDir.under(outputs, _one(outputs, "teacher=regnety_16gf,", "finetune"))
+    assert pretrain.read_result()["teacher"]["run"] == teacher.name
+    times = [run.result.stat().st_mtime_ns for run in (teacher, pretrain, tuned)]
+    assert times == sorted(times) and tuned.read_result()["status"] == "finished"

@@ -1,0 +1,253 @@
+"""DeiT Table 7's transfer stage: the CIFAR-10 reader, the second built-in class set, the source run a transfer
+starts from, its recipe and new head, the Table 7 study rows, and (slow) a demo transfer end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, compose_config, identity_of, run_train
+from omegaconf import OmegaConf
+from PIL import Image, ImageDraw
+
+from deit_ablate.aggregate.paper import paper_table
+from deit_ablate.aggregate.settings import experiment_settings
+from deit_ablate.assemble import stage_model_config
+from deit_ablate.config import Stage, compose_run_config
+from deit_ablate.data.builtin import CLASSES, CLASSES_B, _draw_shape, ensure_builtin_dataset
+from deit_ablate.data.cifar10 import FOLDER, META_FILE, TEST_FILES, TRAIN_FILES, CIFAR10Pickles
+from deit_ablate.data.datasets import build_dataset, check_data_root, data_fingerprint
+from deit_ablate.data.transforms import stage_reprob
+from deit_ablate.errors import ConfigError
+from deit_ablate.identity import composed_choices, experiment, experiment_digest, transfer_source_overrides
+from deit_ablate.models import build_model, student_model_name
+from deit_ablate.rundir import RunDir
+from deit_ablate.stages import load_backbone, stage_recipe, upstream_overrides, upstream_role
+from deit_ablate.transfer import check_transfer_config
+
+CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+TABLE7 = {"cifar10": ("cifar10", 10, 99.2), "cifar100": ("cifar100", 100, 91.4),
+          "flowers": ("imagefolder", 102, 98.9), "cars": ("imagefolder", 196, 93.9),
+          "inat18": ("imagefolder", 8142, 80.1), "inat19": ("imagefolder", 1010, 83.0)}
+TEACHER = "/nowhere/regnety_160.pth"  # names the source's teacher; a transfer never reads it
+
+
+def write_cifar10(root: Path, per_class: int = 2) -> dict[str, tuple[np.ndarray, list[int]]]:
+    """The CIFAR-10 pickle layout under `root` with `per_class` images of each class per batch file: each image's
+    pixels hold its batch index, class and place; the rows written, by file."""
+    folder = root / FOLDER
+    folder.mkdir(parents=True)
+    written = {}
+    for batch, name in enumerate((*TRAIN_FILES, *TEST_FILES)):
+        labels = [label for label in range(10) for _ in range(per_class)]
+        data = np.zeros((len(labels), 3 * 32 * 32), dtype=np.uint8)
+        for row, label in enumerate(labels):
+            planes = data[row].reshape(3, 32, 32)
+            planes[0], planes[1], planes[2] = batch, label, row
+        with open(folder / name, "wb") as handle:
+            pickle.dump({b"data": data, b"labels": labels, b"batch_label": name.encode()}, handle)
+        written[name] = (data, labels)
+    with open(folder / META_FILE, "wb") as handle:
+        pickle.dump({b"label_names": [c.encode() for c in CIFAR_CLASSES], b"num_vis": 3072}, handle)
+    return written
+
+
+def test_cifar10_reader_reads_the_pickle_files_it_is_given(tmp_path: Path) -> None:
+    written = write_cifar10(tmp_path)
+    train, test = CIFAR10Pickles(tmp_path, train=True), CIFAR10Pickles(tmp_path, train=False)
+    assert len(train) == 5 * 20 and len(test) == 20 and train.classes == test.classes == CIFAR_CLASSES
+    assert train.targets == [label for name in TRAIN_FILES for label in written[name][1]]
+    image, label = train[47]  # batch file 2, row 7 (class 3): red = batch, green = class, blue = row
+    assert isinstance(image, Image.Image) and image.size == (32, 32) and label == 3
+    assert np.asarray(image)[5, 9].tolist() == [2, 3, 7]
+    cfg = compose_config(["data=cifar10", f"data.root={tmp_path}"])
+    assert check_data_root(cfg) == tmp_path and len(build_dataset(cfg, "val", lambda x: x)) == 20
+    fingerprint = data_fingerprint(cfg)
+    assert fingerprint["classes"] == 10 and fingerprint["images"] == {"train": 100, "val": 20}
+    (tmp_path / FOLDER / TRAIN_FILES[0]).write_bytes((tmp_path / FOLDER / TRAIN_FILES[0]).read_bytes() + b"\0")
+    assert data_fingerprint(cfg)["digest"] != fingerprint["digest"]  # another file size: other data
+
+
+def test_cifar10_reader_names_a_missing_file_and_the_layout(tmp_path: Path) -> None:
+    write_cifar10(tmp_path)
+    (tmp_path / FOLDER / "test_batch").unlink()
+    with pytest.raises(ConfigError, match=r"found no test_batch under .*cifar-10-batches-py.*data.root"):
+        CIFAR10Pickles(tmp_path, train=True)
+    with pytest.raises(ConfigError, match="test_batch"):
+        check_data_root(compose_config(["data=cifar10", f"data.root={tmp_path}"]))
+
+
+def _mask(name: str) -> np.ndarray:
+    """The shape `name` drawn alone, upright and centred: its pixels."""
+    image = Image.new("L", (64, 64), 0)
+    _draw_shape(ImageDraw.Draw(image), name, 32, 32, 24, 0.0, 255, 0)
+    return np.asarray(image) > 0
+
+
+def test_second_builtin_class_set_draws_other_distinct_shapes(tmp_path: Path) -> None:
+    assert len(CLASSES_B) == 10 and not set(CLASSES_B) & set(CLASSES)
+    masks = {name: _mask(name) for name in CLASSES_B}
+    assert all(mask.mean() > 0.05 for mask in masks.values())
+    for a in CLASSES_B:  # no two shapes cover nearly the same pixels
+        for b in CLASSES_B:
+            if a < b:
+                overlap = (masks[a] & masks[b]).sum() / (masks[a] | masks[b]).sum()
+                assert overlap < 0.85, (a, b, overlap)
+    default = ensure_builtin_dataset(tmp_path, 16, 2, 1)
+    second = ensure_builtin_dataset(tmp_path, 16, 2, 1, class_set="shapes_b")
+    assert default.name == "s16-n2-1-seed0" and second != default  # the default keeps its cache folder
+    assert sorted(p.name for p in (second / "train").iterdir()) == sorted(CLASSES_B)
+    with pytest.raises(ConfigError, match="data.builtin.classes=circles"):
+        check_transfer_config(compose_config(["data.builtin.classes=circles"]))
+
+
+def test_default_builtin_digest_is_unchanged_and_the_second_set_is_other_data() -> None:
+    cfg = compose_config([])
+    before = {"image_size": 40, "train_per_class": 500, "val_per_class": 100, "seed": 0}  # main's formula
+    digest = hashlib.sha1(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
+    assert data_fingerprint(cfg) == {"digest": digest, "builtin": before}
+    assert data_fingerprint(compose_config(["transfer=builtin_b"]))["digest"] != digest
+    assert "classes" not in experiment(cfg)["data"]["builtin"]  # runs before the key keep their digest
+
+
+def test_source_overrides_drop_the_transfer_and_its_dataset() -> None:
+    overrides = ["preset=paper", "transfer=cifar10", "stage=transfer", "resolution=384px", "transfer.lr=0.02",
+                 "data.root=/data/cifar10", "data.num_classes=10", "distill=hard_token",
+                 f"distill.teacher.checkpoint={TEACHER}", "data.builtin.train_per_class=30", "seed=1"]
+    kept = ["preset=paper", "distill=hard_token", f"distill.teacher.checkpoint={TEACHER}",
+            "data.builtin.train_per_class=30", "seed=1"]
+    assert transfer_source_overrides(overrides, "finetune") == ["stage=finetune", *kept]
+    assert transfer_source_overrides(overrides, "pretrain") == kept
+    cfg = compose_config(["transfer=builtin_b", "transfer.source_stage=pretrain"])
+    assert upstream_overrides(cfg, ["transfer=builtin_b", "transfer.source_stage=pretrain", "seed=2"]) == ["seed=2"]
+    assert upstream_role(cfg) == "its source run"
+    with pytest.raises(ConfigError, match="transfer.source_stage=transfer"):
+        check_transfer_config(compose_config(["transfer=builtin_b", "transfer.source_stage=transfer"]))
+    with pytest.raises(ConfigError, match="transfer=builtin_b is a transfer .* drop stage=finetune"):
+        check_transfer_config(compose_run_config(["transfer=builtin_b", "stage=finetune"]))
+
+
+def test_paper_transfer_recipe_is_issue_45s(tmp_path: Path) -> None:
+    cfg = compose_config(["preset=paper", "transfer=cifar10"])
+    recipe = stage_recipe(cfg, RunDir(tmp_path / "source"))
+    assert (recipe.optimizer, recipe.lr, recipe.weight_decay, recipe.global_batch) == ("sgd", 0.01, 1e-4, 768)
+    assert (recipe.epochs, recipe.warmup_epochs, recipe.min_lr, recipe.train_mode) == (1000, 5.0, 1e-5, True)
+    assert recipe.init_checkpoint == RunDir(tmp_path / "source").last_checkpoint
+    assert stage_reprob(cfg) == 0.0 and stage_model_config(cfg).drop_path == 0.0
+    assert cfg.augment.reprob == 0.25 and cfg.model.drop_path == 0.1  # the source's own, left as they were
+    assert cfg.resolution.train_size == 384 and cfg.augment.auto_augment == "rand-m9-mstd0.5-inc1"
+    assert (cfg.mix.mixup_alpha, cfg.mix.cutmix_alpha, cfg.augment.repeated_aug) == (0.8, 1.0, 3)
+
+
+def test_pretrain_and_finetune_identities_ignore_the_transfer_block() -> None:
+    for stage, drop in ((["stage=pretrain"], ("finetune",)), (["stage=finetune"], ())):
+        base = identity_of([*stage, "ablation=no_mixup"])
+        assert identity_of([*stage, "ablation=no_mixup", "transfer.lr=0.5"]).digest == base.digest
+        # main's formula, on the config without the transfer node it did not have
+        cfg = compose_run_config([*stage, "ablation=no_mixup"])
+        before = OmegaConf.create({str(k): OmegaConf.to_container(cfg[k], resolve=True, enum_to_str=True)
+                                   if OmegaConf.is_config(cfg[k]) else cfg[k]
+                                   for k in cfg if k not in ("hydra", "transfer")})
+        assert experiment_digest(before, drop, composed_choices(cfg)) == base.digest
+    transfer = identity_of(["transfer=builtin_b"])
+    assert identity_of(["transfer=builtin_b", "transfer.lr=0.5"]).digest != transfer.digest
+    assert identity_of(["transfer=builtin_b", "finetune.lr=1e-3"]).digest != transfer.digest  # names its source
+    # the aggregator: a log from before the transfer node is the same setting as one with it
+    config = OmegaConf.to_container(compose_config(["stage=finetune"]), resolve=True)
+    old = {k: v for k, v in config.items() if k != "transfer"}
+    assert experiment_settings(config) == experiment_settings(old)
+
+
+@pytest.mark.parametrize("row", sorted(TABLE7))
+def test_table7_rows_at_paper_scale(row: str) -> None:
+    cfg = compose_run_config(["preset=paper", f"transfer={row}", "distill=hard_token",
+                              f"distill.teacher.checkpoint={TEACHER}", "runtime.data_dir=/datasets"])
+    data, classes, top1 = TABLE7[row]
+    assert cfg.stage == Stage.transfer and cfg.hydra.runtime.choices.resolution == "paper_transfer"
+    assert student_model_name(cfg) == "deit_base_distilled_patch16_224" and cfg.resolution.train_size == 384
+    assert (cfg.data.name, cfg.data.num_classes, cfg.data.root) == (data, classes, f"/datasets/{row}")
+    table = paper_table("table7")
+    assert table.model == "DeiT-B⚗↑384" and table.row(row).values["transfer"] == top1
+
+
+@pytest.mark.parametrize("distilled", [False, True])
+def test_transfer_gets_new_heads_and_the_source_backbone(tmp_path: Path, distilled: bool) -> None:
+    model_cfg = compose_config(["model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]).model
+    name = "deit_tiny_distilled_patch16_224" if distilled else None
+    torch.manual_seed(0)
+    source = build_model(model_cfg, 10, 32, name=name)
+    torch.save({"model": source.state_dict(), "step": 1}, tmp_path / "checkpoint-last.pt")
+    torch.manual_seed(1)
+    target = build_model(model_cfg, 7, 48, name=name)
+    new_head = {k: v.clone() for k, v in target.state_dict().items() if k.startswith("head")}
+    heads = load_backbone(target, tmp_path / "checkpoint-last.pt")
+    assert heads == (("head", "head_dist") if distilled else ("head",))
+    state, before = target.state_dict(), source.state_dict()
+    for key, value in state.items():
+        if key.startswith("head"):
+            assert value.shape[0] == 7 and torch.equal(value, new_head[key]), key
+        elif key == "pos_embed":
+            prefix = 2 if distilled else 1
+            assert value.shape[1] == prefix + 36 and torch.equal(value[:, :prefix], before[key][:, :prefix])
+        else:
+            assert torch.equal(value, before[key]), key
+
+
+def test_paper_table7_dry_run_finds_its_source_run(tmp_path: Path, data_cache: Path) -> None:
+    data_dir = tmp_path / "datasets"
+    write_cifar10(data_dir / "cifar10")
+    (data_dir / "cifar100").mkdir(parents=True)
+    png = tmp_path / "one.png"
+    Image.new("RGB", (8, 8)).save(png)
+    for row in ("flowers", "cars"):
+        for split in ("train", "val"):
+            for k in range(TABLE7[row][1]):
+                (data_dir / row / split / f"c{k:03d}").mkdir(parents=True)
+                (data_dir / row / split / f"c{k:03d}" / "a.png").hardlink_to(png)
+    common = ["preset=paper", "distill=hard_token", f"distill.teacher.checkpoint={TEACHER}"]
+    proc = run_train(["-m", "transfer=cifar10,cifar100,flowers,cars", *common, f"runtime.data_dir={data_dir}",
+                      "runtime.dry_run=true"], tmp_path, data_cache)
+    source = identity_of(["stage=finetune", *common]).name
+    lines = re.findall(r"\[dry run\] (\S+) \(wandb id \w+\): (.*)", proc.stdout)
+    assert len(lines) == 4 and {plan for _, plan in lines} == {f"wait for its source run {source}"}
+    assert {name.split(",")[-1].split("-")[0] for name, _ in lines} == {f"transfer={r}" for r in
+                                                                         ("cifar10", "cifar100", "flowers", "cars")}
+
+
+@pytest.mark.slow
+def test_demo_transfer_to_the_second_builtin_set_end_to_end(tmp_path: Path, data_cache: Path, tiny_run) -> None:
+    tiny_run.copy_into(tmp_path)
+    source = tiny_run.run_dir()
+    args = ["transfer=builtin_b", "transfer.source_stage=pretrain", "transfer.global_batch=32", "transfer.epochs=2",
+            *TINY]
+    assert f"starting from {source.name}" in run_train([*args, "runtime.dry_run=true"], tmp_path, data_cache).stdout
+    run_train(args, tmp_path, data_cache)
+    (run,) = [p for p in (tmp_path / "outputs" / "runs").iterdir() if p.name.startswith("transfer=builtin_b")]
+    result = json.loads(RunDir(run).result.read_text())
+    assert result["status"] == "finished" and result["epochs_done"] == 2 and result["top1"] >= 0.0
+    assert result["transfer_from"]["run"] == source.name and result["transfer_from"]["heads"] == ["head"]
+    assert result["data_fingerprint"]["builtin"]["classes"] == "shapes_b"
+    trained = torch.load(RunDir(run).last_checkpoint, weights_only=True)["model"]
+    before = torch.load(RunDir(source).last_checkpoint, weights_only=True)["model"]
+    assert trained["head.weight"].shape == (10, 32) and not torch.equal(trained["head.weight"], before["head.weight"])
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch: start the cluster with scripts/slurm_up.sh")
+def test_slurm_chains_a_transfer_after_its_source(tmp_path: Path, data_cache: Path) -> None:
+    # a sweep can hold a source and its transfer when the transfer keeps the source's data (stage=transfer, no row)
+    slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=20"]
+    proc = run_train(["-m", "stage=pretrain,transfer", "transfer.source_stage=pretrain", "transfer.global_batch=32",
+                      "train.max_steps=3", *slurm, *TINY], tmp_path, data_cache, timeout=900)
+    assert re.search(r"#1 : stage=transfer .* waits for job \d+ \(its source run\)", proc.stderr + proc.stdout, re.S)
+    results = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")}
+    (transfer,) = [r for r in results.values() if "transfer_from" in r]
+    assert transfer["status"] == "finished" and transfer["transfer_from"]["run"] in results
+    assert results[transfer["transfer_from"]["run"]]["status"] == "finished"
