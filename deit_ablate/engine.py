@@ -17,6 +17,7 @@ from deit_ablate.artifacts import HighNormCounter, high_norm_percent, measures_h
 from deit_ablate.distributed import DistInfo, all_reduce_sum
 from deit_ablate.losses import distilled_eval_outputs, distilled_head_logits
 from deit_ablate.models import set_training_mode
+from deit_ablate.predictions import LocalPredictions
 from deit_ablate.sam import (
     GRAD_EVALS_PER_STEP,
     PassTimer,
@@ -285,8 +286,10 @@ _HEADS = ((4, "cls"), (5, "dist"), (6, "fused_alt"))
 
 @torch.inference_mode()
 def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dtype | None = None,
-             max_batches: int | None = None, fusion: str = "prob") -> dict[str, float]:
-    """Top-1, top-5 (in percent) and mean cross-entropy over the whole eval set, summed across ranks.
+             max_batches: int | None = None, fusion: str = "prob",
+             predictions: LocalPredictions | None = None) -> dict[str, float]:
+    """Top-1, top-5 (in percent) and mean cross-entropy over the whole eval set, summed across ranks; with
+    `predictions`, each image's predicted class per head is kept there too (this rank's, in its loader's order).
 
     A model with a distillation token is ranked by its fused prediction (rule `fusion`); the class head, the
     distillation head and the other fusion rule are reported as top1_cls, top1_dist and top1_fused_alt. A ViT also
@@ -295,7 +298,7 @@ def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dt
     model.eval()
     counter = HighNormCounter(model, info.device) if measures_high_norm(model) else None
     try:
-        metrics = _evaluate(model, loader, info, amp_dtype, max_batches, fusion)
+        metrics = _evaluate(model, loader, info, amp_dtype, max_batches, fusion, predictions)
     finally:
         if counter is not None:
             counter.remove()
@@ -306,7 +309,7 @@ def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dt
 
 
 def _evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dtype | None,
-              max_batches: int | None, fusion: str) -> dict[str, float]:
+              max_batches: int | None, fusion: str, predictions: LocalPredictions | None = None) -> dict[str, float]:
     """evaluate's accuracy and loss."""
     sums = torch.zeros(7, dtype=torch.float64, device=info.device)  # correct@1, @5, loss, count, then _HEADS
     autocast = (torch.autocast(device_type=info.device.type, dtype=amp_dtype) if amp_dtype is not None
@@ -321,6 +324,8 @@ def _evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.d
         ranked = scores.get("main", scores.get("fused"))
         top5 = ranked.topk(min(5, ranked.shape[1]), dim=1).indices
         hits = top5.eq(targets[:, None])
+        if predictions is not None:
+            predictions.add(scores, top5[:, 0], targets)
         sums[0] += hits[:, 0].sum()
         sums[1] += hits.any(dim=1).sum()
         sums[2] += torch.nn.functional.cross_entropy(scores.get("main", scores.get("cls")), targets, reduction="sum")

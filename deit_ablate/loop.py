@@ -23,6 +23,7 @@ from deit_ablate.distributed import DistInfo, barrier, gather_objects
 from deit_ablate.engine import Diverged, evaluate
 from deit_ablate.logs import log
 from deit_ablate.plan import RunPlan
+from deit_ablate.predictions import LocalPredictions
 from deit_ablate.stopping import StopRequested, StopSignals
 from deit_ablate.streams import RunStreams
 from deit_ablate.tracking import Tracker
@@ -52,6 +53,8 @@ class Progress:
     ema_metrics: dict[str, float] = field(default_factory=dict)
     bad_images: set[str] = field(default_factory=set)
     resumed_from: Path | None = None  # the checkpoint this launch resumed from
+    predictions: LocalPredictions | None = None  # this rank's share of the last evaluation's headline predictions
+    predicted_by: str = "model"  # whose they are: "model", or "ema" when the EMA's top-1 is the headline
 
 
 def image_folders(pieces: Pieces) -> list[SkippingImageFolder]:
@@ -191,12 +194,17 @@ class EpochLoop:
                                     f"{self.plan.run_dir.last_checkpoint}")
 
     def evaluate_now(self) -> float:
-        """Evaluate the model (and its EMA), collect unreadable images; the headline top-1 (EMA's when kept)."""
+        """Evaluate the model (and its EMA), collect unreadable images; the headline top-1 (EMA's when kept).
+        The headline weights' predicted classes are kept too (argmax of scores computed anyway; on the device)."""
         progress, trainer = self.progress, self.trainer
         settings = (self.pieces.loaders.val_loader, trainer.info, trainer.amp_dtype,
                     self.plan.settings.train.eval_max_batches, self.plan.settings.distill.fusion)
-        progress.metrics = evaluate(trainer.model, *settings)
-        progress.ema_metrics = evaluate(trainer.ema.module, *settings) if trainer.ema is not None else {}
+        progress.predictions = LocalPredictions()
+        progress.predicted_by = "model" if trainer.ema is None else "ema"
+        model_kept = progress.predictions if trainer.ema is None else None
+        progress.metrics = evaluate(trainer.model, *settings, predictions=model_kept)
+        progress.ema_metrics = (evaluate(trainer.ema.module, *settings, predictions=progress.predictions)
+                                if trainer.ema is not None else {})
         self.collect_bad_images()
         return progress.ema_metrics["top1"] if progress.ema_metrics else progress.metrics["top1"]
 

@@ -40,8 +40,9 @@ from deit_ablate.logs import log
 from deit_ablate.loop import EpochLoop, Progress, image_folders
 from deit_ablate.models import architecture, describe_architecture
 from deit_ablate.plan import RunPlan, make_plan
+from deit_ablate.predictions import INDEX, compact, gather_in_order
 from deit_ablate.report import print_summary, summarize, wandb_summary
-from deit_ablate.rundir import RunDir
+from deit_ablate.rundir import DATA, RunDir
 from deit_ablate.sharpness import figures_text, measure_weights
 from deit_ablate.stages import pretrain_status
 from deit_ablate.stopping import StopSignals
@@ -130,13 +131,35 @@ def _train(plan: RunPlan, info: DistInfo) -> dict[str, Any]:
     sharpness = _sharpness_at_end(plan, info, pieces, progress.status)
     if sharpness is not None:
         final["sharpness"] = sharpness  # result.json keeps it with its settings; wandb, the three figures
+    predictions = _gathered_predictions(plan, info, pieces, progress)
     tracker.summary(wandb_summary(final))
     tracker.finish(exit_code=0)
     if info.is_main:
+        if predictions is not None:  # before result.json: a finished run has both
+            plan.run_dir.write_predictions(*predictions)
         record_result(plan, final)
         log_again_if_lost(plan, "was removed while the run trained")
         print_summary(plan.identity.name, plan.identity.run_id, final, plan.run_dir.path)
     return broadcast_object(final, info)
+
+
+def _gathered_predictions(plan: RunPlan, info: DistInfo, pieces: Pieces,
+                          progress: Progress) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A finished run's final predictions in dataset order and their record, on rank 0 (None elsewhere, and for a
+    run that did not finish); every rank takes part in the gather."""
+    if progress.status != "finished" or progress.predictions is None:
+        return None
+    val_loader = pieces.loaders.val_loader
+    arrays = gather_in_order(progress.predictions, val_loader, info)
+    if arrays is None:
+        return None
+    record = {"run_id": plan.identity.run_id, "name": plan.identity.name, DATA: dict(plan.data), "split": "val",
+              "split_images": len(val_loader.dataset), "images": int(arrays[INDEX].size),
+              "checkpoint": plan.run_dir.last_checkpoint.name, "weights": progress.predicted_by,
+              "step": pieces.trainer.step, "epochs_done": progress.epochs_done, "model_name": plan.model_name,
+              "fusion": plan.settings.distill.fusion if "fused" in arrays else None,
+              "top1": progress.ema_metrics.get("top1", progress.metrics.get("top1"))}
+    return compact(arrays), record
 
 
 def _sharpness_at_end(plan: RunPlan, info: DistInfo, pieces: Pieces, status: str) -> dict[str, Any] | None:

@@ -22,6 +22,9 @@
           checkpoint-best.pt      at the end of an epoch with a new best top-1 (a teacher's weights come from it)
           <checkpoint>.unreadable checkpoint.set_aside: a checkpoint a resume could not read, kept for a person
           metrics.csv             tracking.Tracker, one row per epoch (rows from before a resume replaced)
+          predictions.npz         RunDir.write_predictions, just before result.json (a finished run): each eval image's
+                                  predicted class per head and its label, in dataset order, with the data
+                                  fingerprint, split and checkpoint they are of (deit_ablate/predictions.py)
           result.json             RunDir.record_result, once the run ends (finished, diverged, failed) or is
                                   recorded without training; its presence makes a relaunch skip the run
           .<file>[.<random>].tmp  atomic.atomic_write's temp files (TEMP_PATTERNS); a killed writer's are removed by
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deit_ablate.atomic import write_json_atomic
+from deit_ablate.atomic import atomic_write, write_json_atomic
 from deit_ablate.errors import ConfigError
 
 if TYPE_CHECKING:  # the aggregator reads run folders without importing omegaconf
@@ -55,13 +58,14 @@ if TYPE_CHECKING:  # the aggregator reads run folders without importing omegacon
 # The files of a run folder.
 LAST, PREV, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
 RESULT, IDENTITY, METRICS, LOCK, LOG = "result.json", "identity.json", "metrics.csv", "run.lock", "train.log"
+PREDICTIONS, PREDICTIONS_META = "predictions.npz", "meta"  # the file, and its array holding the JSON record
 RANK_LOG = "train-rank{}.log"  # the log of rank N > 0
 HYDRA, HYDRA_CONFIG, HYDRA_OVERRIDES, HYDRA_SETTINGS = ".hydra", "config.yaml", "overrides.yaml", "hydra.yaml"
 UNREADABLE = "{}.unreadable"  # a checkpoint set aside
 LOCK_ASIDE = LOCK + ".stale-{}"  # a stale lock being taken over, by the taker's token
 # What a killed writer leaves: the temp files of the files written atomically (never the lock's staged file,
 # which a launch waiting for the lock may be writing).
-ATOMIC_FILES = (LAST, PREV, BEST, RESULT, IDENTITY, METRICS)
+ATOMIC_FILES = (LAST, PREV, BEST, RESULT, IDENTITY, METRICS, PREDICTIONS)
 TEMP_PATTERNS = tuple(f".{name}*.tmp" for name in ATOMIC_FILES)
 # The folders a launch writes under runtime.output_root: Hydra's run folders, and wandb's logs (the folder wandb
 # itself makes under the `dir` it is given: tracking passes output_root).
@@ -184,6 +188,10 @@ class RunDir:
         return self.path / METRICS
 
     @property
+    def predictions(self) -> Path:
+        return self.path / PREDICTIONS
+
+    @property
     def lock(self) -> Path:
         return self.path / LOCK
 
@@ -245,6 +253,25 @@ class RunDir:
     def record_result(self, identity: RunIdentity, data: Mapping[str, Any], final: Mapping[str, Any]) -> None:
         """Write the run's result.json: its summary `final`, named by its identity and data."""
         self.write_result(result_record(identity, data, final))
+
+    def write_predictions(self, arrays: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+        """Write predictions.npz atomically: the integer `arrays` (numpy) and `record` (JSON) under `meta`."""
+        import numpy as np
+
+        payload = {**arrays, PREDICTIONS_META: np.array(json.dumps(dict(record)))}
+        atomic_write(self.predictions, lambda handle: np.savez_compressed(handle, **payload),
+                     temp=self.temp_for(self.predictions))
+
+    def read_predictions(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """predictions.npz's arrays and record, or None when the run has none (it finished before runs kept them)."""
+        import numpy as np
+
+        if not self.predictions.is_file():
+            return None
+        with np.load(self.predictions, allow_pickle=False) as held:
+            arrays = {name: held[name] for name in held.files if name != PREDICTIONS_META}
+            record = json.loads(str(held[PREDICTIONS_META]))
+        return arrays, record
 
     def read_identity(self) -> dict[str, Any] | None:
         """What the run recorded about itself when it first started (identity_record), under today's names, or

@@ -143,7 +143,7 @@ def test_hydra_writes_the_run_folders_under_rundirs_runs_root():
 
 
 LITERALS = re.compile(r"""["'](checkpoint-(last|prev|best)\.pt|result\.json|identity\.json|metrics\.csv|run\.lock|"""
-                      r"""train\.log|runs|wandb)["']""")
+                      r"""train\.log|predictions\.npz|runs|wandb)["']""")
 
 
 def test_no_other_module_spells_a_run_folder_name():
