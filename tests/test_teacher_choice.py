@@ -131,6 +131,7 @@ def test_table2_view_shows_the_teachers_top1_beside_the_students():
     assert "teacher ours" not in render(build_table(runs, rows="stage", only_present=True), "markdown")
 
 
+@pytest.mark.slow
 def test_dry_run_shows_the_chain_in_order(tmp_path, data_cache):
     proc = run_train(["-m", "teacher=deit_b,regnety_16gf", "stage=pretrain,finetune", "runtime.dry_run=true",
                       *TINY], tmp_path, data_cache)

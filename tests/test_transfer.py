@@ -200,6 +200,7 @@ def test_transfer_gets_new_heads_and_the_source_backbone(tmp_path: Path, distill
             assert torch.equal(value, before[key]), key
 
 
+@pytest.mark.slow
 def test_paper_table7_dry_run_finds_its_source_run(tmp_path: Path, data_cache: Path) -> None:
     data_dir = tmp_path / "datasets"
     write_cifar10(data_dir / "cifar10")
