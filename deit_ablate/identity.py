@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -198,6 +199,11 @@ def folder_name(identity: RunIdentity, runs_root: Path) -> str:
     then, else `identity.name`."""
     existing = sorted(runs_root.glob(f"*-{identity.digest}")) if runs_root.is_dir() else []
     return existing[0].name if existing else identity.name
+
+
+def train_command(overrides: list[str]) -> str:
+    """The command line that trains the run of `overrides`."""
+    return " ".join(["python train.py", *(shlex.quote(item) for item in overrides)])
 
 
 def pretrain_overrides(overrides: list[str]) -> list[str]:

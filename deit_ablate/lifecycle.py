@@ -169,25 +169,17 @@ def _waits_for(plan: RunPlan, source: RunDir | None) -> str | None:
             return f"wait for {role} {plan.upstream.name}"
         if upstream["status"] != "finished":
             return f"record as {upstream['status']} without training ({role} {plan.upstream.name})"
-    teacher = _waits_for_teacher(plan)
-    if teacher is not None:
-        return teacher
-    source_result = previous_result(source, is_main=False) if source is not None else None
-    if source is not None and source_result is None:
-        return f"wait for its LayerScale run {source.name}"
-    if source_result is not None and source_result["status"] != "finished":
-        return f"refuse (its LayerScale run {source.name} ended as {source_result['status']})"
-    return None
-
-
-def _waits_for_teacher(plan: RunPlan) -> str | None:
-    """What keeps a chained student from training now: its teacher run (distill.teacher.chain), or None."""
     teacher = teacher_run_dir(plan.settings, list(plan.overrides))
-    result = previous_result(teacher, is_main=False) if teacher is not None else None
-    if teacher is not None and result is None:
-        return f"wait for its teacher run {teacher.name}"
+    return _needed_run_line(teacher, "its teacher run") or _needed_run_line(source, "its LayerScale run")
+
+
+def _needed_run_line(run: RunDir | None, role: str) -> str | None:
+    """What a run that needs `run` (`role`: "its teacher run") to have finished does now: wait, refuse, or None."""
+    result = previous_result(run, is_main=False) if run is not None else None
+    if run is not None and result is None:
+        return f"wait for {role} {run.name}"
     if result is not None and result["status"] != "finished":
-        return f"refuse (its teacher run {teacher.name} ended as {result['status']})"
+        return f"refuse ({role} {run.name} ended as {result['status']})"
     return None
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from deit_ablate.config import compose_run_config
 from deit_ablate.identity import RunIdentity, composed_choices, folder_name, run_identity
-from deit_ablate.rundir import runs_root
+from deit_ablate.rundir import RunDir, runs_root
 
 # folder name and overrides -> the identity the ${run_name:} resolver computed for it in this process
 _named: dict[tuple[str, tuple[str, ...]], RunIdentity] = {}
@@ -39,6 +41,14 @@ def _at_scale_resolver(paper: Any, demo: Any, *, _root_: DictConfig) -> Any:
 
 def _at_stage_resolver(pretrain: Any, finetune: Any, *, _root_: DictConfig) -> Any:
     return pretrain if _root_.get("stage") == "pretrain" else finetune  # a transfer continues a fine-tuned model
+
+
+def run_dir_of(overrides: list[str], output_root: str | Path, cfg: DictConfig | None = None) -> RunDir:
+    """The folder of the run `python train.py <overrides>` trains (its config `cfg`, when already composed), named
+    as Hydra names it: how a run finds the run it starts from."""
+    cfg = compose_run_config(overrides) if cfg is None else cfg
+    identity = run_identity(cfg, overrides, composed_choices(cfg))
+    return RunDir.under(output_root, folder_name(identity, runs_root(output_root)))
 
 
 def register_resolvers() -> None:

@@ -5,7 +5,6 @@ distils from (Table 2, distill.teacher.chain)."""
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,16 +16,10 @@ from deit_ablate.config import CONF_DIR, Stage, compose_run_config
 from deit_ablate.data.datasets import data_fingerprint
 from deit_ablate.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import (
-    composed_choices,
-    folder_name,
-    pretrain_overrides,
-    run_identity,
-    swap_overrides,
-    task_overrides,
-)
+from deit_ablate.identity import pretrain_overrides, swap_overrides, task_overrides, train_command
 from deit_ablate.models import resize_pos_embed_state
-from deit_ablate.rundir import LAST, RUNS, RunDir, runs_root
+from deit_ablate.resolvers import run_dir_of
+from deit_ablate.rundir import LAST, RUNS, RunDir
 from deit_ablate.studies import study_names
 from deit_ablate.transfer import SOURCE_ROLE, source_overrides, source_run_dir, source_status
 
@@ -70,10 +63,7 @@ def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> Run
     (which never change a pre-training), composed as Hydra would."""
     if cfg.stage != Stage.finetune or cfg.finetune.init_checkpoint:
         return None
-    upstream_overrides = pretrain_overrides(task_overrides() if overrides is None else overrides)
-    upstream = compose_run_config(upstream_overrides)
-    identity = run_identity(upstream, upstream_overrides, composed_choices(upstream))
-    return RunDir.under(cfg.runtime.output_root, folder_name(identity, runs_root(cfg.runtime.output_root)))
+    return run_dir_of(pretrain_overrides(task_overrides() if overrides is None else overrides), cfg.runtime.output_root)
 
 
 def pretrain_status(cfg: DictConfig, upstream: RunDir | None) -> str:
@@ -258,11 +248,7 @@ def _override_group(item: str) -> str:
 def teacher_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
     """The folder of the teacher run a chained student distils from (None when distill.teacher.chain is unset)."""
     teacher_overrides = teacher_run_overrides(cfg, overrides)
-    if teacher_overrides is None:
-        return None
-    upstream = compose_run_config(teacher_overrides)
-    identity = run_identity(upstream, teacher_overrides, composed_choices(upstream))
-    return RunDir.under(cfg.runtime.output_root, folder_name(identity, runs_root(cfg.runtime.output_root)))
+    return None if teacher_overrides is None else run_dir_of(teacher_overrides, cfg.runtime.output_root)
 
 
 def finished_teacher_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
@@ -271,15 +257,10 @@ def finished_teacher_run(cfg: DictConfig, overrides: list[str] | None = None) ->
     source = teacher_run_dir(cfg, overrides)
     if source is None:
         return None
-    result = source.read_result()
-    if result is None or result["status"] != "finished":
-        state = "has not finished" if result is None else f"ended as {result['status']}"
-        raise ConfigError(
-            f"this run distils from the teacher run '{source.name}' (distill.teacher.chain={chained_teacher(cfg)}), "
-            f"which {state} ({source.result}). Train it first: {_train_command(teacher_run_overrides(cfg, overrides))}"
-            "; or sweep the student with -m (the sweep trains its teacher run first; on SLURM the student waits "
-            "for it).")
-    return source
+    return require_finished(
+        source, f"distils from the teacher run '{source.name}' (distill.teacher.chain={chained_teacher(cfg)})",
+        train_command(teacher_run_overrides(cfg, overrides)),
+        "or sweep the student with -m (the sweep trains its teacher run first; on SLURM the student waits for it).")
 
 
 def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
@@ -294,12 +275,18 @@ def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> 
         raise ConfigError(f"model.kwargs.layer_scale_from={cfg.model.kwargs.layer_scale_from}: that row does not learn "
                           "LayerScale from ε (its model.kwargs.init_values is unset, or its diagonal is fixed). Name a "
                           "row that learns it, e.g. depth18_layerscale.")
-    identity = run_identity(upstream, source_overrides, composed_choices(upstream))
-    return RunDir.under(cfg.runtime.output_root, folder_name(identity, runs_root(cfg.runtime.output_root)))
+    return run_dir_of(source_overrides, cfg.runtime.output_root, upstream)
 
 
-def _train_command(overrides: list[str]) -> str:
-    return " ".join(["python train.py", *(shlex.quote(item) for item in overrides)])
+def require_finished(source: RunDir, needs: str, command: str, alternative: str) -> RunDir:
+    """`source` when it finished; else a ConfigError saying what this run `needs` it for, how it ended and the
+    command that trains it (or the `alternative`)."""
+    result = source.read_result()
+    if result is None or result["status"] != "finished":
+        state = "has not finished" if result is None else f"ended as {result['status']}"
+        raise ConfigError(f"this run {needs}, which {state} ({source.result}). Train it first: {command}; "
+                          f"{alternative}")
+    return source
 
 
 def finished_layer_scale_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
@@ -308,15 +295,11 @@ def finished_layer_scale_run(cfg: DictConfig, overrides: list[str] | None = None
     source = layer_scale_run_dir(cfg, overrides)
     if source is None:
         return None
-    result = source.read_result()
-    if result is None or result["status"] != "finished":
-        state = "has not finished" if result is None else f"ended as {result['status']}"
-        raise ConfigError(
-            f"this run fixes the LayerScale diagonal at the values the run '{source.name}' learned (model.kwargs."
-            f"layer_scale_from={layer_scale_row(cfg)}, CaiT appendix A), which {state} ({source.result}). Train it "
-            f"first: {_train_command(layer_scale_source_overrides(cfg, overrides) or [])}; or sweep both in one "
-            "command, that row listed first (on SLURM the run waits for it).")
-    return source
+    return require_finished(
+        source, f"fixes the LayerScale diagonal at the values the run '{source.name}' learned (model.kwargs."
+        f"layer_scale_from={layer_scale_row(cfg)}, CaiT appendix A)",
+        train_command(layer_scale_source_overrides(cfg, overrides) or []),
+        "or sweep both in one command, that row listed first (on SLURM the run waits for it).")
 
 
 def fix_layer_scale(model: torch.nn.Module, cfg: DictConfig, overrides: list[str] | None = None

@@ -8,22 +8,16 @@ fine-tune by default, Table 7's DeiT-B⚗↑384). That run's folder comes from i
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from deit_ablate.config import DataName, DistillKind, Stage, compose_run_config
+from deit_ablate.config import DataName, DistillKind, Stage
 from deit_ablate.data.builtin import CLASS_SETS
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import (
-    composed_choices,
-    folder_name,
-    run_identity,
-    task_overrides,
-    transfer_source_overrides,
-)
-from deit_ablate.rundir import LAST, RUNS, RunDir, runs_root
+from deit_ablate.identity import task_overrides, train_command, transfer_source_overrides
+from deit_ablate.resolvers import run_dir_of
+from deit_ablate.rundir import LAST, RUNS, RunDir
 
 SOURCE_ROLE = "its source run"
 
@@ -41,14 +35,7 @@ def source_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDi
     upstream_overrides = source_overrides(cfg, overrides)
     if upstream_overrides is None:
         return None
-    upstream = compose_run_config(upstream_overrides)
-    identity = run_identity(upstream, upstream_overrides, composed_choices(upstream))
-    return RunDir.under(cfg.runtime.output_root, folder_name(identity, runs_root(cfg.runtime.output_root)))
-
-
-def train_command(overrides: list[str]) -> str:
-    """The command line that trains the run of `overrides`."""
-    return " ".join(["python train.py", *(shlex.quote(item) for item in overrides)])
+    return run_dir_of(upstream_overrides, cfg.runtime.output_root)
 
 
 def source_status(cfg: DictConfig, source: RunDir | None, overrides: list[str] | None = None) -> str:
