@@ -46,6 +46,14 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
         return compose("config", overrides=overrides or [], return_hydra_config=False)
 
 
+def one_class_imagefolder(root: Path) -> list[str]:
+    """A one-class, one-image ImageFolder tree at `root` (enough for a paper-scale dry run); its data overrides."""
+    for split in ("train", "val"):
+        (root / split / "a").mkdir(parents=True)
+        (root / split / "a" / "x.ppm").write_bytes(b"P6 1 1 255\n\x00\x00\x00")
+    return [f"data.root={root}", "data.num_classes=1"]
+
+
 def identity_of(overrides: list[str], conf: Path = CONF) -> RunIdentity:
     """The identity `python train.py <overrides>` would run under (composed with Hydra's node, for its choices)."""
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):

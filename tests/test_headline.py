@@ -13,7 +13,7 @@ from deit_ablate.config import DistillKind
 from deit_ablate.models import student_model_name
 from deit_ablate.stages import teacher_run_overrides
 from deit_ablate.studies import studies
-from tests.conftest import CONF, compose_config, identity_of, run_train
+from tests.conftest import CONF, compose_config, identity_of, one_class_imagefolder, run_train
 
 STUDY = "headline"
 # The seeds' numbers (deit-blog-post "7. Results", the chapter's distillation table): top-1 at 224 and ↑384.
@@ -64,14 +64,11 @@ def test_a_distilled_rows_teacher_run_is_the_plain_regnet_run():
 
 @pytest.mark.slow
 def test_the_paper_scale_dry_run_plans_every_row_its_teacher_and_fine_tunes(tmp_path, data_cache):
-    root = tmp_path / "imagenet"
-    for split in ("train", "val"):
-        (root / split / "a").mkdir(parents=True)
-        (root / split / "a" / "x.ppm").write_bytes(b"P6 1 1 255\n\x00\x00\x00")
-    proc = run_train(["-m", f"{STUDY}=glob(*)", "stage=pretrain,finetune", "preset=paper", f"data.root={root}",
-                      "data.num_classes=1", "runtime.dry_run=true"], tmp_path, data_cache)
+    data = one_class_imagefolder(tmp_path / "imagenet")
+    proc = run_train(["-m", f"{STUDY}=glob(*)", "stage=pretrain,finetune", "preset=paper", *data,
+                      "runtime.dry_run=true"], tmp_path, data_cache)
     plans = re.findall(r"\[dry run\] (\S+) \(wandb id \w+\): (.*)", proc.stdout)
-    teacher = identity_of(["model=regnety_160", "preset=paper", f"data.root={root}", "data.num_classes=1"]).name
+    teacher = identity_of(["model=regnety_160", "preset=paper", *data]).name
     names = [name for name, _ in plans]
     assert names.count(teacher) == 1 and plans[names.index(teacher)][1] == "train from step 0"
     waiting = [i for i, (_, plan) in enumerate(plans) if plan == f"wait for its teacher run {teacher}"]

@@ -11,7 +11,7 @@ import pytest
 from deit_ablate.optim import scaled_lr
 from deit_ablate.rundir import RESULT, runs_root
 from deit_ablate.studies import CONF_DIR, paper_tables, studies
-from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
+from tests.conftest import CONF, TINY, compose_config, identity_of, one_class_imagefolder, run_train
 from tests.test_ablation import _composed, _flat
 
 STUDY = "sam"
@@ -146,12 +146,8 @@ def test_recipe_vit_original_applies_over_any_study_row_and_the_preset():
 
 @pytest.mark.slow
 def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
-    root = tmp_path / "imagenet"
-    for split in ("train", "val"):
-        (root / split / "a").mkdir(parents=True)
-        (root / split / "a" / "x.ppm").write_bytes(b"P6 1 1 255\n\x00\x00\x00")
-    proc = run_train(["-m", f"{STUDY}=glob(*)", "runtime.dry_run=true", "preset=paper", f"data.root={root}",
-                      "data.num_classes=1"], tmp_path, data_cache)
+    data = one_class_imagefolder(tmp_path / "imagenet")
+    proc = run_train(["-m", f"{STUDY}=glob(*)", "runtime.dry_run=true", "preset=paper", *data], tmp_path, data_cache)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
     names = sorted(line.split(f"{STUDY}=", 1)[1].split("-", 1)[0] for line in lines)
     assert names == sorted(TOP1) and all(line.endswith("train from step 0") for line in lines)
