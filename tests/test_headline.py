@@ -52,7 +52,7 @@ def test_the_rows_share_runs_with_the_other_studies():
     paper = ["preset=paper"]
     assert identity_of([*paper, f"{STUDY}=deit_b"]).digest == identity_of(paper).digest
     assert (identity_of([*paper, f"{STUDY}=deit_b_distilled"]).digest
-            == identity_of([*paper, "teacher=regnety_16gf"]).digest)
+            == identity_of([*paper, "teachers=regnety_16gf"]).digest)
     assert identity_of([*paper, f"{STUDY}=deit_ti"]).digest != identity_of(paper).digest
 
 

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import timm
 import yaml
+from omegaconf import OmegaConf
 
 from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.config import Config
 from deit_ablate.identity import _UNSAFE, _is_identity_override, _readable
 from deit_ablate.models import architecture, build_model, describe_architecture
 from deit_ablate.rundir import RunDir, runs_root, wandb_root
+from deit_ablate.studies import study_names
 from tests.conftest import TINY, compose_config, identity_of, run_train
 
 # TINY's overrides alone are longer than a folder name keeps.
@@ -117,3 +120,16 @@ def test_two_sweeps_leave_two_multirun_records(tmp_path, data_cache):
     assert _records(runs) == records  # a dry run ran nothing and records nothing
     folders = [p for p in runs.iterdir() if p.is_dir()]
     assert len(folders) == 2 and all(RunDir(p).result.exists() for p in folders)  # the run folders as before
+
+
+def test_no_study_is_named_like_the_label_of_a_path_override():
+    """A path override shows in a folder name by its last key (`teacher=` for distill.teacher.checkpoint), and a
+    long name puts the study rows first: a study of that name would take the path's place there (and read alike)."""
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            yield from leaves(value, dotted + ".") if OmegaConf.is_dict(value) else [dotted]
+
+    labels = {_readable(f"{key}=/some/path").split("=", 1)[0] for key in leaves(OmegaConf.structured(Config))}
+    assert "teacher" in labels  # distill.teacher.checkpoint
+    assert not labels & set(study_names())

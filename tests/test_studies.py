@@ -55,7 +55,7 @@ def throwaway_study() -> Iterator[Path]:
 
 
 def test_the_registry_finds_the_studies_in_the_config_folders():
-    assert studies.study_names() == ("ablation", "cait", "deit3", "headline", "sam", "teacher", "transfer")
+    assert studies.study_names() == ("ablation", "cait", "deit3", "headline", "sam", "teachers", "transfer")
     table8, cait, deit3, headline, sam, teacher, transfer = studies.studies()
     assert (table8.table, table8.baseline, table8.default, len(table8.rows)) == ("table8", "baseline", "baseline", 13)
     assert table8.rows[:2] == ("baseline", "sgd")  # the paper table's order
@@ -67,9 +67,9 @@ def test_the_registry_finds_the_studies_in_the_config_folders():
     assert (headline.table, headline.baseline, headline.default, len(headline.rows)) == ("table5", "deit_b", None, 7)
     assert (teacher.table, teacher.baseline, teacher.default, len(teacher.rows)) == ("table2", "regnety_16gf", None, 4)
     assert studies.defaults_list() == [{"ablation": "baseline"}, {"cait": None}, {"deit3": None},
-                                       {"headline": None}, {"sam": None}, {"teacher": None}, {"transfer": None}]
+                                       {"headline": None}, {"sam": None}, {"teachers": None}, {"transfer": None}]
     assert studies.default_tables() == {"ablation": "table8", "cait": "cait", "deit3": "deit3", "headline": "table5",
-                                        "sam": "sam", "teacher": "table2", "transfer": "table7",
+                                        "sam": "sam", "teachers": "table2", "transfer": "table7",
                                         "distill.type": "table3", "resolution.train_size": "table10"}
     # Tables 3 and 10 are paper tables of groups that are not studies (their rows are a config key)
     assert set(studies.paper_tables()) == {"table8", "cait", "deit3", "sam", "table2", "table3", "table3_tiny",
@@ -90,7 +90,7 @@ def test_tags_name_table_8_bare_and_other_studies_by_group():
 
 
 def test_a_new_study_is_a_group_with_no_row_by_default(throwaway_study):
-    assert studies.study_names() == ("ablation", "cait", "deit3", "headline", "sam", "teacher", "transfer", STUDY)
+    assert studies.study_names() == ("ablation", "cait", "deit3", "headline", "sam", "teachers", "transfer", STUDY)
     assert compose_config([f"{STUDY}=smooth2"]).mix.label_smoothing == 0.2
     assert compose_config([]).mix.label_smoothing == 0.1  # no row unless one is named
     long = TINY + ["train.max_steps=1", "seed=1", f"{STUDY}=smooth0"]  # too long for a folder name: cut

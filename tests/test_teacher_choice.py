@@ -45,24 +45,24 @@ def _hydra_config(overrides: list[str]):
 
 def test_the_teacher_run_is_the_students_run_with_the_teachers_model_and_no_distillation(tmp_path):
     root = f"runtime.output_root={tmp_path}"
-    student = ["teacher=regnety_16gf", "stage=finetune", "resolution=48px", "finetune.lr=1e-5", "distill.alpha=0.3",
+    student = ["teachers=regnety_16gf", "stage=finetune", "resolution=48px", "finetune.lr=1e-5", "distill.alpha=0.3",
                "model.drop_path=0.2", "seed=3", "augment.reprob=0.1", root]
     cfg = _hydra_config(student)
     assert teacher_run_overrides(cfg, student) == ["model=cnn_demo", "seed=3", "augment.reprob=0.1", root]
     # At paper scale the same row chains RegNetY-16GF; the run is `python train.py model=regnety_160 ...` itself.
-    paper = ["preset=paper", "teacher=regnety_16gf", "seed=3", root]
+    paper = ["preset=paper", "teachers=regnety_16gf", "seed=3", root]
     teacher = teacher_run_overrides(_hydra_config(paper), paper)
     assert teacher == ["model=regnety_160", "preset=paper", "seed=3", root]
     assert teacher_run_dir(_hydra_config(paper), paper).name == identity_of(teacher).name
     # The demo ViT teacher is the plain demo run (shared with every study's), whatever overrides name it.
-    demo = ["teacher=deit_b", root]
+    demo = ["teachers=deit_b", root]
     assert teacher_run_dir(_hydra_config(demo), demo).name.endswith(identity_of([root]).digest)
     assert teacher_run_overrides(_hydra_config([root]), [root]) is None  # an unchained run has no teacher run
 
 
 def test_chain_with_a_checkpoint_or_without_distillation_is_refused():
     with pytest.raises(ConfigError, match=r"distill\.teacher\.chain=cnn_demo and distill\.teacher\.checkpoint="):
-        check_distill_config(_hydra_config(["teacher=regnety_16gf", "distill.teacher.checkpoint=/tmp/x.pt"]))
+        check_distill_config(_hydra_config(["teachers=regnety_16gf", "distill.teacher.checkpoint=/tmp/x.pt"]))
     with pytest.raises(ConfigError, match="distill=none"):
         check_distill_config(_hydra_config(["distill.teacher.chain=cnn_demo"]))
     with pytest.raises(ConfigError, match="not a model option"):
@@ -70,20 +70,20 @@ def test_chain_with_a_checkpoint_or_without_distillation_is_refused():
 
 
 def test_table2_rows_numbers_and_models_at_paper_scale():
-    study = next(s for s in studies() if s.name == "teacher")
+    study = next(s for s in studies() if s.name == "teachers")
     assert study.table == "table2" and study.baseline == "regnety_16gf" and study.default is None
     assert study.rows == tuple(TABLE2)
     table = paper_table("table2")
     assert table.columns == {"pretrain": "224", "finetune": "↑384"} and table.absent == "not in the text"
-    raw = json.loads((CONF / "teacher" / "numbers.json").read_text())["table2"]
+    raw = json.loads((CONF / "teachers" / "numbers.json").read_text())["table2"]
     for row in raw["rows"]:
         assert (row["teacher_top1"], row["pretrain"], row["finetune"]) == TABLE2[row["key"]]
     for row, (option, timm_name, demo_option) in TEACHERS.items():
-        cfg = _hydra_config(["preset=paper", f"teacher={row}"])
+        cfg = _hydra_config(["preset=paper", f"teachers={row}"])
         assert cfg.distill.type == DistillKind.hard_token and cfg.distill.teacher.chain == option
         assert student_model_name(cfg) == "deit_base_distilled_patch16_224"
         assert _hydra_config([f"model={option}"]).model.name == timm_name == cfg.distill.teacher.model
-        assert _hydra_config([f"teacher={row}"]).distill.teacher.chain == demo_option
+        assert _hydra_config([f"teachers={row}"]).distill.teacher.chain == demo_option
 
 
 def test_chain_order_puts_each_teacher_run_before_its_first_student_once():
@@ -97,9 +97,9 @@ def test_chain_order_puts_each_teacher_run_before_its_first_student_once():
 
 def test_slurm_chains_teacher_then_student_then_finetune(tmp_path):
     common = [f"runtime.output_root={tmp_path}", *TINY]
-    student = ["teacher=regnety_16gf", "stage=pretrain", *common]
+    student = ["teachers=regnety_16gf", "stage=pretrain", *common]
     teacher = teacher_run_overrides(_hydra_config(student), student)
-    jobs = [teacher, student, ["teacher=regnety_16gf", "stage=finetune", *common]]
+    jobs = [teacher, student, ["teachers=regnety_16gf", "stage=finetune", *common]]
     configs = [_hydra_config(job) for job in jobs]
     assert upstream_overrides(configs[1], jobs[1]) == teacher
     assert [upstream_role(cfg) for cfg in configs[1:]] == ["its teacher run", "its pre-training"]
@@ -112,7 +112,7 @@ def test_slurm_chains_teacher_then_student_then_finetune(tmp_path):
 
 
 def _student(rid: str, row: str, stage: str, top1: float, teacher: str, teacher_top1: float) -> RunInfo:
-    config = {"preset": "demo", "stage": stage, "seed": 0, "ablation": "baseline", "choices": {"teacher": row}}
+    config = {"preset": "demo", "stage": stage, "seed": 0, "ablation": "baseline", "choices": {"teachers": row}}
     summary = {"status": "finished", "top1": top1, "teacher": {"run": teacher, "top1": teacher_top1}}
     return RunInfo(run_id=rid, config=config, summary=summary)
 
@@ -121,7 +121,7 @@ def test_table2_view_shows_the_teachers_top1_beside_the_students():
     runs = [_student("a", "deit_b", "pretrain", 40.0, "model=vit_demo-1", 35.5),
             _student("b", "deit_b", "finetune", 42.0, "model=vit_demo-1", 35.5),
             _student("c", "regnety_16gf", "pretrain", 45.0, "model=cnn_demo-2", 50.25)]
-    table = build_table(runs, rows="teacher", only_present=True)
+    table = build_table(runs, rows="teachers", only_present=True)
     text = render(table, "markdown")
     assert "teacher ours | teacher paper |" in text
     assert re.search(r"\| deit_b \| 40\.00 .*\| 81\.9 \|.*\| 83\.1 \|.*\| 35\.50 \| 81\.8 \|", text)
@@ -133,11 +133,11 @@ def test_table2_view_shows_the_teachers_top1_beside_the_students():
 
 @pytest.mark.slow
 def test_dry_run_shows_the_chain_in_order(tmp_path, data_cache):
-    proc = run_train(["-m", "teacher=deit_b,regnety_16gf", "stage=pretrain,finetune", "runtime.dry_run=true",
+    proc = run_train(["-m", "teachers=deit_b,regnety_16gf", "stage=pretrain,finetune", "runtime.dry_run=true",
                       *TINY], tmp_path, data_cache)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
     assert len(lines) == 6
-    chains = (("model=vit_demo", "teacher=deit_b"), ("model=cnn_demo", "teacher=regnety_16gf"))
+    chains = (("model=vit_demo", "teachers=deit_b"), ("model=cnn_demo", "teachers=regnety_16gf"))
     for i, (teacher, row) in enumerate(chains):
         first, student, finetune = lines[3 * i: 3 * i + 3]
         teacher_run = first.split()[2]
@@ -149,8 +149,8 @@ def test_dry_run_shows_the_chain_in_order(tmp_path, data_cache):
 
 
 def test_a_single_launch_of_a_student_without_its_teacher_run_names_the_command(tmp_path, capsys):
-    # preflight's check of `python train.py teacher=regnety_16gf` (no sweep to train the teacher run first)
-    cfg = _hydra_config(["teacher=regnety_16gf", f"runtime.output_root={tmp_path}"])
+    # preflight's check of `python train.py teachers=regnety_16gf` (no sweep to train the teacher run first)
+    cfg = _hydra_config(["teachers=regnety_16gf", f"runtime.output_root={tmp_path}"])
     with pytest.raises(SystemExit) as stopped:
         check_teacher_trained(cfg)
     assert stopped.value.code == 2
@@ -162,11 +162,11 @@ def test_a_single_launch_of_a_student_without_its_teacher_run_names_the_command(
 @pytest.mark.slow
 def test_a_two_teacher_sweep_trains_teachers_then_students_then_finetunes(tmp_path, data_cache, capsys):
     tiny = [*TINY, "finetune.epochs=1", "train.max_steps=4"]
-    run_train(["-m", "teacher=deit_b,regnety_16gf", "stage=pretrain,finetune", *tiny], tmp_path, data_cache)
+    run_train(["-m", "teachers=deit_b,regnety_16gf", "stage=pretrain,finetune", *tiny], tmp_path, data_cache)
     outputs = tmp_path / "outputs"
     for row, model in (("deit_b", "model=vit_demo"), ("regnety_16gf", "model=cnn_demo")):
-        student = RunDir.under(outputs, _one(outputs, f"teacher={row},", "finetune", absent=True))
-        finetune = RunDir.under(outputs, _one(outputs, f"teacher={row},", "finetune"))
+        student = RunDir.under(outputs, _one(outputs, f"teachers={row},", "finetune", absent=True))
+        finetune = RunDir.under(outputs, _one(outputs, f"teachers={row},", "finetune"))
         teacher = RunDir.under(outputs, _one(outputs, model, ""))
         recorded = student.read_result()["teacher"]
         assert recorded["run"] == teacher.name and recorded["top1"] == teacher.read_result()["top1"]
@@ -175,7 +175,7 @@ def test_a_two_teacher_sweep_trains_teachers_then_students_then_finetunes(tmp_pa
         # teacher, then student, then fine-tune
         times = [run.result.stat().st_mtime_ns for run in (teacher, student, finetune)]
         assert times == sorted(times)
-    assert cli.main([str(wandb_root(outputs)), "--rows", "teacher", "--format", "json"]) == 0
+    assert cli.main([str(wandb_root(outputs)), "--rows", "teachers", "--format", "json"]) == 0
     table = json.loads(capsys.readouterr().out)
     rows = {row["key"]: row for row in table["rows"]}
     for row in ("deit_b", "regnety_16gf"):
@@ -197,7 +197,7 @@ def _one(outputs: Path, fragment: str, other: str, absent: bool = False) -> str:
 def test_a_slurm_submission_chains_teacher_student_and_finetune_with_afterok(tmp_path, data_cache):
     slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=2",
              "hydra.launcher.timeout_min=20"]
-    proc = run_train(["-m", "teacher=regnety_16gf", "stage=pretrain,finetune", "finetune.epochs=1",
+    proc = run_train(["-m", "teachers=regnety_16gf", "stage=pretrain,finetune", "finetune.epochs=1",
                       "train.max_steps=2", *slurm, *TINY], tmp_path, data_cache, timeout=900)
     log = proc.stdout + proc.stderr
     assert re.search(r"#0 : model=cnn_demo ", log)  # the teacher run, added by the sweeper, queued first
@@ -206,8 +206,8 @@ def test_a_slurm_submission_chains_teacher_student_and_finetune_with_afterok(tmp
     assert student and finetune and int(finetune.group(1)) > int(student.group(1))
     outputs = tmp_path / "outputs"
     teacher = RunDir.under(outputs, _one(outputs, "model=cnn_demo", ""))
-    pretrain = RunDir.under(outputs, _one(outputs, "teacher=regnety_16gf,", "finetune", absent=True))
-    tuned = RunDir.under(outputs, _one(outputs, "teacher=regnety_16gf,", "finetune"))
+    pretrain = RunDir.under(outputs, _one(outputs, "teachers=regnety_16gf,", "finetune", absent=True))
+    tuned = RunDir.under(outputs, _one(outputs, "teachers=regnety_16gf,", "finetune"))
     assert pretrain.read_result()["teacher"]["run"] == teacher.name
     times = [run.result.stat().st_mtime_ns for run in (teacher, pretrain, tuned)]
     assert times == sorted(times) and tuned.read_result()["status"] == "finished"
