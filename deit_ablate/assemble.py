@@ -22,7 +22,14 @@ from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, compile_in_place
 from deit_ablate.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
 from deit_ablate.plan import RunPlan
-from deit_ablate.stages import StageRecipe, classifier_names, fix_layer_scale, load_backbone, load_pretrained
+from deit_ablate.stages import (
+    StageRecipe,
+    classifier_names,
+    fix_layer_scale,
+    load_backbone,
+    load_pretrained,
+    stage_distils,
+)
 from deit_ablate.teacher import build_teacher, teacher_forward
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, build_fixed_teacher_table
 
@@ -193,9 +200,9 @@ def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.M
                   info: DistInfo | None = None):
     """The loss of one (mixed) batch: the class criterion, plus the teacher's term when distilling."""
     distill = cfg.distill
-    # a transfer trains on its new labels only: its source's teacher knows other classes (a distilled model's two
-    # new heads learn the labels through the mean of their logits, timm's output when not distilling)
-    if distill.type == DistillKind.none or cfg.stage == Stage.transfer:
+    # a transfer trains on its new labels only (stages.stage_distils): a distilled model's two new heads learn them
+    # through the mean of their logits, timm's output when not distilling
+    if not stage_distils(cfg):
         return lambda images, outputs, targets: criterion(outputs, targets)
     teacher = build_teacher(cfg, device)
     distill_loss = DistillationLoss(criterion, distill.type, distill.alpha, distill.tau, distill.kl_normalization)

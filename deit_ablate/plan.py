@@ -70,12 +70,6 @@ def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     return current
 
 
-def stage_teacher(identity: RunIdentity, cfg: DictConfig, run_dir: RunDir) -> RunIdentity:
-    """`identity` with the teacher this stage distils from; a transfer distils from none (its source's teacher
-    knows other classes), so it reads no teacher weights."""
-    return identity if cfg.stage == Stage.transfer else with_run_teacher(identity, cfg, run_dir)
-
-
 def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
               overrides: list[str] | None = None) -> RunPlan:
     """The plan of the run `cfg` describes (the running Hydra job's folder and overrides unless given); a problem
@@ -89,7 +83,7 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     named = folder_identity(cfg, run_dir.name, overrides, choices)  # the folder Hydra made, or found
     data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
     # the teacher's weights, refused when they are not those the run folder records
-    identity = agree(info, lambda: stage_teacher(with_data(named, data), cfg, run_dir))
+    identity = agree(info, lambda: with_run_teacher(with_data(named, data), cfg, run_dir, overrides))
     upstream = upstream_run_dir(cfg, overrides)
     return RunPlan(settings=cfg, overrides=tuple(overrides), identity=identity, run_dir=run_dir, data=data,
                    batch=plan_batch(cfg, info.world_size), recipe=stage_recipe(cfg, upstream),

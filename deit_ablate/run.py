@@ -44,7 +44,7 @@ from deit_ablate.predictions import INDEX, compact, gather_in_order
 from deit_ablate.report import print_summary, summarize, wandb_summary
 from deit_ablate.rundir import DATA, RunDir
 from deit_ablate.sharpness import figures_text, measure_weights
-from deit_ablate.stages import pretrain_status
+from deit_ablate.stages import upstream_status
 from deit_ablate.stopping import StopSignals
 from deit_ablate.streams import STREAMS_VERSION, RunStreams
 from deit_ablate.teacher import log_teacher, teacher_summary
@@ -84,7 +84,7 @@ def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
             report_finished(plan, result)
         return result
     if plan.is_finetune or plan.is_transfer:
-        upstream = pretrain_status(plan.settings, plan.upstream)
+        upstream = upstream_status(plan.settings, plan.upstream)
         if upstream != "finished":
             return record_without_training(plan, upstream, info.is_main)
     return _train(plan, info)

@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from deit_ablate import checkpoint as ckpt
-from deit_ablate.config import CONF_DIR, Stage, compose_run_config
+from deit_ablate.config import CONF_DIR, DistillKind, Stage, compose_run_config
 from deit_ablate.data.datasets import data_fingerprint
 from deit_ablate.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
 from deit_ablate.errors import ConfigError
@@ -21,7 +21,7 @@ from deit_ablate.models import resize_pos_embed_state
 from deit_ablate.resolvers import run_dir_of
 from deit_ablate.rundir import LAST, RUNS, RunDir
 from deit_ablate.studies import study_names
-from deit_ablate.transfer import SOURCE_ROLE, source_overrides, source_run_dir, source_status
+from deit_ablate.transfer import SOURCE_ROLE, source_overrides, source_run_dir
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,12 @@ class StageRecipe:
     min_lr: float
     train_mode: bool = True  # False: the model stays in eval mode while it trains (DeiT's fine-tune)
     init_checkpoint: Path | None = None
+
+
+def stage_distils(cfg: DictConfig) -> bool:
+    """Whether this stage learns from a teacher: a distillation kind is set and the stage is not a transfer (its
+    source's teacher knows other classes; there the distill keys only name the source run)."""
+    return cfg.distill.type != DistillKind.none and cfg.stage != Stage.transfer
 
 
 def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
@@ -66,57 +72,54 @@ def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> Run
     return run_dir_of(pretrain_overrides(task_overrides() if overrides is None else overrides), cfg.runtime.output_root)
 
 
-def pretrain_status(cfg: DictConfig, upstream: RunDir | None) -> str:
-    """How the pre-training run `upstream` (a transfer: its source run) ended ("finished", "diverged", ...); a
-    ConfigError if it has not."""
-    if cfg.stage == Stage.transfer:
-        return source_status(cfg, upstream)
-    if cfg.finetune.init_checkpoint:
-        path = Path(cfg.finetune.init_checkpoint).expanduser()
+def upstream_status(cfg: DictConfig, upstream: RunDir | None) -> str:
+    """How the run this stage starts from ended ("finished", "diverged", ...): a fine-tune's pre-training `upstream`
+    or a transfer's source, or the stage's init_checkpoint (finished when the file exists); a ConfigError if it has
+    not finished."""
+    stage = "transfer" if cfg.stage == Stage.transfer else "finetune"
+    if cfg[stage].init_checkpoint:
+        path = Path(cfg[stage].init_checkpoint).expanduser()
         if not path.is_file():
-            raise ConfigError(f"finetune.init_checkpoint={path} does not exist. Point it at a checkpoint written "
-                              f"by a pre-training run (outputs/{RUNS}/<run>/{LAST}).")
+            written_by = "a finished run" if stage == "transfer" else "a pre-training run"
+            raise ConfigError(f"{stage}.init_checkpoint={path} does not exist. Point it at a checkpoint written by "
+                              f"{written_by} (outputs/{RUNS}/<run>/{LAST}).")
         return "finished"
     result = upstream.read_result()
     if result is None:
-        raise ConfigError(
-            f"stage=finetune starts from the pre-training run '{upstream.name}', which has not finished "
-            f"({upstream.result} is missing). Run the pre-training first (the same command without stage=finetune), "
-            "sweep both stages in one command (stage=pretrain,finetune, pre-training listed first), or set "
-            "finetune.init_checkpoint=/path/to/checkpoint.pt."
-        )
+        raise ConfigError(_not_finished(cfg, upstream))
     return result["status"]
 
 
+def _not_finished(cfg: DictConfig, upstream: RunDir) -> str:
+    """What to do when the run this stage starts from has not finished: train it first, or sweep both."""
+    if cfg.stage == Stage.transfer:
+        return (f"stage=transfer starts from the run '{upstream.name}', which has not finished ({upstream.result} is "
+                f"missing). Train it first: {train_command(source_overrides(cfg) or [])}; or sweep both in one command "
+                "(on SLURM the transfer waits for it), or set transfer.init_checkpoint=/path/to/ckpt.pt.")
+    return (f"stage=finetune starts from the pre-training run '{upstream.name}', which has not finished "
+            f"({upstream.result} is missing). Run the pre-training first (the same command without stage=finetune), "
+            "sweep both stages in one command (stage=pretrain,finetune, pre-training listed first), or set "
+            "finetune.init_checkpoint=/path/to/checkpoint.pt.")
+
+
 def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe:
-    """Pre-training uses `optimizer`/`train`; fine-tuning the `finetune` block (Table 8, second column), starting
-    from finetune.init_checkpoint, else from the last checkpoint of its pre-training run `upstream`."""
+    """Pre-training uses `optimizer`/`train`; fine-tuning the `finetune` block (Table 8, second column), a transfer
+    the `transfer` block (Table 7, facebookresearch/deit issue #45), each starting from its init_checkpoint, else
+    from the last checkpoint of the run it starts from, `upstream`."""
     global_batch, _ = stage_global_batch(cfg)
     if cfg.stage == Stage.pretrain:
         opt = cfg.optimizer
         return StageRecipe(global_batch, opt.name, opt.lr, opt.weight_decay, cfg.train.epochs, opt.warmup_epochs,
                            opt.warmup_lr, opt.min_lr)
-    if cfg.stage == Stage.transfer:
-        return transfer_recipe(cfg, upstream)
-    ft = cfg.finetune
-    if ft.init_checkpoint:
-        init = Path(ft.init_checkpoint).expanduser()
+    block = cfg.transfer if cfg.stage == Stage.transfer else cfg.finetune
+    if block.init_checkpoint:
+        init = Path(block.init_checkpoint).expanduser()
     else:
-        init = (upstream or pretrain_run_dir(cfg)).last_checkpoint
-    return StageRecipe(global_batch, ft.optimizer, ft.lr, ft.weight_decay, ft.epochs, ft.warmup_epochs,
-                       ft.warmup_lr, ft.min_lr, train_mode=ft.train_mode, init_checkpoint=init)
-
-
-def transfer_recipe(cfg: DictConfig, source: RunDir | None = None) -> StageRecipe:
-    """Table 7's transfer (the `transfer` block, facebookresearch/deit issue #45), in train mode like a pre-training,
-    from transfer.init_checkpoint, else from the last checkpoint of its source run."""
-    tr = cfg.transfer
-    if tr.init_checkpoint:
-        init = Path(tr.init_checkpoint).expanduser()
-    else:
-        init = (source or source_run_dir(cfg)).last_checkpoint
-    return StageRecipe(tr.global_batch, tr.optimizer, tr.lr, tr.weight_decay, tr.epochs, tr.warmup_epochs,
-                       tr.warmup_lr, tr.min_lr, train_mode=True, init_checkpoint=init)
+        init = (upstream or upstream_run_dir(cfg)).last_checkpoint
+    # a transfer trains in train mode, like a pre-training; a fine-tune as finetune.train_mode says
+    train_mode = cfg.stage == Stage.transfer or block.train_mode
+    return StageRecipe(global_batch, block.optimizer, block.lr, block.weight_decay, block.epochs, block.warmup_epochs,
+                       block.warmup_lr, block.min_lr, train_mode=train_mode, init_checkpoint=init)
 
 
 def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:

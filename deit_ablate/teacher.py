@@ -22,7 +22,7 @@ from deit_ablate.identity import RunIdentity, with_teacher
 from deit_ablate.logs import log
 from deit_ablate.models import is_vision_transformer, student_model_name
 from deit_ablate.rundir import RunDir, find_run, runs_root
-from deit_ablate.stages import finished_teacher_run, teacher_run_dir
+from deit_ablate.stages import finished_teacher_run, stage_distils, teacher_run_dir
 
 
 class TeacherLoadError(ConfigError):
@@ -224,10 +224,9 @@ def check_teacher_run(run: RunDir, reference: str, allow_unfinished: bool) -> st
 def check_distill_config(cfg) -> None:
     """Before anything runs: the student model suits the kind, a teacher run has finished (unless allowed) and the
     teacher resolves to a loadable file."""
-    kind = cfg.distill.type
     student_model_name(cfg)
     check_chain_keys(cfg)
-    if kind == DistillKind.none:
+    if not stage_distils(cfg):
         return
     overrides = list(cfg.hydra.overrides.task) if "hydra" in cfg else None
     chained = teacher_run_dir(cfg, overrides)
@@ -314,7 +313,7 @@ def teacher_identity(cfg, run_dir: RunDir, overrides: list[str] | None = None) -
     """What the run distils from (None without distillation, or in a dry run whose chained teacher run has not
     trained yet): the teacher run's name, id, state and top-1, the checkpoint file and the digest of its weights. A
     ConfigError when the run folder records other teacher weights, or the chained teacher run has not finished."""
-    if cfg.distill.type == DistillKind.none:
+    if not stage_distils(cfg):
         return None
     chained = teacher_run_dir(cfg, overrides)
     if chained is not None and teacher_run_state(chained) != "finished":

@@ -8,16 +8,14 @@ fine-tune by default, Table 7's DeiT-B⚗↑384). That run's folder comes from i
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.config import DataName, DistillKind, Stage
 from deit_ablate.data.builtin import CLASS_SETS
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import task_overrides, train_command, transfer_source_overrides
+from deit_ablate.identity import task_overrides, transfer_source_overrides
 from deit_ablate.resolvers import run_dir_of
-from deit_ablate.rundir import LAST, RUNS, RunDir
+from deit_ablate.rundir import RunDir
 
 SOURCE_ROLE = "its source run"
 
@@ -36,24 +34,6 @@ def source_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDi
     if upstream_overrides is None:
         return None
     return run_dir_of(upstream_overrides, cfg.runtime.output_root)
-
-
-def source_status(cfg: DictConfig, source: RunDir | None, overrides: list[str] | None = None) -> str:
-    """How the source run ended ("finished", "diverged", ...); a ConfigError with the command that trains it when it
-    has not."""
-    if cfg.transfer.init_checkpoint:
-        path = Path(cfg.transfer.init_checkpoint).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"transfer.init_checkpoint={path} does not exist. Point it at a checkpoint of a "
-                              f"finished run (outputs/{RUNS}/<run>/{LAST}).")
-        return "finished"
-    result = source.read_result()
-    if result is None:
-        command = train_command(source_overrides(cfg, overrides) or [])
-        raise ConfigError(f"stage=transfer starts from the run '{source.name}', which has not finished "
-                          f"({source.result} is missing). Train it first: {command}; or sweep both in one command "
-                          "(on SLURM the transfer waits for it), or set transfer.init_checkpoint=/path/to/ckpt.pt.")
-    return result["status"]
 
 
 def check_transfer_config(cfg: DictConfig) -> None:

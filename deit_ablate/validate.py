@@ -19,7 +19,6 @@ from deit_ablate.config import (
     DataName,
     DistillKind,
     MixMode,
-    Stage,
     TeacherView,
     TrackingMode,
 )
@@ -180,7 +179,7 @@ def check_model_options(cfg: DictConfig) -> None:
     """The options of deit_ablate.deeper and the register tokens in model.kwargs: known values, on a model that
     takes them."""
     from deit_ablate.deeper import split_options
-    from deit_ablate.models import check_register_tokens, model_family, student_model_name
+    from deit_ablate.models import check_register_tokens, model_family
 
     kwargs = dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True))
     check_register_tokens(student_model_name(cfg), kwargs)
@@ -193,7 +192,7 @@ def check_image_sizes(cfg: DictConfig) -> None:
     import torch
     from timm.layers import PatchEmbed
 
-    from deit_ablate.models import build_model, student_model_name
+    from deit_ablate.models import build_model
 
     size = cfg.resolution
     if size.eval_size == size.train_size:
@@ -263,7 +262,7 @@ def check_layer_decay(cfg: DictConfig) -> None:
     """finetune.layer_decay: a ratio zeta in (0, 1], on a model whose layers are `blocks` (a ViT)."""
     import torch
 
-    from deit_ablate.models import build_model, student_model_name
+    from deit_ablate.models import build_model
 
     zeta = cfg.finetune.layer_decay
     if zeta is None:
@@ -343,10 +342,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         check_data_root(cfg)
     check_teacher_view(cfg)
     check_transfer_config(cfg)
-    if cfg.stage == Stage.transfer:  # a transfer trains without its source's teacher, whose classes are others
-        student_model_name(cfg)
-    else:
-        check_distill_config(cfg)
+    check_distill_config(cfg)
     if world_size is not None:
         plan_batch(cfg, world_size)
 
