@@ -57,8 +57,9 @@ def set_cpu_threads(threads: int | None, device: torch.device) -> None:
 
 @dataclass
 class Loaders:
-    """The run's data: the training loader and sampler (per rank), the validation loader, the batch transform."""
+    """The run's data: the training set, loader and sampler (per rank), the validation loader, the batch transform."""
 
+    train_set: Any
     train_loader: Any
     train_sampler: Any
     val_loader: Any
@@ -96,7 +97,7 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
     if len(train_loader) == 0:
         raise ConfigError(f"an epoch of {len(train_sampler)} images per rank holds no full batch of {per_rank}; "
                           "lower train.global_batch or use more data.")
-    return Loaders(train_loader, train_sampler, val_loader, batch_transform, len(train_loader))
+    return Loaders(train_set, train_loader, train_sampler, val_loader, batch_transform, len(train_loader))
 
 
 def build_student(plan: RunPlan, info: DistInfo) -> tuple[torch.nn.Module, dict[str, str] | None]:

@@ -59,7 +59,7 @@ class Progress:
 
 def image_folders(pieces: Pieces) -> list[SkippingImageFolder]:
     """The run's datasets that watch for unreadable images."""
-    sets = (pieces.loaders.train_loader.dataset, pieces.loaders.val_loader.dataset)
+    sets = (pieces.loaders.train_set, pieces.loaders.val_loader.dataset)
     sets = tuple(getattr(d, "dataset", d) for d in sets)  # teacher_cache.WithIndex wraps the training set
     return [d for d in sets if isinstance(d, SkippingImageFolder)]
 
@@ -147,7 +147,7 @@ class EpochLoop:
         loader = loaders.train_loader
         if epoch == self.progress.start_epoch and self.progress.skip_batches:  # resumed mid-epoch (preemption)
             sampler = SkipFirst(loaders.train_sampler, self.progress.skip_batches * per_rank)
-            loader = build_train_loader(loaders.train_loader.dataset, sampler, per_rank, self.plan.settings,
+            loader = build_train_loader(loaders.train_set, sampler, per_rank, self.plan.settings,
                                         self.info.device)
         seed_epoch_data(loaders.train_sampler, loader, self.streams, epoch)
         return loader

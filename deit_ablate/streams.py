@@ -5,8 +5,8 @@
 | `init`     | the model's initial weights (DDP then broadcasts rank 0's anyway)   | shared            |
 | `sampler`  | the epoch's permutation, which the ranks split between them         | shared            |
 | `loader`   | the loader workers' augmentation: worker w is seeded with base + w  | per rank, epoch   |
-|            | (torch's DataLoader; Python, NumPy and torch in the worker); DALI's |                   |
-|            | pipeline seed is drawn from the same generator                      |                   |
+|            | (torch's DataLoader rule; Python, NumPy and torch in the worker),   |                   |
+|            | base drawn from this stream; DALI's pipeline seed likewise          |                   |
 | `mix`      | NumPy's global generator of the training process: timm's Mixup/CutMix | per rank, epoch |
 | `erasing`  | Python's `random` of the training process: timm's batch-level random | per rank, epoch  |
 |            | erasing (which images, where)                                       |                   |
@@ -73,6 +73,11 @@ class RunStreams:
         """A torch CPU generator seeded for `stream` at `epoch`."""
         return torch.Generator().manual_seed(self.seed_of(stream, epoch))
 
+    def loader_base_seed(self, epoch: int) -> int:
+        """The base seed of `epoch`'s loader workers: the first draw of the loader stream, as torch's DataLoader
+        draws it from its `generator` when it starts workers."""
+        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator(Stream.LOADER, epoch)).item())
+
     def seed_init(self) -> None:
         """Seed the process for building the model: every rank builds the same initial weights."""
         _seed_globals(*(self.seed_of(Stream.INIT),) * 3)
@@ -88,6 +93,21 @@ def _seed_globals(python: int, numpy: int, torch_seed: int) -> None:
     random.seed(python)
     np.random.seed(numpy % 2**32)
     torch.manual_seed(torch_seed)
+
+
+def seed_loader_worker(base_seed: int) -> None:
+    """Seed this loader worker's Python, NumPy and torch generators from `base_seed` exactly as torch's DataLoader
+    seeds a worker it starts (torch/utils/data/_utils/worker.py)."""
+    from torch.utils.data import get_worker_info
+    from torch.utils.data._utils.worker import _generate_state
+
+    worker = get_worker_info()
+    if worker is None:
+        raise RuntimeError("seed_loader_worker runs in a DataLoader worker process only")
+    seed = base_seed + worker.id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(_generate_state(base_seed, worker.id))
 
 
 def copies_augmented_alike(result: dict, repeats: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import runpy
 import sys
@@ -24,7 +25,7 @@ import torch
 from PIL import Image, ImageDraw
 from timm.data.auto_augment import AugmentOp
 from timm.layers import DropPath
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.loader import build_train_loader, build_train_sampler, seed_epoch_data
@@ -165,6 +166,47 @@ def test_an_epoch_boundary_resume_loads_the_same_augmented_images(jpeg_root, rec
     assert all(a[0] == b[0] and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(first, again, strict=True))
     later = rank_epoch(cfg, jpeg_root, 1, 4, epoch=3)
     assert [r[0] for r in later] != [r[0] for r in first]  # another epoch, another permutation
+
+
+class RecordedWithWorker(Recorded):
+    """Recorded, plus the process id of the loader worker that loaded the image."""
+
+    def __getitem__(self, index: int):
+        return (*super().__getitem__(index), os.getpid())
+
+
+def fresh_worker_epoch(dataset: Dataset, sampler, streams: RunStreams, epoch: int) -> list[tuple]:
+    """(index, pixels, ops) of `epoch` from a loader whose 2 workers start for this epoch alone, seeded by torch from
+    the epoch's loader stream: what each epoch drew before the training workers lived through the run."""
+    sampler.set_epoch(streams.seed_of(Stream.SAMPLER, epoch))
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2, drop_last=True,
+                        generator=streams.generator(Stream.LOADER, epoch))
+    return [(int(i), pixels, ops) for batch in loader for i, pixels, ops in zip(batch[2], batch[0], batch[3],
+                                                                                 strict=True)]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_training_workers_start_once_and_draw_each_epoch_what_fresh_workers_draw(jpeg_root, record_ops, rank):
+    cfg = _config(jpeg_root)
+    per_image, _ = build_train_pipeline(cfg)
+    dataset = RecordedWithWorker(build_dataset(cfg, "train", per_image, jpeg_root))
+    streams, world = RunStreams(cfg.seed, rank), 2
+    sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, world, rank)
+    loader = build_train_loader(dataset, sampler, 4, cfg, torch.device("cpu"))
+    workers, epochs = set(), []
+    for epoch in range(3):
+        seed_epoch_data(sampler, loader, streams, epoch)
+        batches = list(loader)
+        workers |= {pid for batch in batches for pid in batch[4].tolist()}
+        epochs.append([(int(i), pixels, ops) for batch in batches
+                       for i, pixels, ops in zip(batch[2], batch[0], batch[3], strict=True)])
+    assert len(workers) == 2  # the same two worker processes served all three epochs
+    reference = build_train_sampler(dataset, cfg.augment.repeated_aug, world, rank)
+    for epoch, drawn in enumerate(epochs):
+        fresh = fresh_worker_epoch(dataset, reference, streams, epoch)
+        assert [i for i, _, _ in drawn] == [i for i, _, _ in fresh]
+        assert all(torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(drawn, fresh, strict=True)), epoch
+    assert not torch.equal(epochs[0][0][1], epochs[1][0][1])  # another epoch, other draws
 
 
 def _step_draws(streams: RunStreams, epoch: int) -> tuple:

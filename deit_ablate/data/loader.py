@@ -12,7 +12,7 @@ from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from deit_ablate.config import DataBackend
-from deit_ablate.streams import RunStreams, Stream
+from deit_ablate.streams import RunStreams, Stream, seed_loader_worker
 
 
 def build_train_sampler(dataset: Dataset, repeats: int, world_size: int, rank: int) -> Sampler:
@@ -28,7 +28,43 @@ def seed_epoch_data(sampler: Sampler, loader, streams: RunStreams, epoch: int) -
     """Seed one epoch's data: the permutation every rank shares, and this rank's augmentation stream (the loader
     workers', or DALI's pipeline seed), both functions of the epoch (exact resume at an epoch boundary)."""
     sampler.set_epoch(streams.seed_of(Stream.SAMPLER, epoch))  # both samplers seed their permutation with it
-    loader.generator = streams.generator(Stream.LOADER, epoch)
+    loader.generator = streams.generator(Stream.LOADER, epoch)  # DALI draws its pipeline seed from it
+    if isinstance(getattr(loader, "sampler", None), EpochSeededIndices):
+        loader.sampler.base_seed = streams.loader_base_seed(epoch)
+
+
+class EpochSeededIndices(Sampler):
+    """`sampler`'s indices, each paired with the base seed of the epoch's loader workers (set by `seed_epoch_data`),
+    for `EpochSeededItems` to read in the worker."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler, self.base_seed = sampler, 0
+
+    def __iter__(self):
+        base_seed = self.base_seed
+        return ((index, base_seed) for index in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class EpochSeededItems(Dataset):
+    """`dataset` for loader workers that live through the run: at the first image of each epoch a worker reseeds
+    itself as torch seeds a fresh worker from that epoch's base seed, so its augmentations are those of workers
+    started anew each epoch (streams.py) without the start. (Two epochs of one 63-bit base seed are not told apart.)"""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset, self.seeded_with = dataset, None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, base_seed = key
+        if base_seed != self.seeded_with:
+            seed_loader_worker(base_seed)
+            self.seeded_with = base_seed
+        return self.dataset[index]
 
 
 class ShardSampler(Sampler):
@@ -76,12 +112,15 @@ def lower_worker_priority(niceness: int, worker_id: int) -> None:
 
 
 def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig, train: bool) -> DataLoader:
-    """A DataLoader with workers, pinned memory on GPU, prefetch, and persistent workers for evaluation.
+    """A DataLoader with workers that live through the run (a training one's reseeded each epoch), pinned memory on
+    GPU and prefetch.
 
     The workers run at runtime.worker_nice below the training process's CPU priority: where cores are short they
     fill the time the training step leaves idle instead of preempting its threads (docs/PERFORMANCE.md, section 8).
     """
     workers = num_workers(cfg)
+    if train and workers > 0:
+        dataset, sampler = EpochSeededItems(dataset), EpochSeededIndices(sampler)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -89,9 +128,9 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictC
         num_workers=workers,
         pin_memory=torch.cuda.is_available(),
         drop_last=train,
-        # Training workers start again each epoch so that run.py's per-epoch seeding reaches them (exact resume);
-        # it costs ~0.1 s an epoch at demo scale (docs/PERFORMANCE.md).
-        persistent_workers=workers > 0 and not train,
+        # Workers start once: a fork per worker per epoch costs the training process copy-on-write page faults
+        # (docs/PERFORMANCE.md); training workers reseed each epoch themselves (EpochSeededItems).
+        persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
         worker_init_fn=functools.partial(lower_worker_priority, cfg.runtime.worker_nice) if workers > 0 else None,
     )
