@@ -22,7 +22,15 @@ from deit_ablate.aggregate.settings import experiment_settings
 from deit_ablate.assemble import stage_model_config
 from deit_ablate.config import Stage, compose_run_config
 from deit_ablate.data.builtin import CLASSES, CLASSES_B, _draw_shape, ensure_builtin_dataset
-from deit_ablate.data.cifar10 import FOLDER, META_FILE, TEST_FILES, TRAIN_FILES, CIFAR10Pickles
+from deit_ablate.data.cifar10 import (
+    CIFAR100_FILES,
+    CIFAR100_FOLDER,
+    FOLDER,
+    META_FILE,
+    TEST_FILES,
+    TRAIN_FILES,
+    CIFAR10Pickles,
+)
 from deit_ablate.data.datasets import build_dataset, check_data_root, data_fingerprint
 from deit_ablate.data.transforms import stage_reprob
 from deit_ablate.errors import ConfigError
@@ -57,6 +65,32 @@ def write_cifar10(root: Path, per_class: int = 2) -> dict[str, tuple[np.ndarray,
     with open(folder / META_FILE, "wb") as handle:
         pickle.dump({b"label_names": [c.encode() for c in CIFAR_CLASSES], b"num_vis": 3072}, handle)
     return written
+
+
+def write_cifar100(root: Path, train_per_class: int = 1) -> None:
+    """torchvision's CIFAR-100 pickle layout under `root`: train, test (one image per class) and meta."""
+    folder = root / CIFAR100_FOLDER
+    folder.mkdir(parents=True)
+    for name, per_class in (("train", train_per_class), ("test", 1)):
+        labels = [label for label in range(100) for _ in range(per_class)]
+        with open(folder / name, "wb") as handle:
+            pickle.dump({b"data": np.zeros((len(labels), 3072), dtype=np.uint8), b"fine_labels": labels,
+                         b"coarse_labels": [label // 5 for label in labels]}, handle)
+    with open(folder / CIFAR100_FILES["meta"], "wb") as handle:
+        pickle.dump({b"fine_label_names": [f"c{k}".encode() for k in range(100)]}, handle)
+
+
+def test_cifar100_is_fingerprinted_by_its_files_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    for name, per_class in (("a", 1), ("copy_of_a", 1), ("b", 2)):
+        write_cifar100(tmp_path / name, per_class)
+    prints = {name: data_fingerprint(compose_config(["data=cifar100", f"data.root={tmp_path / name}"]))
+              for name in ("a", "copy_of_a", "b")}
+    assert prints["a"]["classes"] == 100 and prints["a"]["images"] == {"train": 100, "val": 100}
+    assert prints["a"]["digest"] == prints["copy_of_a"]["digest"]  # the files, not where they lie
+    assert prints["b"]["digest"] != prints["a"]["digest"] and prints["b"]["images"]["train"] == 200
+    (tmp_path / "a" / CIFAR100_FOLDER / "test").unlink()
+    with pytest.raises(ConfigError, match=r"data=cifar100 found no test under .*cifar-100-python"):
+        check_data_root(compose_config(["data=cifar100", f"data.root={tmp_path / 'a'}"]))
 
 
 def test_cifar10_reader_reads_the_pickle_files_it_is_given(tmp_path: Path) -> None:
@@ -204,7 +238,7 @@ def test_transfer_gets_new_heads_and_the_source_backbone(tmp_path: Path, distill
 def test_paper_table7_dry_run_finds_its_source_run(tmp_path: Path, data_cache: Path) -> None:
     data_dir = tmp_path / "datasets"
     write_cifar10(data_dir / "cifar10")
-    (data_dir / "cifar100").mkdir(parents=True)
+    write_cifar100(data_dir / "cifar100")
     png = tmp_path / "one.png"
     Image.new("RGB", (8, 8)).save(png)
     for row in ("flowers", "cars"):

@@ -1,4 +1,5 @@
-"""CIFAR-10 from its standard python-pickle files on disk (never downloaded), as PIL images with integer labels.
+"""CIFAR-10 from its standard python-pickle files on disk (never downloaded), as PIL images with integer labels;
+and which CIFAR-10 or CIFAR-100 files a run reads (their fingerprints; CIFAR-100 itself is torchvision's reader).
 
 The layout is the one the CIFAR-10 authors ship (cifar-10-python.tar.gz, unpacked): <root>/cifar-10-batches-py/
 with data_batch_1 .. data_batch_5 (training), test_batch (evaluation) and batches.meta (the class names). Each batch
@@ -9,6 +10,7 @@ any file of that layout.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,8 @@ TRAIN_FILES = tuple(f"data_batch_{k}" for k in range(1, 6))
 TEST_FILES = ("test_batch",)
 META_FILE = "batches.meta"
 SIDE = 32
+CIFAR100_FOLDER = "cifar-100-python"
+CIFAR100_FILES = {"train": "train", "val": "test", "meta": "meta"}  # torchvision's CIFAR100 layout
 LAYOUT = (f"<data.root>/{FOLDER}/ holding {', '.join(TRAIN_FILES)}, {TEST_FILES[0]} and {META_FILE} (the python "
           "version of CIFAR-10, cifar-10-python.tar.gz, unpacked)")
 
@@ -38,12 +42,27 @@ def cifar10_folder(root: str | Path) -> Path:
     return folder
 
 
+def cifar100_folder(root: str | Path) -> Path:
+    """The folder of CIFAR-100's pickle files under `root`; a ConfigError naming the expected layout when one is
+    missing."""
+    folder = Path(root).expanduser() / CIFAR100_FOLDER
+    missing = [name for name in CIFAR100_FILES.values() if not (folder / name).is_file()]
+    if missing:
+        raise ConfigError(f"data=cifar100 found no {', '.join(missing)} under {folder}. It reads torchvision's "
+                          f"layout, <data.root>/{CIFAR100_FOLDER}/ holding train, test and meta (the python version "
+                          "of CIFAR-100, cifar-100-python.tar.gz, unpacked): point data.root at the folder that holds "
+                          f"{CIFAR100_FOLDER}/ (torchvision.datasets.CIFAR100(root, download=True) on a machine with "
+                          "internet writes it).")
+    return folder
+
+
 def _unpickle(path: Path) -> dict:
     with open(path, "rb") as handle:
         try:
             return pickle.load(handle, encoding="bytes")
         except (pickle.UnpicklingError, EOFError, ValueError) as error:
-            raise ConfigError(f"{path} is not a CIFAR-10 python-pickle batch ({error}); it reads {LAYOUT}.") from error
+            raise ConfigError(f"{path} is not a CIFAR python-pickle file ({error}); data=cifar10 reads {LAYOUT}, "
+                              f"data=cifar100 <data.root>/{CIFAR100_FOLDER}/.") from error
 
 
 def _text(value: bytes | str) -> str:
@@ -79,16 +98,29 @@ class CIFAR10Pickles(Dataset):
         return (self.transform(image) if self.transform is not None else image), self.targets[index]
 
 
+def _files_digest(tag: bytes, folder: Path, names: tuple[str, ...]) -> str:
+    """A digest of the files' names and sizes (not their bytes), as data/fingerprint.py takes a folder's."""
+    digest = hashlib.sha256(tag)
+    for name in names:
+        digest.update(b"F\0%s\0%d\0" % (name.encode(), (folder / name).stat().st_size))
+    return digest.hexdigest()[:16]
+
+
 def cifar10_fingerprint(root: str | Path) -> dict:
     """Which CIFAR-10 files a run reads, by content as data/fingerprint.py takes folders: a digest of the files'
-    names and sizes (not their bytes), the class count and the images per split."""
-    import hashlib
-
+    names and sizes, the class count and the images per split."""
     folder = cifar10_folder(root)
-    digest = hashlib.sha256(b"deit-cifar10-v1\0")
-    for name in (*TRAIN_FILES, *TEST_FILES, META_FILE):
-        digest.update(b"F\0%s\0%d\0" % (name.encode(), (folder / name).stat().st_size))
     counts = {split: sum(len(_unpickle(folder / name)[b"labels"]) for name in files)
               for split, files in (("train", TRAIN_FILES), ("val", TEST_FILES))}
     classes = [_text(name) for name in _unpickle(folder / META_FILE)[b"label_names"]]
-    return {"digest": digest.hexdigest()[:16], "classes": len(classes), "images": counts}
+    return {"digest": _files_digest(b"deit-cifar10-v1\0", folder, (*TRAIN_FILES, *TEST_FILES, META_FILE)),
+            "classes": len(classes), "images": counts}
+
+
+def cifar100_fingerprint(root: str | Path) -> dict:
+    """Which CIFAR-100 files a run reads, as `cifar10_fingerprint` takes CIFAR-10's (fine labels: 100 classes)."""
+    folder = cifar100_folder(root)
+    counts = {split: len(_unpickle(folder / CIFAR100_FILES[split])[b"fine_labels"]) for split in ("train", "val")}
+    classes = _unpickle(folder / CIFAR100_FILES["meta"])[b"fine_label_names"]
+    return {"digest": _files_digest(b"deit-cifar100-v1\0", folder, tuple(CIFAR100_FILES.values())),
+            "classes": len(classes), "images": counts}

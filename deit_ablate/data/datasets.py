@@ -17,7 +17,13 @@ from torchvision.datasets import CIFAR100
 from deit_ablate.config import DataName
 from deit_ablate.data.bad_images import GONE_HINT, SkippingImageFolder
 from deit_ablate.data.builtin import DEFAULT_CLASS_SET, ensure_builtin_dataset
-from deit_ablate.data.cifar10 import CIFAR10Pickles, cifar10_fingerprint, cifar10_folder
+from deit_ablate.data.cifar10 import (
+    CIFAR10Pickles,
+    cifar10_fingerprint,
+    cifar10_folder,
+    cifar100_fingerprint,
+    cifar100_folder,
+)
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.data.fingerprint import dataset_fingerprint, describe_fingerprint
 from deit_ablate.data.images import IMAGE_EXTENSIONS, class_names, has_image, load_rgb
@@ -56,6 +62,8 @@ def check_data_root(cfg: DictConfig) -> Path:
                           f"{data.name} folder (for ImageNet, the one holding train/ and val/).")
     if data.name == DataName.cifar10:
         cifar10_folder(root)
+    if data.name == DataName.cifar100:
+        cifar100_folder(root)
     if data.name in (DataName.imagenet, DataName.imagefolder):
         missing = [split for split in ("train", "val") if not (root / split).is_dir()]
         if missing:
@@ -156,6 +164,8 @@ def data_fingerprint(cfg: DictConfig) -> dict:
         return {"digest": digest, "builtin": params}
     if cfg.data.name == DataName.cifar10:
         return cifar10_fingerprint(check_data_root(cfg))
+    if cfg.data.name == DataName.cifar100:  # before session 10 a folder scan: one digest for every CIFAR-100
+        return cifar100_fingerprint(check_data_root(cfg))
     root = dataset_root(cfg) if cfg.data.name != DataName.builtin else Path(cfg.data.root).expanduser()
     fingerprint = dataset_fingerprint(root)
     if "not_read" in fingerprint:
