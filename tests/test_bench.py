@@ -27,7 +27,7 @@ def test_quick_bench_writes_positive_figures_for_every_section(tmp_path, data_ca
     names = {(f["name"], f["variant"]) for f in result["figures"]}
     for expected in [("matmul_rate", "float32"), ("train_step", "ours"), ("input_pipeline", "ours"),
                      ("input_pipeline", "ours+fast_jpeg"), ("input_pipeline", "dali"),
-                     ("epoch_start_latency", "persistent_workers=True"),
+                     ("epoch_start_latency", "workers=ours"),
                      ("e2e_train", "ours"), ("train_step_in_run", "ours"), ("e2e_run_wall", "ours"),
                      ("startup_cfg_job", "ours"),
                      ("compose_sweep_26", "ours"), ("transform_stage", "decode"),
@@ -40,6 +40,9 @@ def test_quick_bench_writes_positive_figures_for_every_section(tmp_path, data_ca
             continue
         assert figure["value"] > 0 and figure["samples"] and all(v > 0 for v in figure["samples"]), figure
         assert figure["device"] and figure["command"] and isinstance(figure["settings"], dict), figure
+    exact = {f["variant"]: f["extra"]["exact_resume_with_workers"] for f in result["figures"]
+             if f["name"] == "epoch_start_latency"}
+    assert exact == {"workers=ours": True, "workers=persistent": False, "workers=per_epoch": True}
     e2e = next(f for f in result["figures"] if f["name"] == "e2e_train")
     assert 0 <= e2e["extra"]["data_wait_fraction"] < 1 and e2e["command"].startswith("python train.py")
     step = next(f for f in result["figures"] if f["name"] == "train_step")

@@ -11,14 +11,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from deit_ablate.atomic import atomic_folder
 from deit_ablate.bench.env import synchronize, torch_threads
 from deit_ablate.data.builtin import CLASSES, draw_image
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
-from deit_ablate.data.loader import build_loader, build_train_loader, build_train_sampler, seed_epoch_data
+from deit_ablate.data.loader import (
+    EpochSeededIndices,
+    EpochSeededItems,
+    build_loader,
+    build_train_loader,
+    build_train_sampler,
+    seed_epoch_data,
+)
 from deit_ablate.data.transforms import build_train_pipeline, build_train_transform
 from deit_ablate.streams import RunStreams
 
@@ -143,13 +150,15 @@ def alternate_loaders(loaders: dict[str, Any], repeats: int, max_batches: int | 
     return results
 
 
-def worker_startup(cfg, dataset: Dataset, batch: int, epochs: int, persistent: bool) -> list[dict[str, float]]:
-    """Per-epoch first-batch latency and epoch time, reseeding like run.py, with persistent workers on or off."""
+def worker_startup(cfg, dataset: Dataset, batch: int, epochs: int, workers: str) -> list[dict[str, float]]:
+    """Per-epoch first-batch latency and epoch time, reseeding like run.py, with loader workers that are `ours`
+    (started once, reseeded per epoch: data/loader.py), `persistent` (torch's, started once) or `per_epoch`."""
     sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0)
-    base = build_loader(dataset, sampler, batch, cfg, train=True)
-    loader = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=base.num_workers, drop_last=True,
-                        persistent_workers=persistent and base.num_workers > 0, pin_memory=base.pin_memory,
-                        prefetch_factor=base.prefetch_factor)
+    loader = build_loader(dataset, sampler, batch, cfg, train=True)
+    if workers != "ours":
+        loader = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=loader.num_workers,
+                            drop_last=True, persistent_workers=workers == "persistent" and loader.num_workers > 0,
+                            pin_memory=loader.pin_memory, prefetch_factor=loader.prefetch_factor)
     rows = []
     for epoch in range(epochs):
         seed_epoch_data(sampler, loader, RunStreams(cfg.seed), epoch)  # as run.py does
@@ -157,8 +166,9 @@ def worker_startup(cfg, dataset: Dataset, batch: int, epochs: int, persistent: b
     return rows
 
 
-def resume_exact_with_workers(persistent: bool, workers: int = 2) -> bool:
-    """Whether epoch 1's worker-side random draws after a restart equal those of an uninterrupted run."""
+def resume_exact_with_workers(workers: str, count: int = 2) -> bool:
+    """Whether epoch 1's worker-side random draws after a restart equal those of an uninterrupted run, with loader
+    workers as `worker_startup` names them."""
 
     class Noise(Dataset):
         def __len__(self) -> int:
@@ -167,16 +177,21 @@ def resume_exact_with_workers(persistent: bool, workers: int = 2) -> bool:
         def __getitem__(self, index: int) -> torch.Tensor:
             return torch.rand(1)
 
-    def epoch_values(loader: DataLoader, epoch: int) -> list[float]:
-        loader.generator = torch.Generator().manual_seed(epoch)  # run.py's per-epoch reseeding
+    def epoch_values(loader: DataLoader, sampler: DistributedSampler, epoch: int) -> list[float]:
+        seed_epoch_data(sampler, loader, RunStreams(0), epoch)  # run.py's per-epoch reseeding
         return torch.cat(list(loader)).flatten().tolist()
 
-    def make() -> DataLoader:
-        return DataLoader(Noise(), batch_size=4, num_workers=workers, persistent_workers=persistent)
+    def make() -> tuple[DataLoader, DistributedSampler]:
+        sampler = DistributedSampler(Noise(), num_replicas=1, rank=0, shuffle=False)
+        if workers == "ours":
+            return DataLoader(EpochSeededItems(Noise()), batch_size=4, sampler=EpochSeededIndices(sampler),
+                              num_workers=count, persistent_workers=True), sampler
+        return DataLoader(Noise(), batch_size=4, sampler=sampler, num_workers=count,
+                          persistent_workers=workers == "persistent"), sampler
 
-    straight = make()
-    epoch_values(straight, 0)
-    return epoch_values(straight, 1) == epoch_values(make(), 1)
+    straight, sampler = make()
+    epoch_values(straight, sampler, 0)
+    return epoch_values(straight, sampler, 1) == epoch_values(*make(), 1)
 
 
 def stage_costs(root: Path, transform: Callable, count: int, repeats: int = 2,
