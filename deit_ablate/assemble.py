@@ -28,9 +28,8 @@ from deit_ablate.stages import (
     fix_layer_scale,
     load_backbone,
     load_pretrained,
-    stage_distils,
 )
-from deit_ablate.teacher import build_teacher, teacher_forward
+from deit_ablate.teacher import TeacherSource, build_teacher, teacher_forward
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, build_fixed_teacher_table
 
 
@@ -116,7 +115,7 @@ def build_student(plan: RunPlan, info: DistInfo) -> tuple[torch.nn.Module, dict[
         load_pretrained(model, plan.recipe.init_checkpoint)
         if info.is_main:
             log.info(f"[run] fine-tuning from {plan.recipe.init_checkpoint}")
-    layer_scale = fix_layer_scale(model, cfg, list(plan.overrides))
+    layer_scale = fix_layer_scale(model, plan.layer_scale_source)
     if layer_scale is not None and info.is_main:
         log.info(f"[run] LayerScale diagonal fixed at the values the run {layer_scale['run']} learned "
                  f"(digest {layer_scale['digest']})")
@@ -138,7 +137,7 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None  # starts from the loaded weights
     if cfg.runtime.compile:
         compile_in_place(module)  # after the EMA copy, which is only evaluated and stays eager
-    loss_fn = build_loss_fn(cfg, module, build_criterion(cfg.mix, mixup), info.device, info)
+    loss_fn = build_loss_fn(cfg, plan.teacher, module, build_criterion(cfg.mix, mixup), info.device, info)
     precision = cfg.train.amp
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
                       accum_steps=plan.batch.accum_steps, mixup=mixup, ema=ema,
@@ -197,15 +196,15 @@ def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps
     return build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, recipe.warmup_lr)
 
 
-def build_loss_fn(cfg: DictConfig, model: torch.nn.Module, criterion: torch.nn.Module, device: torch.device,
-                  info: DistInfo | None = None):
-    """The loss of one (mixed) batch: the class criterion, plus the teacher's term when distilling."""
+def build_loss_fn(cfg: DictConfig, teacher_source: TeacherSource | None, model: torch.nn.Module,
+                  criterion: torch.nn.Module, device: torch.device, info: DistInfo | None = None):
+    """The loss of one (mixed) batch: the class criterion, plus the term of the plan's teacher when distilling."""
     distill = cfg.distill
-    # a transfer trains on its new labels only (stages.stage_distils): a distilled model's two new heads learn them
-    # through the mean of their logits, timm's output when not distilling
-    if not stage_distils(cfg):
+    # a transfer trains on its new labels only (stages.stage_distils, teacher.run_teacher): a distilled model's two
+    # new heads learn them through the mean of their logits, timm's output when not distilling
+    if teacher_source is None:
         return lambda images, outputs, targets: criterion(outputs, targets)
-    teacher = build_teacher(cfg, device)
+    teacher = build_teacher(teacher_source, cfg.data.num_classes, device)
     distill_loss = DistillationLoss(criterion, distill.type, distill.alpha, distill.tau, distill.kl_normalization)
     if hasattr(model, "set_distilled_training"):
         model.set_distilled_training(distill.type in TOKEN_KINDS)

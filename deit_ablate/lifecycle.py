@@ -18,7 +18,7 @@ from deit_ablate.plan import RunPlan
 from deit_ablate.report import wandb_summary
 from deit_ablate.rundir import RunDir, wandb_root
 from deit_ablate.runlock import RunLock
-from deit_ablate.stages import layer_scale_run_dir, teacher_run_dir, upstream_role
+from deit_ablate.stages import upstream_role
 from deit_ablate.stopping import StopRequested
 from deit_ablate.streams import copies_augmented_alike
 from deit_ablate.tracking import Tracker, read_epoch_rows, wandb_logs
@@ -169,8 +169,7 @@ def _waits_for(plan: RunPlan, source: RunDir | None) -> str | None:
             return f"wait for {role} {plan.upstream.name}"
         if upstream["status"] != "finished":
             return f"record as {upstream['status']} without training ({role} {plan.upstream.name})"
-    teacher = teacher_run_dir(plan.settings, list(plan.overrides))
-    return _needed_run_line(teacher, "its teacher run") or _needed_run_line(source, "its LayerScale run")
+    return _needed_run_line(plan.teacher_run, "its teacher run") or _needed_run_line(source, "its LayerScale run")
 
 
 def _needed_run_line(run: RunDir | None, role: str) -> str | None:
@@ -188,7 +187,7 @@ def launch_plan(plan: RunPlan) -> str:
     result = previous_result(plan.run_dir, is_main=False)
     if result is not None:
         return f"skip (already {result['status']})"
-    source = layer_scale_run_dir(plan.settings, list(plan.overrides))  # composes that run's config: once
+    source = plan.layer_scale_source
     waiting = _waits_for(plan, source)
     if waiting is not None:
         return waiting

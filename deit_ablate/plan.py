@@ -2,7 +2,8 @@
 
 Everything a run needs to know about itself is settled here, once, and on rank 0 only where it reads files (the
 data's fingerprint, the teacher's weights): its identity (with the data and the teacher), its folder, the batch
-split, the stage's recipe and the run it starts from. The modules that execute the run take the plan's typed
+split, the stage's recipe, the run it starts from, the teacher it loads and the LayerScale run it takes a diagonal
+from. The modules that execute the run take the plan's typed
 pieces; none of them resolves the config again.
 """
 
@@ -28,8 +29,15 @@ from deit_ablate.identity import (
 from deit_ablate.models import student_model_name
 from deit_ablate.resolvers import folder_identity
 from deit_ablate.rundir import RunDir
-from deit_ablate.stages import StageRecipe, stage_recipe, upstream_run_dir
-from deit_ablate.teacher import with_run_teacher
+from deit_ablate.stages import (
+    StageRecipe,
+    check_layer_scale_run,
+    layer_scale_run_dir,
+    stage_recipe,
+    teacher_run_dir,
+    upstream_run_dir,
+)
+from deit_ablate.teacher import TeacherSource, run_teacher, with_run_teacher
 from deit_ablate.validate import BatchPlan, plan_batch
 
 
@@ -46,6 +54,9 @@ class RunPlan:
     recipe: StageRecipe
     model_name: str  # the student's timm model (the distilled twin under a token distillation)
     upstream: RunDir | None  # the run this stage starts from: a fine-tune's pre-training, a transfer's source
+    teacher_run: RunDir | None  # the teacher run a chained student distils from (distill.teacher.chain)
+    teacher: TeacherSource | None  # the teacher to load (None: no distillation, or a dry run awaiting its teacher)
+    layer_scale_source: RunDir | None  # the LayerScale run whose learned diagonal this run fixes (CaiT appendix A)
 
     @property
     def is_finetune(self) -> bool:
@@ -82,9 +93,15 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     choices = composed_choices(cfg) if "hydra" in cfg else task_choices()
     named = folder_identity(cfg, run_dir.name, overrides, choices)  # the folder Hydra made, or found
     data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
+    teacher_run = teacher_run_dir(cfg, overrides)  # composes the chained teacher run's config: once
+    teacher = agree(info, lambda: run_teacher(cfg, teacher_run, overrides))
     # the teacher's weights, refused when they are not those the run folder records
-    identity = agree(info, lambda: with_run_teacher(with_data(named, data), cfg, run_dir, overrides))
+    identity = agree(info, lambda: with_run_teacher(with_data(named, data), teacher, run_dir))
     upstream = upstream_run_dir(cfg, overrides)
+    layer_scale = layer_scale_run_dir(cfg, overrides)
+    if layer_scale is not None and not cfg.runtime.dry_run:  # the dry run says it waits for it (launch_plan)
+        check_layer_scale_run(cfg, layer_scale, data.get("digest"), overrides)
     return RunPlan(settings=cfg, overrides=tuple(overrides), identity=identity, run_dir=run_dir, data=data,
                    batch=plan_batch(cfg, info.world_size), recipe=stage_recipe(cfg, upstream),
-                   model_name=student_model_name(cfg), upstream=upstream)
+                   model_name=student_model_name(cfg), upstream=upstream, teacher_run=teacher_run, teacher=teacher,
+                   layer_scale_source=layer_scale)

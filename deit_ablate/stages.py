@@ -13,7 +13,6 @@ from omegaconf import DictConfig
 
 from deit_ablate import checkpoint as ckpt
 from deit_ablate.config import CONF_DIR, DistillKind, Stage, compose_run_config
-from deit_ablate.data.datasets import data_fingerprint
 from deit_ablate.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import pretrain_overrides, swap_overrides, task_overrides, train_command
@@ -292,12 +291,8 @@ def require_finished(source: RunDir, needs: str, command: str, alternative: str)
     return source
 
 
-def finished_layer_scale_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
-    """The finished LayerScale run whose diagonal this run fixes (None when it fixes none); a ConfigError naming
-    it and the command that trains it when it has not finished."""
-    source = layer_scale_run_dir(cfg, overrides)
-    if source is None:
-        return None
+def _require_layer_scale_run(cfg: DictConfig, source: RunDir, overrides: list[str] | None) -> RunDir:
+    """`source` when that LayerScale run finished; else a ConfigError naming it and the command that trains it."""
     return require_finished(
         source, f"fixes the LayerScale diagonal at the values the run '{source.name}' learned (model.kwargs."
         f"layer_scale_from={layer_scale_row(cfg)}, CaiT appendix A)",
@@ -305,18 +300,30 @@ def finished_layer_scale_run(cfg: DictConfig, overrides: list[str] | None = None
         "or sweep both in one command, that row listed first (on SLURM the run waits for it).")
 
 
-def fix_layer_scale(model: torch.nn.Module, cfg: DictConfig, overrides: list[str] | None = None
-                    ) -> dict[str, str] | None:
-    """Set `model`'s LayerScale diagonal to the one its LayerScale run ended with (model.kwargs.layer_scale_from);
-    returns that run's name and the diagonal's digest (None when the option is unset). A ConfigError, before
-    anything trains, when that run has not finished, trained on other data or is another architecture."""
-    source = finished_layer_scale_run(cfg, overrides)
-    if source is None:
-        return None
+def finished_layer_scale_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The finished LayerScale run whose diagonal this run fixes (None when it fixes none); a ConfigError naming
+    it and the command that trains it when it has not finished."""
+    source = layer_scale_run_dir(cfg, overrides)
+    return None if source is None else _require_layer_scale_run(cfg, source, overrides)
+
+
+def check_layer_scale_run(cfg: DictConfig, source: RunDir, data_digest: str | None,
+                          overrides: list[str] | None = None) -> None:
+    """A ConfigError, before anything trains, when the LayerScale run `source` (`layer_scale_run_dir`) has not
+    finished, or trained on other data than `data_digest`."""
+    _require_layer_scale_run(cfg, source, overrides)
     recorded = (source.recorded_data() or {}).get("digest")
-    if recorded is not None and recorded != data_fingerprint(cfg).get("digest"):
+    if recorded is not None and recorded != data_digest:
         raise ConfigError(f"the LayerScale run '{source.name}' was trained on other data than this run's; train it on "
                           "this data first, under another output folder (runtime.output_root=...).")
+
+
+def fix_layer_scale(model: torch.nn.Module, source: RunDir | None) -> dict[str, str] | None:
+    """Set `model`'s LayerScale diagonal to the one the finished LayerScale run `source` ended with (the plan's,
+    checked by `check_layer_scale_run`); that run's name and the diagonal's digest (None without a source). A
+    ConfigError when its checkpoint is another architecture."""
+    if source is None:
+        return None
     values = layer_scale_values(pretrained_weights(source.last_checkpoint))
     set_layer_scale(model, values, f"the checkpoint of the LayerScale run '{source.name}' ({source.last_checkpoint})")
     return {"run": source.name, "digest": layer_scale_digest(values)}

@@ -153,7 +153,7 @@ class TeacherSource:
 
 def resolve_teacher(teacher_cfg, output_root: str | Path, reference: str | None = None) -> TeacherSource:
     """The teacher's architecture, kwargs and checkpoint file; a run folder (or run name) brings all three.
-    `reference` (a chained teacher's run folder, teacher_reference) stands for distill.teacher.checkpoint."""
+    `reference` (a chained teacher's run folder, run_teacher) stands for distill.teacher.checkpoint."""
     reference = teacher_cfg.checkpoint if reference is None else reference
     name, kwargs = teacher_cfg.model, dict(teacher_cfg.kwargs)
     if reference is None or str(reference).strip() == "":
@@ -257,17 +257,10 @@ def check_chain_keys(cfg) -> None:
                           "Pick a distillation (e.g. distill=hard_token) or drop distill.teacher.chain.")
 
 
-def teacher_reference(cfg, overrides: list[str] | None = None) -> str | None:
-    """The teacher the run distils from: its chained teacher run's folder (distill.teacher.chain), else
-    distill.teacher.checkpoint."""
-    chained = teacher_run_dir(cfg, overrides)
-    return str(chained.path) if chained is not None else cfg.distill.teacher.checkpoint
-
-
-def build_teacher(cfg, device: torch.device, overrides: list[str] | None = None) -> nn.Module:
-    """The frozen teacher on `device` (channels_last on GPU), checked against the data's class count."""
-    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, teacher_reference(cfg, overrides))
-    teacher = load_teacher(source.model, source.checkpoint, cfg.data.num_classes, **source.kwargs).to(device)
+def build_teacher(source: TeacherSource, num_classes: int, device: torch.device) -> nn.Module:
+    """The frozen teacher the plan resolved (`run_teacher`) on `device` (channels_last on GPU), checked against the
+    data's class count."""
+    teacher = load_teacher(source.model, source.checkpoint, num_classes, **source.kwargs).to(device)
     if device.type == "cuda" and not hasattr(teacher, "pos_embed"):
         teacher = teacher.to(memory_format=torch.channels_last)
     return teacher
@@ -309,19 +302,26 @@ def _describe(teacher: Mapping[str, Any]) -> str:
     return f"sha1 {teacher['digest'][:12]}, {where}{teacher['checkpoint']}"
 
 
-def teacher_identity(cfg, run_dir: RunDir, overrides: list[str] | None = None) -> dict[str, Any] | None:
-    """What the run distils from (None without distillation, or in a dry run whose chained teacher run has not
-    trained yet): the teacher run's name, id, state and top-1, the checkpoint file and the digest of its weights. A
-    ConfigError when the run folder records other teacher weights, or the chained teacher run has not finished."""
+def run_teacher(cfg, chained: RunDir | None, overrides: list[str] | None = None) -> TeacherSource | None:
+    """The teacher the run distils from: its chained teacher run `chained` (stages.teacher_run_dir) or
+    distill.teacher.checkpoint, resolved; None without distillation, or in a dry run whose chained teacher run has
+    not trained yet. A ConfigError, with the command that trains it, when that teacher run has not finished."""
     if not stage_distils(cfg):
         return None
-    chained = teacher_run_dir(cfg, overrides)
     if chained is not None and teacher_run_state(chained) != "finished":
         if cfg.runtime.dry_run:
             return None  # the dry run says it waits for it (lifecycle.launch_plan)
         finished_teacher_run(cfg, overrides)  # refused, with the command that trains it
     reference = str(chained.path) if chained is not None else None
-    source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, reference)
+    return resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, reference)
+
+
+def teacher_identity(source: TeacherSource | None, run_dir: RunDir) -> dict[str, Any] | None:
+    """What the run distils from (None without a teacher): the teacher run's name, id, state and top-1, the
+    checkpoint file and the digest of its weights. A ConfigError when the run folder records other teacher
+    weights."""
+    if source is None:
+        return None
     path = Path(source.checkpoint).resolve()
     recorded = (run_dir.read_identity() or {}).get("teacher")
     stat = _stat(path)
@@ -340,10 +340,10 @@ def teacher_identity(cfg, run_dir: RunDir, overrides: list[str] | None = None) -
     return teacher
 
 
-def with_run_teacher(identity: RunIdentity, cfg, run_dir: RunDir, overrides: list[str] | None = None) -> RunIdentity:
+def with_run_teacher(identity: RunIdentity, source: TeacherSource | None, run_dir: RunDir) -> RunIdentity:
     """`identity` with the teacher the run distils from (identity.with_teacher); a ConfigError when the run folder
     records other teacher weights."""
-    return with_teacher(identity, teacher_identity(cfg, run_dir, overrides), run_dir.read_identity())
+    return with_teacher(identity, teacher_identity(source, run_dir), run_dir.read_identity())
 
 
 def _teacher_top1(run: RunDir | None) -> dict[str, float]:

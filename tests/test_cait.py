@@ -31,12 +31,14 @@ from deit_ablate.deeper import (
     layer_scale_values,
     set_layer_scale,
 )
+from deit_ablate.distributed import DistInfo
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import composed_choices, experiment, run_identity
 from deit_ablate.keys import NOT_EXPERIMENT
 from deit_ablate.models import build_model, resize_pos_embed_state
+from deit_ablate.plan import make_plan
 from deit_ablate.rundir import RunDir, runs_root, wandb_root
-from deit_ablate.stages import fix_layer_scale, layer_scale_run_dir
+from deit_ablate.stages import layer_scale_run_dir
 from deit_ablate.validate import validate_config
 from hydra_plugins.deit_ablate_launcher.slurm import submission_order, upstream_jobs
 from tests.conftest import CONF, REPO, TINY, compose_config, identity_of, run_train
@@ -301,20 +303,25 @@ def test_bad_model_options_are_checked_before_a_run_starts():
 def test_ls_fixed_refuses_to_start_before_its_layerscale_run_has_finished(tmp_path):
     overrides = ["cait=ls_fixed", f"runtime.output_root={tmp_path}"]
     cfg = compose_config(overrides)
-    model = build_model(cfg.model, 10, 32)
+
+    def plan(cfg, overrides):  # the run's plan, where every input error is raised before anything is written
+        return make_plan(cfg, DistInfo(), RunDir(tmp_path / "this-run"), overrides)
+
     with pytest.raises(ConfigError, match=r"the run 'cait=depth18_layerscale-\w+' learned .* which has not finished "
                                           rf".* Train it first: python train.py cait=depth18_layerscale "
                                           rf"runtime.output_root={tmp_path};"):
-        fix_layer_scale(model, cfg, overrides)
+        plan(cfg, overrides)
     source = layer_scale_run_dir(cfg, overrides).path
     source.mkdir(parents=True)
     RunDir(source).result.write_text(json.dumps({"status": "diverged"}))
     with pytest.raises(ConfigError, match="which ended as diverged"):
-        fix_layer_scale(model, cfg, overrides)
+        plan(cfg, overrides)
+    dry = compose_config([*overrides, "runtime.dry_run=true"])  # the dry run says what the run waits for instead
+    assert plan(dry, overrides).layer_scale_source.path == source
     # Only a row that learns LayerScale from epsilon can be the source.
-    cfg = compose_config(["cait=ls_fixed", "model.kwargs.layer_scale_from=depth18_uniform"])
+    other = ["cait=ls_fixed", "model.kwargs.layer_scale_from=depth18_uniform"]
     with pytest.raises(ConfigError, match="layer_scale_from=depth18_uniform: that row does not learn LayerScale"):
-        fix_layer_scale(model, cfg, ["cait=ls_fixed", "model.kwargs.layer_scale_from=depth18_uniform"])
+        plan(compose_config(other), other)
 
 
 def test_layer_scale_values_of_another_architecture_are_refused():

@@ -17,6 +17,7 @@ from deit_ablate.engine import Trainer
 from deit_ablate.models import build_model, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler
 from deit_ablate.rundir import LAST, RESULT, RunDir, runs_root
+from deit_ablate.teacher import run_teacher
 from tests.conftest import TINY, compose_config, run_train
 
 DATA = [item for item in TINY if not item.startswith("model.")]
@@ -44,7 +45,8 @@ def test_teacher_receives_exactly_the_mixed_batch_the_student_sees(teacher_check
         return real_forward(teacher, images)
 
     monkeypatch.setattr(assemble_module, "teacher_forward", recording_forward)
-    loss_fn = assemble_module.build_loss_fn(cfg, student, SoftTargetCrossEntropy(), torch.device("cpu"))
+    loss_fn = assemble_module.build_loss_fn(cfg, run_teacher(cfg, None), student, SoftTargetCrossEntropy(),
+                                            torch.device("cpu"))
     optimizer = build_optimizer(student, "adamw", 1e-3, 0.05)
     trainer = Trainer(model=student, optimizer=optimizer, loss_fn=loss_fn, info=DistInfo(),
                       scheduler=build_scheduler(optimizer, 10, 0, 1e-5, 1e-6),

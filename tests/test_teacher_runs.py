@@ -17,7 +17,7 @@ from deit_ablate.checkpoint import read_weights
 from deit_ablate.errors import ConfigError
 from deit_ablate.identity import with_teacher
 from deit_ablate.rundir import RunDir, runs_root, wandb_root
-from deit_ablate.teacher import teacher_identity, weights_digest
+from deit_ablate.teacher import run_teacher, teacher_identity, weights_digest
 from tests.conftest import TINY, SharedRun, compose_config, identity_of, run_train
 
 DATA = [item for item in TINY if not item.startswith(("model.", "train.epochs="))]
@@ -115,14 +115,15 @@ def test_a_replaced_teacher_file_is_another_teacher(tmp_path):
     cfg = compose_config(overrides)
     run_dir = RunDir(tmp_path / "student")
     run_dir.path.mkdir()
-    first = teacher_identity(cfg, run_dir)
+    source = run_teacher(cfg, None)
+    first = teacher_identity(source, run_dir)
     assert first["run"] is None and first["checkpoint"] == str(path.resolve())
     assert first["digest"] == weights_digest(read_weights(path))
     run_dir.write_identity({"digest": "d", "teacher": first})
-    assert teacher_identity(cfg, run_dir)["digest"] == first["digest"]
+    assert teacher_identity(source, run_dir)["digest"] == first["digest"]
     _file_teacher(path, 1)  # replaced by another teacher's weights
     with pytest.raises(ConfigError, match="other teacher weights"):
-        teacher_identity(cfg, run_dir)
+        teacher_identity(run_teacher(cfg, None), run_dir)
 
 
 def test_the_weights_digest_is_of_the_weights_not_of_the_file(tmp_path):

@@ -28,6 +28,7 @@ from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler
 from deit_ablate.rundir import LAST, RunDir, runs_root
+from deit_ablate.teacher import run_teacher
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, fixed_view_transform, split_targets, teacher_table
 from deit_ablate.validate import check_teacher_view
 from tests import teaching_ddp_worker
@@ -147,7 +148,8 @@ def test_under_function_matching_the_teacher_sees_the_students_mixed_images(teac
 
     monkeypatch.setattr(assemble_module, "teacher_forward", recording_forward)
     mixup = build_mixup(cfg.mix, 10)
-    loss_fn = assemble_module.build_loss_fn(cfg, student, build_criterion(cfg.mix, mixup), torch.device("cpu"))
+    loss_fn = assemble_module.build_loss_fn(cfg, run_teacher(cfg, None), student, build_criterion(cfg.mix, mixup),
+                                            torch.device("cpu"))
     optimizer = build_optimizer(student, "adamw", 1e-3, 0.05)
     trainer = Trainer(model=student, optimizer=optimizer, loss_fn=loss_fn, info=DistInfo(), mixup=mixup,
                       scheduler=build_scheduler(optimizer, 10, 0, 1e-5, 1e-6))
