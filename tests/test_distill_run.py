@@ -92,6 +92,7 @@ def test_table_3_ladder_from_one_command_trains_the_paper_models(tmp_path, data_
     assert proc.stdout.count("heads     class") == 4
 
 
+@pytest.mark.slow
 def test_distillation_without_a_teacher_checkpoint_fails_before_training(tmp_path, data_cache):
     proc = run_train(STUDENT + DATA + ["distill=hard_token"], tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "distill.teacher.checkpoint is not set" in proc.stderr

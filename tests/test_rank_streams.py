@@ -357,6 +357,7 @@ def _audit_records(folder: Path) -> dict[str, list[dict]]:
     return records
 
 
+@pytest.mark.slow
 def test_four_torchrun_ranks_augment_each_copy_differently_and_share_one_permutation(tmp_path, jpeg_root,
                                                                                       data_cache):
     audit = tmp_path / "audit"

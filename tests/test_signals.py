@@ -109,6 +109,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, data_cache):
     assert torch.load(RunDir(folder).last_checkpoint, weights_only=True)["step"] == 16
 
 
+@pytest.mark.slow
 def test_an_eval_size_a_vit_cannot_take_is_refused_before_training(tmp_path, data_cache):
     proc = run_train(TINY + ["resolution.train_size=8"], tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

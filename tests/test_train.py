@@ -59,7 +59,9 @@ def test_divergence_ends_the_run_as_a_result_with_exit_status_0(tmp_path, data_c
     assert "diverged" in proc.stdout
 
 
-@pytest.mark.parametrize("workers", [0, 2])  # loader workers must take run.py's per-epoch seeds too
+# loader workers must take run.py's per-epoch seeds too (with 2 workers: slow; test_rank_streams.py checks the
+# workers' draws epoch by epoch in the default suite)
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(resumed_runs, workers):
     a, _, first_half = resumed_runs(workers).checkpoints  # the weights are equal, checked by the helper
     assert first_half["epoch"] == 1 and first_half["step"] == 8
