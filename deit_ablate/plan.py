@@ -3,8 +3,7 @@
 Everything a run needs to know about itself is settled here, once, and on rank 0 only where it reads files (the
 data's fingerprint, the teacher's weights): its identity (with the data and the teacher), its folder, the batch
 split, the stage's recipe, the run it starts from, the teacher it loads and the LayerScale run it takes a diagonal
-from. The modules that execute the run take the plan's typed
-pieces; none of them resolves the config again.
+from. The modules that execute the run take the plan's typed pieces; none of them resolves the config again.
 """
 
 from __future__ import annotations
