@@ -11,7 +11,13 @@ from timm.utils import ModelEmaV3
 
 from deit_ablate.config import DistillKind, Precision, Stage, TeacherView
 from deit_ablate.data.datasets import build_dataset, dataset_root
-from deit_ablate.data.loader import ShardSampler, build_loader, build_train_loader, build_train_sampler
+from deit_ablate.data.loader import (
+    SeededSamples,
+    ShardSampler,
+    build_loader,
+    build_train_loader,
+    build_train_sampler,
+)
 from deit_ablate.data.transforms import BatchNormalize, build_eval_transform, build_train_pipeline
 from deit_ablate.distributed import DistInfo, barrier
 from deit_ablate.engine import Trainer
@@ -29,6 +35,7 @@ from deit_ablate.stages import (
     load_backbone,
     load_pretrained,
 )
+from deit_ablate.streams import RunStreams
 from deit_ablate.teacher import TeacherSource, build_teacher, teacher_forward
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, build_fixed_teacher_table
 
@@ -89,13 +96,17 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
     if cfg.distill.type != DistillKind.none and cfg.distill.teacher_view == TeacherView.fixed:
         train_set = WithIndex(train_set)  # the loss looks up each image's cached teacher outputs by its index
     val_set = build_dataset(cfg, "val", build_eval_transform(cfg), root)
-    train_sampler = build_train_sampler(train_set, cfg.augment.repeated_aug, info.world_size, info.rank)
+    batch = plan.batch
+    slots = build_train_sampler(len(train_set), cfg.augment.repeated_aug, batch.slots, batch.slots_of(info.rank),
+                                batch.micro_batch)
+    train_sampler = SeededSamples(slots, RunStreams(cfg.seed, info.rank))
     train_loader = build_train_loader(train_set, train_sampler, per_rank, cfg, info.device)
     val_loader = build_loader(val_set, ShardSampler(len(val_set), info.world_size, info.rank),
                               cfg.runtime.eval_batch, cfg, train=False)
     if len(train_loader) == 0:
-        raise ConfigError(f"an epoch of {len(train_sampler)} images per rank holds no full batch of {per_rank}; "
-                          "lower train.global_batch or use more data.")
+        raise ConfigError(f"an epoch of {len(train_set)} images (x{cfg.augment.repeated_aug} repeats) dealt to "
+                          f"{batch.slots} micro-batches of {batch.micro_batch} holds no full step; lower the global "
+                          "batch or use more data.")
     return Loaders(train_set, train_loader, train_sampler, val_loader, batch_transform, len(train_loader))
 
 
@@ -140,7 +151,7 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
     loss_fn = build_loss_fn(cfg, plan.teacher, module, build_criterion(cfg.mix, mixup), info.device, info)
     precision = cfg.train.amp
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
-                      accum_steps=plan.batch.accum_steps, mixup=mixup, ema=ema,
+                      batch=plan.batch, mixup=mixup, ema=ema,
                       batch_transform=loaders.batch_transform, train_mode=recipe.train_mode,
                       amp_dtype=amp_dtype(precision, info.device), scaler=grad_scaler(precision, info.device),
                       clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.runtime.log_interval,

@@ -200,6 +200,7 @@ class FinetuneConfig:
     init_checkpoint: str | None = None  # None: the same run's pre-training checkpoint (its EMA weights if kept)
     optimizer: str = "adamw"  # AdamW for every row but sgd_finetune (Table 8: the sgd row is SGD pre-training only)
     global_batch: int | None = None  # None: train.global_batch; the paper preset sets 512 (32 x 16 GPUs)
+    micro_batch: int = 32  # the released command's 32 images per GPU: the unit of every per-batch draw
     lr: float = 5e-6  # per lr_base_batch images, like optimizer.lr
     weight_decay: float = 1e-8
     epochs: int = 30
@@ -228,6 +229,7 @@ class TransferConfig:
     init_checkpoint: str | None = None  # None: the source run's last checkpoint (its EMA weights if kept)
     optimizer: str = "sgd"
     global_batch: int = 768
+    micro_batch: int | None = None  # None: train.micro_batch (issue #45 names no per-GPU batch)
     lr: float = 0.01  # per lr_base_batch images, like optimizer.lr
     weight_decay: float = 1e-4
     epochs: int = 1000
@@ -244,6 +246,9 @@ class TrainConfig:
 
     epochs: int = 300
     global_batch: int = 1024
+    # The unit of every per-batch computation (one Mixup/CutMix draw, one SAM perturbation, one BatchNorm batch, one
+    # sampler slot): the paper's 8 GPUs x 128. The global batch is global_batch / micro_batch virtual slots.
+    micro_batch: int = 128
     max_steps: int | None = None  # stop after this many optimizer steps (smoke tests: another experiment)
     ema: bool = False
     ema_decay: float = 0.99996
@@ -272,7 +277,9 @@ class RuntimeConfig:
     num_workers: int | None = None  # data-loading workers; None: the cores available to this process
     worker_nice: int = 19  # added to the workers' niceness: they yield the CPU to the training step (0-19)
     compile: bool = False  # torch.compile the model (opt-in; falls back to eager where it cannot)
-    max_batch_per_device: int = 128  # larger per-device batches are split into accumulation steps
+    # images one forward/backward pass may hold: a device runs its micro-batches one at a time (accumulating), and
+    # a micro-batch larger than this is refused unless splitting it computes exactly the same (validate.py)
+    max_batch_per_device: int = 128
     eval_batch: int = 256
     log_interval: int = 10
     checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)

@@ -7,10 +7,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from timm.data import Mixup
 from timm.utils import ModelEmaV3
+from torch.nn.modules.batchnorm import _NormBase
 from tqdm import tqdm
 
 from deit_ablate.artifacts import HighNormCounter, high_norm_percent, measures_high_norm
@@ -28,6 +30,10 @@ from deit_ablate.sam import (
     set_rng_state,
     with_grad,
 )
+from deit_ablate.streams import EpochStreams, RunStreams, Stream
+
+if TYPE_CHECKING:
+    from deit_ablate.validate import BatchPlan
 
 LossFn = Callable[[torch.Tensor, object, torch.Tensor], torch.Tensor]  # (images, model outputs, targets) -> loss
 
@@ -50,7 +56,8 @@ class Trainer:
     scheduler: object
     loss_fn: LossFn
     info: DistInfo
-    accum_steps: int = 1
+    accum_steps: int = 1  # forward/backward passes per step (set from `batch` when given)
+    batch: BatchPlan | None = None  # the virtual slots this process computes; None: one slot per pass (tests)
     mixup: Mixup | None = None
     ema: ModelEmaV3 | None = None
     amp_dtype: torch.dtype | None = None
@@ -64,8 +71,14 @@ class Trainer:
     on_log: Callable[[dict, int], None] = field(default=lambda metrics, step: None)
     _skipped: torch.Tensor | None = field(default=None, init=False, repr=False)  # on the device: no host sync
     _sam_timer: PassTimer | None = field(default=None, init=False, repr=False)
+    _epoch: EpochStreams | None = field(default=None, init=False, repr=False)  # this epoch's draws, by train_epoch
 
     def __post_init__(self) -> None:
+        if self.batch is not None:
+            self.accum_steps = self.batch.accum_steps * self.batch.split
+        self._slots = self.batch.slots_of(self.info.rank) if self.batch is not None else tuple(range(self.accum_steps))
+        self._keeps_running_stats = any(isinstance(m, _NormBase) and m.track_running_stats
+                                        for m in self.module.modules())
         if self.scaler is not None:
             self._skipped = torch.zeros((), dtype=torch.long, device=self.info.device)
         if self.sam_rho:
@@ -127,30 +140,36 @@ class Trainer:
             self._skipped.fill_(int(state.get("amp_skipped_steps", 0)))
         self.step = int(state["step"])
 
-    def train_step(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on this rank's share of the global batch, in `accum_steps` chunks; the mean training
-        loss at the weights the step starts from.
+    def train_step(self, images: torch.Tensor, targets: torch.Tensor, step_in_epoch: int = 0) -> torch.Tensor:
+        """One optimizer step on this process's micro-batches of the global batch; the mean training loss at the
+        weights the step starts from.
 
-        Each chunk stands for one GPU of the reference's run, so it draws its own Mixup/CutMix (lambda, box,
-        which of the two), as each of DeiT's 8 x 128 per-GPU batches did. With SAM each chunk is also perturbed
-        by its own gradient (see _sam_chunk)."""
+        Each micro-batch is one virtual slot, one GPU of the reference's run: it draws its own Mixup/CutMix (lambda,
+        box, which of the two) and drop path, keyed by (epoch, step, slot) once train_epoch has set the epoch's
+        streams; with SAM it is perturbed by its own gradient (see _sam_chunk); BatchNorm's running statistics
+        follow slot 0's micro-batches, as DDP's buffer broadcast from rank 0 makes them on G GPUs."""
         self.optimizer.zero_grad(set_to_none=True)
         if self._sam_timer is not None:
             self._sam_timer.start_step()
         total = torch.zeros((), device=images.device)
         chunks = list(zip(images.chunk(self.accum_steps), targets.chunk(self.accum_steps), strict=False))
+        passes = self.batch.split if self.batch is not None else 1  # passes per micro-batch
         for index, (chunk_images, chunk_targets) in enumerate(chunks):
+            slot = self._slots[index // passes]
+            if self._epoch is not None:
+                self._epoch.seed_chunk(step_in_epoch, slot)
             if self.mixup is not None:
                 chunk_images, chunk_targets = self.mixup(chunk_images, chunk_targets)
             last = index == len(chunks) - 1
-            if self.sam_rho:
-                loss = self._sam_chunk(chunk_images, chunk_targets, len(chunks), last)
-            else:
-                with self._no_sync(last):
-                    with self.autocast():
-                        outputs = self.model(chunk_images)
-                        loss = self.loss_fn(chunk_images, outputs, chunk_targets)
-                    self._backward(loss / len(chunks))
+            with self._running_stats_of(slot):
+                if self.sam_rho:
+                    loss = self._sam_chunk(chunk_images, chunk_targets, len(chunks), last)
+                else:
+                    with self._no_sync(last):
+                        with self.autocast():
+                            outputs = self.model(chunk_images)
+                            loss = self.loss_fn(chunk_images, outputs, chunk_targets)
+                        self._backward(loss / len(chunks))
             total += loss.detach() / len(chunks)
         self._optimizer_step()
         # A step the fp16 scaler skipped still advances the step counter, the schedule and the EMA, so step counts,
@@ -163,6 +182,23 @@ class Trainer:
         if self._sam_timer is not None:
             self._sam_timer.mark()
         return total
+
+    def _running_stats_of(self, slot: int):
+        """BatchNorm's running statistics updated by slot 0's micro-batch only (frozen for the others): DDP
+        broadcasts rank 0's buffers before every forward, so on G GPUs they follow the first GPU's batches."""
+        if slot == 0 or not self._keeps_running_stats:
+            return contextlib.nullcontext()
+        return frozen_running_stats(self.module)
+
+    def sample_seeds(self, stream: Stream, step_in_epoch: int) -> list[int] | None:
+        """The seeds of this process's samples at `step_in_epoch`, in batch order (None before train_epoch sets
+        the epoch, or without a batch plan)."""
+        if self._epoch is None or self.batch is None:
+            return None
+        slots, micro = self.batch.slots, self.batch.micro_batch
+        first = step_in_epoch * micro
+        return [self._epoch.sample_seed(stream, slot + slots * (first + i)) for slot in self._slots
+                for i in range(micro)]
 
     def _no_sync(self, last: bool = False):
         """DDP's no_sync (gradients stay on this rank) unless `last`; a no-op without DDP."""
@@ -227,9 +263,13 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
 
     def train_epoch(self, loader, epoch: int, max_steps: int | None = None,
-                    step_hook: Callable[[int], None] | None = None) -> float:
-        """Run the epoch's batches; returns the mean training loss. Raises Diverged on a non-finite loss."""
+                    step_hook: Callable[[int], None] | None = None, streams: RunStreams | None = None,
+                    first_step: int = 0) -> float:
+        """Run the epoch's batches (from its step `first_step` on, after a resume); returns the mean training loss.
+        With the run's `streams`, every draw is keyed by (epoch, step, slot) or the sample's position (streams.py).
+        Raises Diverged on a non-finite loss."""
         set_training_mode(self.model, self.train_mode)
+        self._epoch = EpochStreams(streams, epoch) if streams is not None else None
         bar = tqdm(loader, desc=f"epoch {epoch}", disable=not self.info.is_main, dynamic_ncols=True, leave=False,
                    mininterval=1.0)
         loss_sum = torch.zeros((), device=self.info.device)
@@ -242,10 +282,12 @@ class Trainer:
                 break
             images = images.to(self.info.device, non_blocking=True)
             targets = targets.to(self.info.device, non_blocking=True)
+            step_in_epoch = first_step + steps_in_epoch
             if self.batch_transform is not None:
-                images = self.batch_transform(images, out=reused)
+                images = self.batch_transform(images, out=reused,
+                                              seeds=self.sample_seeds(Stream.ERASING, step_in_epoch))
                 reused = images if images.device.type == "cpu" else None
-            loss = self.train_step(images, targets)
+            loss = self.train_step(images, targets, step_in_epoch)
             loss_sum += loss
             window_loss += loss
             steps_in_epoch += 1

@@ -23,7 +23,11 @@ ADDED_KEYS: dict[str, object] = {
     "finetune.layer_decay": None,
     "finetune.pretrain_size": None,  # a row's own pre-training size, named in its fine-tune's identity
     "data.builtin.classes": "shapes",  # the built-in set's shapes; shapes_b (the demo's transfer data) is other data
-    "distill.teacher.chain": None,  # a teacher trained in the same sweep (Table 2); its weights' digest stands for it
+    "distill.teacher.chain": None,
+    # the recipe's micro-batch: the paper's 128 per GPU (pre-training) and 32 per GPU (the released fine-tune)
+    "train.micro_batch": 128,
+    "finetune.micro_batch": 32,
+    "transfer.micro_batch": None,  # a teacher trained in the same sweep (Table 2); its weights' digest stands for it
 }
 # The transfer recipe (DeiT Table 7), which only the transfer stage reads: runs of the other stages leave it out of
 # their identity and their settings (logs from before it have none).

@@ -20,7 +20,7 @@ from deit_ablate.rundir import RunDir, wandb_root
 from deit_ablate.runlock import RunLock
 from deit_ablate.stages import upstream_role
 from deit_ablate.stopping import StopRequested
-from deit_ablate.streams import copies_augmented_alike
+from deit_ablate.streams import trained_before
 from deit_ablate.tracking import Tracker, read_epoch_rows, wandb_logs
 
 
@@ -86,14 +86,14 @@ def previous_result(run_dir: RunDir, is_main: bool) -> dict[str, Any] | None:
 
 def report_finished(plan: RunPlan, result: dict[str, Any]) -> None:
     """Say that the run is done already (and how to run it again); log it to wandb again if its log is gone."""
-    name, cfg = plan.identity.name, plan.settings
+    name = plan.identity.name
     log.info(f"[run] {name}: already {result['status']} (top-1 {result.get('top1', float('nan')):.2f}); skipping."
              f" Delete {plan.run_dir.result} to run it again.")
     log_again_if_lost(plan, "is missing")
-    if copies_augmented_alike(result, cfg.augment.repeated_aug):
-        log.warning(f"[run] {name} was trained on several ranks before the per-rank random streams (README, 'Random "
-                    "streams across ranks'): its repeated-augmentation copies were augmented alike. Delete "
-                    f"{plan.run_dir.path} to train it again as the recipe means.")
+    before = trained_before(result)
+    if before is not None:
+        log.warning(f"[run] {name} was trained {before} (README, 'Random streams'). Its result is kept; delete "
+                    f"{plan.run_dir.path} to train it again as the recipe now means.")
 
 
 def record_identity(plan: RunPlan) -> None:

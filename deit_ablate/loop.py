@@ -127,10 +127,8 @@ class EpochLoop:
         return progress
 
     def epoch_batches(self, epoch: int):
-        """This epoch's batches, its training process's streams seeded (Mixup/CutMix, erasing, drop path): those
-        started during the last evaluation, or the loader now."""
+        """This epoch's batches: those started during the last evaluation, or the loader now."""
         started, self.started = self.started, None
-        self.streams.seed_epoch(epoch)
         return started if started is not None and started.epoch == epoch else self.epoch_loader(epoch)
 
     def start_early(self, epoch: int) -> None:
@@ -141,8 +139,8 @@ class EpochLoop:
             self.started = StartedEpoch(epoch, loaders.train_loader)
 
     def epoch_loader(self, epoch: int):
-        """This epoch's loader, seeded: the shared permutation, this rank's loader workers (streams.py); a resumed
-        epoch skips the batches done before the stop."""
+        """This epoch's loader, seeded: the permutation and each sample's augmentation (streams.py); a resumed
+        epoch skips the batches done before the stop (and draws the rest exactly as it would have)."""
         loaders, per_rank = self.pieces.loaders, self.plan.batch.per_rank_batch
         loader = loaders.train_loader
         if epoch == self.progress.start_epoch and self.progress.skip_batches:  # resumed mid-epoch (preemption)
@@ -159,7 +157,8 @@ class EpochLoop:
         skipped = progress.skip_batches if epoch == progress.start_epoch else 0
         self.saver.start_epoch(epoch, progress.best_top1, skipped)
         steps_before = trainer.step
-        train_loss = trainer.train_epoch(loader, epoch, self.max_steps, step_hook=self.step_hook)
+        train_loss = trainer.train_epoch(loader, epoch, self.max_steps, step_hook=self.step_hook,
+                                         streams=self.streams, first_step=skipped)
         batches_done = skipped + trainer.step - steps_before
         complete = batches_done >= self.pieces.loaders.steps_per_epoch  # train.max_steps may stop it part-way
         progress.epochs_done = epoch + 1 if complete else epoch

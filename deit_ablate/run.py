@@ -192,14 +192,15 @@ def _start_line(plan: RunPlan, info: DistInfo, pieces: Pieces, tracker: Tracker)
         log_teacher(plan.identity.teacher)
         log.info(f"[run] {plan.identity.name}: {cfg.stage} at {cfg.resolution.train_size}px of "
                  f"{describe_architecture(arch)}{'' if recipe.train_mode else ' (in eval mode)'}, world size "
-                 f"{info.world_size}, global batch {recipe.global_batch} = {info.world_size} x {batch.per_rank_batch} "
-                 f"per rank ({batch.accum_steps} accumulation step(s) of {batch.micro_batch}), "
+                 f"{info.world_size}, global batch {recipe.global_batch} = {batch.slots} micro-batches of "
+                 f"{batch.micro_batch} (virtual slots), {batch.accum_steps} per rank and step"
+                 + (f" in {batch.split} passes each" if batch.split > 1 else "") + ", "
                  f"{pieces.loaders.steps_per_epoch} steps/epoch, {recipe.epochs} epochs, "
                  f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}"
                  + (f", {torch.get_num_threads()} torch thread(s)" if info.device.type == "cpu" else ""))
     facts = {"nodes": placement(info), "model_name": plan.model_name, "architecture": arch}  # host -> ranks
     tracker.summary({"world_size": info.world_size, "per_device_batch": batch.per_rank_batch,
-                     "micro_batch": batch.micro_batch, "accum_steps": batch.accum_steps,
+                     "micro_batch": batch.micro_batch, "accum_steps": batch.accum_steps, "slots": batch.slots,
                      "effective_batch": recipe.global_batch, **facts})
     return facts
 

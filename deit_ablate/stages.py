@@ -54,6 +54,16 @@ def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
     return cfg.train.global_batch, "train.global_batch"
 
 
+def stage_micro_batch(cfg: DictConfig) -> tuple[int, str]:
+    """This stage's micro-batch and the key that sets it (finetune.micro_batch in a fine-tune, transfer.micro_batch
+    in a transfer unless it is unset, else train.micro_batch)."""
+    if cfg.stage == Stage.finetune:
+        return cfg.finetune.micro_batch, "finetune.micro_batch"
+    if cfg.stage == Stage.transfer and cfg.transfer.micro_batch is not None:
+        return cfg.transfer.micro_batch, "transfer.micro_batch"
+    return cfg.train.micro_batch, "train.micro_batch"
+
+
 def upstream_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
     """The folder of the run this stage starts from: a fine-tune's pre-training or a transfer's source (None for a
     pre-training, or a stage started from an init_checkpoint)."""

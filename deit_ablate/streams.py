@@ -1,25 +1,26 @@
-"""Every random stream of a run, derived in one place from (seed, purpose, epoch, rank).
+"""Every random stream of a run, derived in one place and keyed by what is computed, never by who computes it.
 
-| stream     | what draws from it                                                  | shared / per rank |
-|------------|---------------------------------------------------------------------|-------------------|
-| `init`     | the model's initial weights (DDP then broadcasts rank 0's anyway)   | shared            |
-| `sampler`  | the epoch's permutation, which the ranks split between them         | shared            |
-| `loader`   | the loader workers' augmentation: worker w is seeded with base + w  | per rank, epoch   |
-|            | (torch's DataLoader rule; Python, NumPy and torch in the worker),   |                   |
-|            | base drawn from this stream; DALI's pipeline seed likewise          |                   |
-| `mix`      | NumPy's global generator of the training process: timm's Mixup/CutMix | per rank, epoch |
-| `erasing`  | Python's `random` of the training process: timm's batch-level random | per rank, epoch  |
-|            | erasing (which images, where)                                       |                   |
-| `torch`    | torch's generators of the training process: drop path, the erased   | per rank, epoch   |
-|            | pixels' noise                                                       |                   |
+A run's global batch is `G = global_batch / micro_batch` virtual slots (the recipe's "8 GPUs x 128"). Each epoch's
+repeated, permuted order is dealt to the slots as the released RASampler deals it to G GPUs (data/loader.py), and
+the k-th position of that order is one sample wherever it is computed. So every draw is keyed by the experiment:
 
-The teacher draws nothing (eval mode, frozen). With `runtime.num_workers=0` the images are augmented in the training
-process, from its `erasing`/`mix`/`torch` streams. Every per-epoch stream is a function of the epoch, so a run resumed
-at an epoch boundary draws exactly what it would have drawn; a resume mid-epoch keeps the sampler's order (the
-images left of the epoch) but not the augmentation draws of the rest of that epoch.
+| stream     | what draws from it                                                  | keyed by                      |
+|------------|---------------------------------------------------------------------|-------------------------------|
+| `init`     | the model's initial weights (DDP then broadcasts rank 0's anyway)   | seed                          |
+| `sampler`  | the epoch's permutation, dealt to the G slots                       | seed, epoch                   |
+| `augment`  | one sample's crop, flip, RandAugment/AutoAugment/3-Augment ops and  | seed, epoch, position k       |
+|            | `data.fast_jpeg`'s crop (Python, NumPy and torch seeded per sample) |                               |
+| `erasing`  | one sample's random erasing (which, where, the noise)               | seed, epoch, position k       |
+| `mix`      | one micro-batch's Mixup/CutMix (lambda, box, which of the two)      | seed, epoch, step, slot       |
+| `drop`     | one micro-batch's drop path and dropout masks                       | seed, epoch, step, slot       |
+| `loader`   | `data.backend=dali`'s pipeline seed (per pipeline, not per sample)  | seed, epoch, rank             |
 
-The released DeiT code seeds each process with `seed + rank` (main.py). Deriving each stream by hashing instead keeps
-streams of neighbouring seeds, epochs and ranks apart (seed 1 rank 0 is not seed 0 rank 1).
+Worker count, world size, accumulation and the resume point therefore change no draw (only DALI's pipeline,
+whose draws are per rank: statistically, not exactly, the same). The teacher draws nothing (eval mode, frozen).
+
+The released DeiT code seeds each process with `seed + rank` (main.py), so its draws follow the hardware. Deriving
+each stream by hashing keeps streams of neighbouring seeds, epochs and positions apart (seed 1 position 0 is not
+seed 0 position 1).
 """
 
 from __future__ import annotations
@@ -38,16 +39,19 @@ class Stream(str, Enum):
 
     INIT = "init"
     SAMPLER = "sampler"
-    LOADER = "loader"
-    MIX = "mix"
+    AUGMENT = "augment"
     ERASING = "erasing"
-    TORCH = "torch"
+    MIX = "mix"
+    DROP = "drop"
+    LOADER = "loader"
 
 
-# 2: the streams of this module. Results without it were trained when every rank's loader workers drew alike.
-STREAMS_VERSION = 2
-SHARED = frozenset({Stream.INIT, Stream.SAMPLER})  # the same on every rank: the ranks must agree on these
+# 3: draws keyed by sample position and (step, slot), the global batch dealt to virtual slots. 2: per-rank loader
+# streams (results without a version were trained when every rank's loader workers drew alike).
+STREAMS_VERSION = 3
+PER_RANK = frozenset({Stream.LOADER})  # the one stream a function of the process: DALI's pipeline seed
 _SEED_BITS = 63  # torch.Generator.manual_seed takes a signed 64-bit integer
+_MASK64 = 2**64 - 1
 
 
 def derive_seed(seed: int, stream: Stream, epoch: int | None = None, rank: int | None = None) -> int:
@@ -58,6 +62,24 @@ def derive_seed(seed: int, stream: Stream, epoch: int | None = None, rank: int |
     return (int(high) << 32 | int(low)) % 2**_SEED_BITS
 
 
+def mix_seed(base: int, key: int) -> int:
+    """A 63-bit seed for item `key` of a stream whose seed is `base` (splitmix64's finalizer of base + key):
+    about a microsecond, so every sample of an epoch can have its own."""
+    z = (base + 0x9E3779B97F4A7C15 * (key + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) % 2**_SEED_BITS
+
+
+def seed_sample(sample_seed: int) -> None:
+    """Seed Python's `random`, NumPy's global generator and torch's CPU generator for one sample's augmentation
+    (what timm's and torchvision's transforms draw from); the CPU generator alone, which costs a microsecond where
+    torch.manual_seed costs a hundred."""
+    random.seed(sample_seed)
+    np.random.seed(sample_seed % 2**32)
+    torch.default_generator.manual_seed(sample_seed)
+
+
 @dataclass(frozen=True)
 class RunStreams:
     """The random streams of one process (global `rank`) of a run with seed `seed`."""
@@ -66,52 +88,60 @@ class RunStreams:
     rank: int = 0
 
     def seed_of(self, stream: Stream, epoch: int | None = None) -> int:
-        """The seed of `stream` at `epoch` for this process (shared streams ignore the rank)."""
-        return derive_seed(self.seed, stream, epoch, None if stream in SHARED else self.rank)
+        """The seed of `stream` at `epoch` (only per-rank streams depend on this process's rank)."""
+        return derive_seed(self.seed, stream, epoch, self.rank if stream in PER_RANK else None)
 
     def generator(self, stream: Stream, epoch: int | None = None) -> torch.Generator:
         """A torch CPU generator seeded for `stream` at `epoch`."""
         return torch.Generator().manual_seed(self.seed_of(stream, epoch))
 
-    def loader_base_seed(self, epoch: int) -> int:
-        """The base seed of `epoch`'s loader workers: the first draw of the loader stream, as torch's DataLoader
-        draws it from its `generator` when it starts workers."""
-        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator(Stream.LOADER, epoch)).item())
+    def sample_seed(self, stream: Stream, epoch: int, position: int) -> int:
+        """The seed of the sample at `position` of `epoch`'s dealt order, for `stream` (augment or erasing)."""
+        return mix_seed(self.seed_of(stream, epoch), position)
+
+    def chunk_seed(self, stream: Stream, epoch: int, step: int, slot: int) -> int:
+        """The seed of slot `slot`'s micro-batch at `step` of `epoch`, for `stream` (mix or drop)."""
+        return mix_seed(mix_seed(self.seed_of(stream, epoch), step), slot)
 
     def seed_init(self) -> None:
         """Seed the process for building the model: every rank builds the same initial weights."""
-        _seed_globals(*(self.seed_of(Stream.INIT),) * 3)
-
-    def seed_epoch(self, epoch: int) -> None:
-        """Seed the training process's global generators for `epoch`: Mixup/CutMix, erasing, drop path."""
-        _seed_globals(self.seed_of(Stream.ERASING, epoch), self.seed_of(Stream.MIX, epoch),
-                      self.seed_of(Stream.TORCH, epoch))
+        seed = self.seed_of(Stream.INIT)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
 
 
-def _seed_globals(python: int, numpy: int, torch_seed: int) -> None:
-    """Seed Python's `random`, NumPy's global generator and torch (the CPU and every GPU)."""
-    random.seed(python)
-    np.random.seed(numpy % 2**32)
-    torch.manual_seed(torch_seed)
+class EpochStreams:
+    """The streams of one epoch, their per-epoch seeds derived once: per-sample and per-micro-batch seeds then
+    cost a microsecond each."""
+
+    def __init__(self, streams: RunStreams, epoch: int) -> None:
+        self.epoch = epoch
+        self.bases = {stream: streams.seed_of(stream, epoch)
+                      for stream in (Stream.AUGMENT, Stream.ERASING, Stream.MIX, Stream.DROP)}
+
+    def sample_seed(self, stream: Stream, position: int) -> int:
+        """RunStreams.sample_seed at this epoch."""
+        return mix_seed(self.bases[stream], position)
+
+    def chunk_seed(self, stream: Stream, step: int, slot: int) -> int:
+        """RunStreams.chunk_seed at this epoch."""
+        return mix_seed(mix_seed(self.bases[stream], step), slot)
+
+    def seed_chunk(self, step: int, slot: int) -> None:
+        """Seed what one micro-batch draws in the training process: timm's Mixup/CutMix (NumPy's global generator)
+        and drop path and dropout (torch's generators, the GPU's too)."""
+        np.random.seed(self.chunk_seed(Stream.MIX, step, slot) % 2**32)
+        torch.manual_seed(self.chunk_seed(Stream.DROP, step, slot))
 
 
-def seed_loader_worker(base_seed: int) -> None:
-    """Seed this loader worker's Python, NumPy and torch generators from `base_seed` exactly as torch's DataLoader
-    seeds a worker it starts (torch/utils/data/_utils/worker.py)."""
-    from torch.utils.data import get_worker_info
-    from torch.utils.data._utils.worker import _generate_state
-
-    worker = get_worker_info()
-    if worker is None:
-        raise RuntimeError("seed_loader_worker runs in a DataLoader worker process only")
-    seed = base_seed + worker.id
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(_generate_state(base_seed, worker.id))
-
-
-def copies_augmented_alike(result: dict, repeats: int) -> bool:
-    """Whether a run's result comes from before STREAMS_VERSION 2 with repeated augmentation over several ranks,
-    whose copies of an image were augmented alike (their loader workers shared one stream)."""
-    ranks = sum(len(on_host) for on_host in (result.get("nodes") or {}).values())
-    return result.get("streams") is None and repeats > 1 and ranks > 1
+def trained_before(result: dict) -> str | None:
+    """What a finished result from before STREAMS_VERSION 3 was trained with that the recipe no longer means, in a
+    phrase; None for a result of this version."""
+    version = result.get("streams")
+    if version == STREAMS_VERSION:
+        return None
+    if version is None:
+        return "before per-rank random streams (copies of an image on several ranks were augmented alike)"
+    return (f"with random streams of version {version}: draws and the micro-batch followed the hardware (world "
+            "size, workers, runtime.max_batch_per_device), not the recipe's virtual slots")

@@ -19,6 +19,7 @@ from deit_ablate.config import (
     DataName,
     DistillKind,
     MixMode,
+    Stage,
     TeacherView,
     TrackingMode,
 )
@@ -27,7 +28,7 @@ from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
 from deit_ablate.models import student_model_name
 from deit_ablate.rundir import check_output_root
-from deit_ablate.stages import layer_scale_row, stage_global_batch
+from deit_ablate.stages import layer_scale_row, stage_global_batch, stage_micro_batch
 from deit_ablate.teacher import check_distill_config
 from deit_ablate.tracking import check_tracking
 from deit_ablate.transfer import check_transfer_config
@@ -62,15 +63,29 @@ PROBABILITIES = ("augment.reprob", "augment.hflip", "mix.prob", "mix.switch_prob
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How the global batch splits: per rank, then into accumulation steps of `micro_batch`."""
+    """How the global batch is computed: `slots` virtual slots of `micro_batch` images (the recipe's "8 GPUs x
+    128"), `accum_steps` of them per process and step (world size x accum_steps = slots), each run in `split`
+    passes when a device cannot hold a micro-batch and splitting it computes exactly the same."""
 
     world_size: int
-    per_rank_batch: int
+    micro_batch: int
+    slots: int
     accum_steps: int
+    split: int = 1
 
     @property
-    def micro_batch(self) -> int:
-        return self.per_rank_batch // self.accum_steps
+    def per_rank_batch(self) -> int:
+        """Images a process takes per optimizer step."""
+        return self.accum_steps * self.micro_batch
+
+    @property
+    def pass_batch(self) -> int:
+        """Images of one forward/backward pass."""
+        return self.micro_batch // self.split
+
+    def slots_of(self, rank: int) -> tuple[int, ...]:
+        """The slots process `rank` computes, in the order its batch holds them."""
+        return tuple(range(rank * self.accum_steps, (rank + 1) * self.accum_steps))
 
 
 def _get(cfg: DictConfig, dotted: str):
@@ -80,29 +95,81 @@ def _get(cfg: DictConfig, dotted: str):
     return node
 
 
-def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
-    """Split this stage's global batch over `world_size` ranks, accumulating when a rank's share exceeds the cap."""
-    global_batch, key = stage_global_batch(cfg)
+def per_batch_computations(cfg: DictConfig) -> list[str]:
+    """What this stage computes per micro-batch (so splitting one over passes would change it): Mixup/CutMix,
+    SAM, drop path or dropout in train mode, BatchNorm."""
+    found = []
+    if cfg.mix.mixup_alpha > 0 or cfg.mix.cutmix_alpha > 0:
+        found.append("Mixup/CutMix draws one lambda and box per micro-batch")
+    if cfg.stage == Stage.pretrain and cfg.optimizer.sam_rho > 0:
+        found.append("SAM perturbs each micro-batch by its own gradient (m-sharpness)")
+    train_mode = cfg.finetune.train_mode if cfg.stage == Stage.finetune else True
+    drop_path = cfg.transfer.drop_path if cfg.stage == Stage.transfer else cfg.model.drop_path
+    if train_mode and (drop_path > 0 or cfg.model.dropout > 0):
+        found.append("drop path and dropout draw their masks per micro-batch")
+    if train_mode and has_batch_norm(cfg):
+        found.append("BatchNorm normalises over the micro-batch")
+    return found
+
+
+def has_batch_norm(cfg: DictConfig) -> bool:
+    """Whether the stage's student has BatchNorm layers (built on the meta device: no memory, no weights)."""
+    import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from deit_ablate.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=student_model_name(cfg))
+    return any(isinstance(module, _BatchNorm) for module in model.modules())
+
+
+def micro_batch_split(cfg: DictConfig) -> tuple[int, int]:
+    """The stage's micro-batch and the passes each needs on one device (runtime.max_batch_per_device), checked
+    without the world size: before anything is written or queued."""
+    global_batch, global_key = stage_global_batch(cfg)
+    micro, micro_key = stage_micro_batch(cfg)
     cap = cfg.runtime.max_batch_per_device
-    if global_batch <= 0 or cap <= 0:
-        raise ConfigError(f"{key}={global_batch} and runtime.max_batch_per_device={cap} must be positive.")
-    if global_batch % world_size:
-        raise ConfigError(
-            f"{key}={global_batch} cannot be split over {world_size} processes. The global batch is "
-            f"the recipe's quantity, so each process must take an equal share: choose a global batch that is a "
-            f"multiple of {world_size} (e.g. {global_batch // world_size * world_size or world_size}) or change the "
-            "number of processes."
-        )
-    per_rank = global_batch // world_size
-    accum = -(-per_rank // cap)
-    while per_rank % accum:
-        accum += 1
-    plan = BatchPlan(world_size, per_rank, accum)
+    if global_batch <= 0 or micro <= 0 or cap <= 0:
+        raise ConfigError(f"{global_key}={global_batch}, {micro_key}={micro} and runtime.max_batch_per_device={cap} "
+                          "must be positive.")
+    if global_batch % micro:
+        fits = [m for m in range(min(micro, global_batch), 0, -1) if global_batch % m == 0][0]
+        raise ConfigError(f"{global_key}={global_batch} is not a whole number of micro-batches of {micro_key}={micro}"
+                          f": the global batch is micro-batches (virtual GPUs) of the recipe's size. Set {micro_key} "
+                          f"to a divisor of {global_batch} (e.g. {fits}) or the global batch to a multiple of {micro}.")
     mixing = cfg.mix.mixup_alpha > 0 or cfg.mix.cutmix_alpha > 0
-    if mixing and cfg.mix.mode == MixMode.batch and per_rank % 2:
-        raise ConfigError(f"Mixup/CutMix pairs images within a batch, so each process needs an even batch; "
-                          f"{global_batch} over {world_size} processes gives {per_rank}. Use an even share.")
-    return plan
+    if mixing and cfg.mix.mode == MixMode.batch and micro % 2:
+        raise ConfigError(f"Mixup/CutMix pairs the images of a micro-batch, so {micro_key}={micro} must be even; "
+                          f"use {micro_key}={micro + 1 if global_batch % (micro + 1) == 0 else 2 * micro}.")
+    if micro <= cap:
+        return micro, 1
+    found = per_batch_computations(cfg)
+    if found:
+        raise ConfigError(f"runtime.max_batch_per_device={cap} cannot hold one micro-batch of {micro_key}={micro}, "
+                          f"and splitting it would change the experiment ({'; '.join(found)}). Raise "
+                          f"runtime.max_batch_per_device to {micro} (e.g. with train.amp=bf16 or a larger device), or "
+                          f"choose a smaller {micro_key}, which is another experiment.")
+    split = -(-micro // cap)
+    while micro % split:
+        split += 1
+    return micro, split
+
+
+def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
+    """Deal this stage's virtual slots to `world_size` processes: each runs slots / world_size of them per step."""
+    global_batch, global_key = stage_global_batch(cfg)
+    micro, split = micro_batch_split(cfg)
+    micro_key = stage_micro_batch(cfg)[1]
+    slots = global_batch // micro
+    if slots % world_size:
+        fits = [w for w in range(min(world_size, slots), 0, -1) if slots % w == 0][0]
+        raise ConfigError(
+            f"{global_key}={global_batch} is {slots} micro-batches of {micro_key}={micro}, which cannot be dealt "
+            f"equally over {world_size} processes. The micro-batches are the recipe's (virtual GPUs), so each "
+            f"process must take an equal number: run {fits} process(es) (or another divisor of {slots}), or change "
+            f"{global_key}, which is another experiment.")
+    return BatchPlan(world_size, micro, slots, slots // world_size, split)
 
 
 def check_ranges(cfg: DictConfig) -> None:
@@ -343,6 +410,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_teacher_view(cfg)
     check_transfer_config(cfg)
     check_distill_config(cfg)
+    micro_batch_split(cfg)
     if world_size is not None:
         plan_batch(cfg, world_size)
 

@@ -48,8 +48,8 @@ def test_paper_finetune_is_the_released_command_batch_512_lr_5e6():
     assert (recipe.optimizer, recipe.weight_decay, recipe.epochs, recipe.min_lr) == ("adamw", 1e-8, 30, 5e-6)
     plan = plan_batch(cfg, world_size=16)
     assert (plan.per_rank_batch, plan.accum_steps) == (32, 1)
-    plan = plan_batch(cfg, world_size=1)  # one process: the same 512 in accumulation steps of 128
-    assert (plan.per_rank_batch, plan.accum_steps, plan.micro_batch) == (512, 4, 128)
+    plan = plan_batch(cfg, world_size=1)  # one process: the same 16 micro-batches of 32, accumulated
+    assert (plan.per_rank_batch, plan.accum_steps, plan.micro_batch) == (512, 16, 32)
 
 
 def test_paper_finetune_lr_warms_up_from_1e6_for_5_epochs_then_stays_at_5e6():

@@ -27,7 +27,8 @@ class Niceness(Dataset):
 def _loaded_niceness(overrides: list[str]) -> set[int]:
     cfg = compose_config(overrides)
     dataset = Niceness()
-    loader = build_loader(dataset, SequentialSampler(dataset), 2, cfg, train=True)
+    pairs = [(index, 0) for index in SequentialSampler(dataset)]  # a training loader's items: (index, seed)
+    loader = build_loader(dataset, pairs, 2, cfg, train=True)
     return {int(value) for batch in loader for value in batch}
 
 

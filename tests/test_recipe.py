@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
 from timm.data import Mixup
+from timm.data.distributed_sampler import RepeatAugSampler
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from torch.utils.data import DistributedSampler
 
 from deit_ablate.data.loader import build_train_sampler
 from deit_ablate.mixing import build_criterion, build_mixup
@@ -158,50 +161,62 @@ def test_no_mixing_uses_label_smoothing_on_integer_labels():
     assert isinstance(criterion, LabelSmoothingCrossEntropy) and criterion.smoothing == 0.1
 
 
-class _Sized:
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-
-def test_repeated_augmentation_single_process_sees_each_image_three_times_cut_to_the_dataset():
-    dataset = _Sized(600)
-    sampler = build_train_sampler(dataset, repeats=3, world_size=1, rank=0)
-    sampler.set_epoch(0)
-    indices = list(sampler)
-    assert len(indices) == 512  # DeiT: an epoch is cut back to the dataset size, rounded down to 256s
-    # Consecutive triples are copies of one image on a single rank.
-    assert all(indices[i] == indices[i + 1] == indices[i + 2] for i in range(0, 510, 3))
+def _slot_indices(length: int, repeats: int, slots: int, micro: int, epoch: int = 0) -> list[list[int]]:
+    """Each virtual slot's indices of one epoch, from a process that computes every slot."""
+    sampler = build_train_sampler(length, repeats, slots, tuple(range(slots)), micro)
+    sampler.set_epoch(epoch)
+    flat, per_slot = list(sampler), [[] for _ in range(slots)]
+    for position, index in enumerate(flat):  # step by step: slot 0's micro-batch, slot 1's, ...
+        per_slot[position // micro % slots].append(index)
+    return per_slot
 
 
-def test_repeated_augmentation_sends_each_copy_to_a_different_rank():
-    dataset = _Sized(1024)
-    world = 4
-    per_rank = []
-    for rank in range(world):
-        sampler = build_train_sampler(dataset, repeats=3, world_size=world, rank=rank)
-        sampler.set_epoch(0)
-        per_rank.append(list(sampler))
-    assert all(len(ids) == 1024 // world for ids in per_rank)  # the epoch is |dataset| images in total
-    # Position i of rank r is element 4i + r of the repeated list [a, a, a, b, b, b, ...].
-    merged = [per_rank[i % world][i // world] for i in range(1024)]
-    for start in range(0, 1023, 3):
-        triple = merged[start:start + 3]
-        if len(triple) == 3:
-            assert triple[0] == triple[1] == triple[2]
-            ranks = {(start + k) % world for k in range(3)}
-            assert len(ranks) == 3  # three copies on three different ranks
-    distinct = len(set(merged))
-    assert distinct == math.ceil(1024 / 3)  # a third of the images per epoch, each seen three times
+@pytest.mark.parametrize(("length", "repeats", "slots", "micro"), [(1024, 3, 8, 16), (600, 3, 4, 8), (100, 3, 3, 5),
+                                                                   (100, 1, 4, 5)])
+def test_each_slot_is_what_the_released_sampler_deals_to_that_gpu(length, repeats, slots, micro):
+    # DeiT's RASampler (timm's RepeatAugSampler) on `slots` GPUs, and torch's DistributedSampler without repeats
+    dataset = list(range(length))
+    for slot, ours in enumerate(_slot_indices(length, repeats, slots, micro, epoch=5)):
+        reference = RepeatAugSampler(dataset, num_replicas=slots, rank=slot, num_repeats=repeats) if repeats > 1 \
+            else DistributedSampler(dataset, num_replicas=slots, rank=slot, shuffle=True, seed=0, drop_last=True)
+        reference.set_epoch(5)
+        expected = list(reference)
+        assert ours == expected[:len(expected) // micro * micro]  # whole steps only
 
 
-def test_without_repeats_ranks_partition_the_data():
-    dataset = _Sized(100)
-    shards = []
-    for rank in range(4):
-        sampler = build_train_sampler(dataset, repeats=1, world_size=4, rank=rank)
-        sampler.set_epoch(3)
-        shards.append(list(sampler))
+def test_repeated_augmentation_in_one_process_cuts_the_epoch_to_the_dataset():
+    per_slot = _slot_indices(600, 3, 1, 8)
+    assert sum(map(len, per_slot)) == 512  # DeiT: an epoch is cut back to the dataset size, rounded down to 256s
+
+
+@pytest.mark.parametrize("slots", [3, 4, 8])
+def test_the_copies_of_an_image_land_in_different_slots(slots):
+    where, per_slot = defaultdict(list), _slot_indices(1024, 3, slots, 8)
+    for slot, indices in enumerate(per_slot):
+        for index in indices:
+            where[index].append(slot)
+    full = [found for found in where.values() if len(found) == 3]
+    assert len(full) > 250 and all(len(set(found)) == 3 for found in full)  # three copies, three slots
+    assert len(where) >= sum(map(len, per_slot)) // 3  # a third of the epoch's images, each seen three times
+
+
+def test_any_layout_computes_the_same_slots():
+    # one process with every slot; two processes of four; eight of one: the same images in each slot and step
+    length, slots, micro = 1024, 8, 16
+    expected = _slot_indices(length, 3, slots, micro, epoch=2)
+    for world in (2, 8):
+        per_process = slots // world
+        for rank in range(world):
+            own = tuple(range(rank * per_process, (rank + 1) * per_process))
+            sampler = build_train_sampler(length, 3, slots, own, micro)
+            sampler.set_epoch(2)
+            flat = list(sampler)
+            for position, index in enumerate(flat):
+                slot = own[position // micro % per_process]
+                step, within = divmod(position, micro * per_process)
+                assert index == expected[slot][step * micro + within % micro]
+
+
+def test_without_repeats_the_slots_partition_the_data():
+    shards = _slot_indices(100, 1, 4, 25, epoch=3)
     assert sorted(i for shard in shards for i in shard) == list(range(100))

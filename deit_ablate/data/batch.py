@@ -11,6 +11,7 @@ timm's own train.py. Measured in docs/PERFORMANCE.md, section 7.
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +22,17 @@ from timm.data.transforms import MaybeToTensor
 from torchvision import transforms
 
 _BATCH_STEPS = (MaybeToTensor, transforms.ToTensor, transforms.Normalize, RandomErasing)
+
+
+def seed_erasing(seed: int, device: torch.device) -> None:
+    """Seed what timm's random erasing draws from for one image: Python's `random` (which, where) and the device's
+    generator (pixel-mode noise)."""
+    random.seed(seed)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.default_generators[index].manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
 
 
 def to_uint8_hwc(image: Image.Image) -> torch.Tensor:
@@ -42,10 +54,12 @@ class BatchNormalize:
             self.mean, self.inv_std = self.mean.to(device), self.inv_std.to(device)
         return self.mean, self.inv_std
 
-    def __call__(self, images: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, out: torch.Tensor | None = None,
+                 seeds: Sequence[int] | None = None) -> torch.Tensor:
         """A B x H x W x 3 uint8 batch as a normalized (and erased) B x 3 x H x W float batch.
 
-        `out`, a float tensor of the result's shape on the same device, is overwritten and returned."""
+        `out`, a float tensor of the result's shape on the same device, is overwritten and returned. With `seeds`
+        (one per image: streams.py's erasing stream), each image's erasing draws from its own seed."""
         pixels = images.permute(0, 3, 1, 2)
         if out is None or out.shape != pixels.shape or out.device != images.device:
             out = torch.empty(pixels.shape, dtype=torch.float32, device=images.device)
@@ -53,7 +67,12 @@ class BatchNormalize:
         out.copy_(pixels).sub_(mean).mul_(inv_std)
         if self.erasing is not None:
             self.erasing.device = images.device
-            out = self.erasing(out)
+            if seeds is None:
+                out = self.erasing(out)
+            else:
+                for image, seed in zip(out, seeds, strict=True):
+                    seed_erasing(seed, images.device)
+                    self.erasing(image)  # timm erases a 3-D tensor in place
         return out
 
     def __repr__(self) -> str:

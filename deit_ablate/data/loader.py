@@ -1,70 +1,121 @@
-"""Samplers and loaders: repeated augmentation across ranks for training, an exact shard for eval."""
+"""Samplers and loaders: the epoch dealt to the recipe's virtual slots for training, an exact shard for eval."""
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 
 import torch
 from omegaconf import DictConfig
-from timm.data.distributed_sampler import RepeatAugSampler
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from deit_ablate.config import DataBackend
-from deit_ablate.streams import RunStreams, Stream, seed_loader_worker
+from deit_ablate.streams import EpochStreams, RunStreams, Stream, seed_sample
+
+# The released RASampler keeps floor(|data| / 256) * 256 images of each epoch (timm's selected_round).
+SELECTED_ROUND = 256
 
 
-def build_train_sampler(dataset: Dataset, repeats: int, world_size: int, rank: int) -> Sampler:
-    """DeiT's sampler: each image `repeats` times per epoch, copies on different ranks, epoch cut to |data|.
-    Its permutation is seeded per epoch by `seed_epoch_data` (seed 0 here: the run's seed comes in with the epoch)."""
-    if repeats > 1:
-        # Explicit replicas and rank, so one process runs the same recipe as many (timm's train.py refuses).
-        return RepeatAugSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, num_repeats=repeats)
-    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True)
+class SlotSampler(Sampler):
+    """The epoch's order dealt to `slots` virtual slots as DeiT's RASampler deals it to that many GPUs, for the
+    slots `own` this process computes: step by step, each of its slots' next `micro_batch` images in turn.
 
+    The epoch's order is a permutation (seeded by `set_epoch`) with each image `repeats` times in a row; slot j
+    takes positions j, j + slots, j + 2 slots, ... (so the copies of an image fall in different slots), up to
+    floor(|data| / 256) * 256 / slots of them, exactly as timm's RepeatAugSampler with num_replicas=slots, rank=j
+    (without repeats: torch's DistributedSampler with drop_last). Only whole steps are dealt."""
 
-def seed_epoch_data(sampler: Sampler, loader, streams: RunStreams, epoch: int) -> None:
-    """Seed one epoch's data: the permutation every rank shares, and this rank's augmentation stream (the loader
-    workers', or DALI's pipeline seed), both functions of the epoch (exact resume at an epoch boundary)."""
-    sampler.set_epoch(streams.seed_of(Stream.SAMPLER, epoch))  # both samplers seed their permutation with it
-    loader.generator = streams.generator(Stream.LOADER, epoch)  # DALI draws its pipeline seed from it
-    if isinstance(getattr(loader, "sampler", None), EpochSeededIndices):
-        loader.sampler.base_seed = streams.loader_base_seed(epoch)
+    def __init__(self, length: int, repeats: int, slots: int, own: tuple[int, ...], micro_batch: int) -> None:
+        self.length, self.repeats, self.slots, self.own, self.micro_batch = length, repeats, slots, own, micro_batch
+        if repeats > 1:
+            padded = math.ceil(length * repeats / slots)
+            per_slot = length // SELECTED_ROUND * SELECTED_ROUND // slots if length >= SELECTED_ROUND else \
+                math.ceil(length / slots)
+            per_slot = min(per_slot, padded)
+        else:
+            per_slot = length // slots
+        self.steps = per_slot // micro_batch
+        self.epoch = 0
 
+    def set_epoch(self, epoch: int) -> None:
+        """Seed the epoch's permutation (a function of the run's seed and the epoch: streams.py)."""
+        self.epoch = epoch
 
-class EpochSeededIndices(Sampler):
-    """`sampler`'s indices, each paired with the base seed of the epoch's loader workers (set by `seed_epoch_data`),
-    for `EpochSeededItems` to read in the worker."""
+    def positions(self) -> list[int]:
+        """The epoch positions this process takes, in the order it takes them."""
+        slots, micro = self.slots, self.micro_batch
+        return [slot + slots * (step * micro + i)
+                for step in range(self.steps) for slot in self.own for i in range(micro)]
 
-    def __init__(self, sampler: Sampler) -> None:
-        self.sampler, self.base_seed = sampler, 0
+    def order(self) -> list[int]:
+        """The epoch's order: the permutation, each image `repeats` times in a row."""
+        generator = torch.Generator().manual_seed(self.epoch)
+        permutation = torch.randperm(self.length, generator=generator)
+        if self.repeats > 1:
+            permutation = torch.repeat_interleave(permutation, self.repeats)
+        return permutation.tolist()
 
     def __iter__(self):
-        base_seed = self.base_seed
-        return ((index, base_seed) for index in self.sampler)
+        order = self.order()
+        n = len(order)
+        return iter([order[position % n] for position in self.positions()])
+
+    def __len__(self) -> int:
+        return self.steps * len(self.own) * self.micro_batch
+
+
+def build_train_sampler(length: int, repeats: int, slots: int, own: tuple[int, ...], micro_batch: int
+                        ) -> SlotSampler:
+    """DeiT's sampler over the recipe's virtual slots: each image `repeats` times per epoch, copies in different
+    slots, epoch cut to |data|. One process runs the same recipe as many (timm's train.py refuses RA in one)."""
+    return SlotSampler(length, repeats, slots, own, micro_batch)
+
+
+class SeededSamples(Sampler):
+    """`sampler`'s indices, each paired with its sample's augmentation seed: a function of the run's seed, the epoch
+    and the sample's position in the epoch's order (streams.py), whoever computes it."""
+
+    def __init__(self, sampler: SlotSampler, streams: RunStreams) -> None:
+        self.sampler, self.streams = sampler, streams
+        self.epoch_streams = EpochStreams(streams, 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Seed the permutation and the samples' augmentations of `epoch`."""
+        self.sampler.set_epoch(self.streams.seed_of(Stream.SAMPLER, epoch))
+        self.epoch_streams = EpochStreams(self.streams, epoch)
+
+    def __iter__(self):
+        seeds = self.epoch_streams
+        return ((index, seeds.sample_seed(Stream.AUGMENT, position))
+                for index, position in zip(self.sampler, self.sampler.positions(), strict=True))
 
     def __len__(self) -> int:
         return len(self.sampler)
 
 
-class EpochSeededItems(Dataset):
-    """`dataset` for loader workers that live through the run: at the first image of each epoch a worker reseeds
-    itself as torch seeds a fresh worker from that epoch's base seed, so its augmentations are those of workers
-    started anew each epoch (streams.py) without the start. (Two epochs of one 63-bit base seed are not told apart.)"""
+class SeededItems(Dataset):
+    """`dataset` whose items are augmented from their own seed (`SeededSamples`), in a loader worker or the training
+    process alike: the worker count changes no draw."""
 
     def __init__(self, dataset: Dataset) -> None:
-        self.dataset, self.seeded_with = dataset, None
+        self.dataset = dataset
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]):
-        index, base_seed = key
-        if base_seed != self.seeded_with:
-            seed_loader_worker(base_seed)
-            self.seeded_with = base_seed
+        index, sample_seed = key
+        seed_sample(sample_seed)
         return self.dataset[index]
+
+
+def seed_epoch_data(sampler: SeededSamples, loader, streams: RunStreams, epoch: int) -> None:
+    """Seed one epoch's data: the permutation and every sample's augmentation (functions of the epoch, so a resume
+    anywhere draws what the interrupted run would have), and DALI's pipeline seed (per rank)."""
+    sampler.set_epoch(epoch)
+    loader.generator = streams.generator(Stream.LOADER, epoch)  # DALI draws its pipeline seed from it
 
 
 class ShardSampler(Sampler):
@@ -112,15 +163,15 @@ def lower_worker_priority(niceness: int, worker_id: int) -> None:
 
 
 def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig, train: bool) -> DataLoader:
-    """A DataLoader with workers that live through the run (a training one's reseeded each epoch), pinned memory on
-    GPU and prefetch.
+    """A DataLoader with workers that live through the run, pinned memory on GPU and prefetch; a training one's
+    items are (index, seed) pairs (`SeededSamples`), each augmented from its own seed.
 
     The workers run at runtime.worker_nice below the training process's CPU priority: where cores are short they
     fill the time the training step leaves idle instead of preempting its threads (docs/PERFORMANCE.md, section 8).
     """
     workers = num_workers(cfg)
-    if train and workers > 0:
-        dataset, sampler = EpochSeededItems(dataset), EpochSeededIndices(sampler)
+    if train:
+        dataset = SeededItems(dataset)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -129,18 +180,33 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictC
         pin_memory=torch.cuda.is_available(),
         drop_last=train,
         # Workers start once: a fork per worker per epoch costs the training process copy-on-write page faults
-        # (docs/PERFORMANCE.md); training workers reseed each epoch themselves (EpochSeededItems).
+        # (docs/PERFORMANCE.md); every training item carries its own seed.
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
         worker_init_fn=functools.partial(lower_worker_priority, cfg.runtime.worker_nice) if workers > 0 else None,
     )
 
 
-def build_train_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig,
+def build_train_loader(dataset: Dataset, sampler: SeededSamples | SkipFirst, batch_size: int, cfg: DictConfig,
                        device: torch.device | None = None):
-    """The training loader of data.backend: a DataLoader over the PIL transform, or DALI's (on `device`)."""
+    """The training loader of data.backend: a DataLoader over the PIL transform, or DALI's (on `device`), which
+    takes the plain indices and draws per pipeline."""
     if cfg.data.backend == DataBackend.dali:
         from deit_ablate.data.dali import DaliTrainLoader
 
-        return DaliTrainLoader(dataset, sampler, batch_size, cfg, device, threads=max(1, num_workers(cfg)))
+        return DaliTrainLoader(dataset, IndicesOnly(sampler), batch_size, cfg, device,
+                               threads=max(1, num_workers(cfg)))
     return build_loader(dataset, sampler, batch_size, cfg, train=True)
+
+
+class IndicesOnly(Sampler):
+    """The image indices of a sampler of (index, seed) pairs."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        return (index for index, _ in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
