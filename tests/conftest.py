@@ -230,7 +230,7 @@ def one_step_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> 
     """TINY for one step (`train.max_steps=1`) as a sweep of one run (`-m seed=0`: the default seed, and Hydra's
     runs/multirun.yaml), with 2 torch threads and micro-batches of 8 (runtime settings: not the experiment)."""
     return shared_run(tmp_path_factory, data_cache, "one_step", ["-m", "seed=0"] + TINY + [
-        "train.max_steps=1", "runtime.cpu_threads=2", "runtime.max_batch_per_device=8"])
+        "train.max_steps=1", "runtime.cpu_threads=2", "train.micro_batch=8"])
 
 
 @pytest.fixture(scope="session")

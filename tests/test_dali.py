@@ -14,7 +14,6 @@ import torch
 from nvidia.dali import fn, pipeline_def
 from PIL import Image
 from timm.data import auto_augment as timm_aa
-from timm.data.distributed_sampler import RepeatAugSampler
 
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.dali import DALI_PACKAGE, DaliTrainLoader, fill_value, require_dali
@@ -146,8 +145,7 @@ def test_loader_follows_each_ranks_sampler_and_hands_uint8_hwc_batches(tiny_trai
     cfg, dataset = tiny_train_set
     batch = 16
     for rank in range(2):
-        sampler = build_train_sampler(dataset, 3, world_size=2, rank=rank)
-        assert isinstance(sampler, RepeatAugSampler)
+        sampler = build_train_sampler(len(dataset), 3, 2, (rank,), batch)  # 2 slots of 16, one per rank
         sampler.set_epoch(1)
         loader = DaliTrainLoader(dataset, sampler, batch, cfg, torch.device("cpu"), threads=1)
         expected = [dataset.targets[i] for i in sampler]
@@ -163,7 +161,7 @@ def test_loader_follows_each_ranks_sampler_and_hands_uint8_hwc_batches(tiny_trai
 
 def test_same_seed_same_batches_other_seed_other_augmentation(tiny_train_set):
     cfg, dataset = tiny_train_set
-    sampler = build_train_sampler(dataset, 3, world_size=1, rank=0)
+    sampler = build_train_sampler(len(dataset), 3, 1, (0,), 32)
     loader = DaliTrainLoader(dataset, sampler, 32, cfg, torch.device("cpu"), threads=2)
     first, again, other = _epoch(loader, 7), _epoch(loader, 7), _epoch(loader, 8)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))

@@ -24,7 +24,7 @@ RUNTIME_CHANGES = ["runtime.cpu_threads=1", "runtime.num_workers=2", "runtime.wo
 EXPERIMENT_CHANGES = ["model=deit_small", "data=imagefolder", "data.num_classes=7", "augment=autoaugment", "mix=none",
                       "distill=soft", "optimizer=sgd", "optimizer.weight_decay=0.1", "resolution=24px",
                       "ablation=no_mixup", "preset=paper", "seed=1", "stage=finetune", "train.epochs=3",
-                      "data.builtin.seed=1"]
+                      "data.builtin.seed=1", "train.micro_batch=16"]
 
 
 def _identity(overrides: list[str], conf: Path = CONF):

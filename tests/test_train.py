@@ -33,7 +33,7 @@ def test_tiny_run_trains_evaluates_checkpoints_and_logs(tiny_run: SharedRun):
     assert not list(run_dir.glob(".*.tmp"))  # no half-written checkpoint left behind
     assert "status    finished" in proc.stdout and "top-1" in proc.stdout
     assert "img_s=" in proc.stderr and "lr=" in proc.stderr and "loss=" in proc.stderr  # the progress bar
-    assert "global batch 32 = 1 x 32 per rank (1 accumulation step(s) of 32)" in proc.stdout
+    assert "global batch 32 = 1 micro-batches of 32 (virtual slots), 1 per rank and step" in proc.stdout
     offline = list((wandb_root(cwd / "outputs")).glob(f"offline-run-*-{result['run_id']}"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
     (logged,) = read_offline(wandb_root(cwd / "outputs"))
@@ -106,9 +106,9 @@ def test_unknown_model_name_is_a_clear_error(tmp_path, data_cache):
     assert proc.returncode == 2 and "timm has no model named 'deit_tinny_patch16_224'" in proc.stderr
 
 
-def test_accumulation_kicks_in_when_a_batch_does_not_fit(one_step_run: SharedRun):
-    proc = one_step_run.proc  # TINY + runtime.max_batch_per_device=8 (and one step)
-    assert "global batch 32 = 1 x 32 per rank (4 accumulation step(s) of 8)" in proc.stdout
+def test_one_process_accumulates_the_recipes_micro_batches(one_step_run: SharedRun):
+    proc = one_step_run.proc  # TINY + train.micro_batch=8 (and one step)
+    assert "global batch 32 = 4 micro-batches of 8 (virtual slots), 4 per rank and step" in proc.stdout
 
 
 def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache, stopped_at_step_3):

@@ -55,7 +55,8 @@ def _log(message: str) -> None:
 
 def _step_overrides(sizes: dict[str, Any], data_root: str, device: str, model: str, amp: str = "bf16") -> list[str]:
     return [f"model={model}", f"resolution.train_size={sizes['size']}", f"resolution.eval_size={sizes['size']}",
-            f"train.global_batch={sizes['batch']}", f"runtime.max_batch_per_device={sizes['batch']}",
+            f"train.global_batch={sizes['batch']}", f"train.micro_batch={sizes['batch']}",
+            f"runtime.max_batch_per_device={sizes['batch']}",
             "runtime.num_workers=0", f"data.root={data_root}", "data.builtin.train_per_class=30",
             "data.builtin.val_per_class=10", f"runtime.device={device}", f"train.amp={amp}"]
 

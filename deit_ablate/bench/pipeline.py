@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from deit_ablate.atomic import atomic_folder
 from deit_ablate.bench.env import synchronize, torch_threads
@@ -19,8 +19,9 @@ from deit_ablate.data.builtin import CLASSES, draw_image
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.data.loader import (
-    EpochSeededIndices,
-    EpochSeededItems,
+    IndicesOnly,
+    SeededItems,
+    SeededSamples,
     build_loader,
     build_train_loader,
     build_train_sampler,
@@ -90,11 +91,17 @@ def our_loader(cfg, dataset: Dataset, batch: int, batch_step: Callable | None = 
     """Our training loader (data.loader.build_train_loader: a DataLoader, or DALI's with data.backend=dali) over our
     training sampler, as run.py builds it; each batch is moved to `device` and given the trainer's per-batch step,
     as train_epoch does (this counts as pipeline time)."""
-    sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0)
+    sampler = one_process_sampler(cfg, dataset, batch)
     device = device or torch.device("cpu")
     loader = build_train_loader(dataset, sampler, batch, cfg, device)
     seed_epoch_data(sampler, loader, RunStreams(cfg.seed), 0)
     return Loader(loader, batch_step, device)
+
+
+def one_process_sampler(cfg, dataset: Dataset, batch: int) -> SeededSamples:
+    """Our training sampler for one process computing one slot of `batch` images per step (as run.py seeds it)."""
+    slots = build_train_sampler(len(dataset), cfg.augment.repeated_aug, 1, (0,), batch)
+    return SeededSamples(slots, RunStreams(cfg.seed))
 
 
 class Loader:
@@ -153,10 +160,10 @@ def alternate_loaders(loaders: dict[str, Any], repeats: int, max_batches: int | 
 def worker_startup(cfg, dataset: Dataset, batch: int, epochs: int, workers: str) -> list[dict[str, float]]:
     """Per-epoch first-batch latency and epoch time, reseeding like run.py, with loader workers that are `ours`
     (started once, reseeded per epoch: data/loader.py), `persistent` (torch's, started once) or `per_epoch`."""
-    sampler = build_train_sampler(dataset, cfg.augment.repeated_aug, 1, 0)
+    sampler = one_process_sampler(cfg, dataset, batch)
     loader = build_loader(dataset, sampler, batch, cfg, train=True)
     if workers != "ours":
-        loader = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=loader.num_workers,
+        loader = DataLoader(dataset, batch_size=batch, sampler=IndicesOnly(sampler), num_workers=loader.num_workers,
                             drop_last=True, persistent_workers=workers == "persistent" and loader.num_workers > 0,
                             pin_memory=loader.pin_memory, prefetch_factor=loader.prefetch_factor)
     rows = []
@@ -177,16 +184,16 @@ def resume_exact_with_workers(workers: str, count: int = 2) -> bool:
         def __getitem__(self, index: int) -> torch.Tensor:
             return torch.rand(1)
 
-    def epoch_values(loader: DataLoader, sampler: DistributedSampler, epoch: int) -> list[float]:
+    def epoch_values(loader: DataLoader, sampler: SeededSamples, epoch: int) -> list[float]:
         seed_epoch_data(sampler, loader, RunStreams(0), epoch)  # run.py's per-epoch reseeding
         return torch.cat(list(loader)).flatten().tolist()
 
-    def make() -> tuple[DataLoader, DistributedSampler]:
-        sampler = DistributedSampler(Noise(), num_replicas=1, rank=0, shuffle=False)
+    def make() -> tuple[DataLoader, SeededSamples]:
+        sampler = SeededSamples(build_train_sampler(8, 1, 1, (0,), 4), RunStreams(0))
         if workers == "ours":
-            return DataLoader(EpochSeededItems(Noise()), batch_size=4, sampler=EpochSeededIndices(sampler),
-                              num_workers=count, persistent_workers=True), sampler
-        return DataLoader(Noise(), batch_size=4, sampler=sampler, num_workers=count,
+            return DataLoader(SeededItems(Noise()), batch_size=4, sampler=sampler, num_workers=count,
+                              persistent_workers=True), sampler
+        return DataLoader(Noise(), batch_size=4, sampler=IndicesOnly(sampler), num_workers=count,
                           persistent_workers=workers == "persistent"), sampler
 
     straight, sampler = make()

@@ -79,7 +79,8 @@ def section_step(s: Settings, report: Report) -> None:
     from deit_ablate.bench import step
 
     overrides = [f"model={s.model}", f"resolution.train_size={s.size}", f"resolution.eval_size={s.size}",
-                 f"train.global_batch={s.batch}", f"runtime.max_batch_per_device={s.batch}", "runtime.num_workers=0",
+                 f"train.global_batch={s.batch}", f"train.micro_batch={s.batch}",
+                 f"runtime.max_batch_per_device={s.batch}", "runtime.num_workers=0",
                  *builtin_overrides(s), f"runtime.device={s.device_name}"]
     cfg = compose_run(overrides)
     variants: dict[str, dict[str, Any]] = {"ours": {}}
@@ -289,7 +290,8 @@ def e2e_overrides(s: Settings, workers: int, repeated_aug: bool) -> list[str]:
     overrides = [*builtin_overrides(s), f"runtime.num_workers={workers}", f"runtime.device={s.device_name}",
                  f"augment.repeated_aug={3 if repeated_aug else 1}"]
     if s.e2e_batch != 128:  # a smaller batch scales the lr down: keep the (unused) fine-tune schedule valid
-        overrides += [f"train.global_batch={s.e2e_batch}", f"runtime.max_batch_per_device={s.e2e_batch}",
+        overrides += [f"train.global_batch={s.e2e_batch}", f"train.micro_batch={s.e2e_batch}",
+                      f"runtime.max_batch_per_device={s.e2e_batch}",
                       "finetune.min_lr=1e-6"]
     return overrides
 
