@@ -37,7 +37,16 @@ TINY = [
     "train.epochs=1",
     "runtime.log_interval=2",
     "runtime.num_workers=0",
+    "train.micro_batch=8",  # 4 virtual slots: the layouts of 1, 2 and 4 processes
+    "finetune.micro_batch=8",
 ]
+
+
+def tiny_with(micro: int, finetune_micro: int | None = None) -> list[str]:
+    """TINY with other micro-batches: its 32 images per step as 8 slots of 4 for an 8-rank SLURM job, 16 of 2 for
+    two nodes of 8 (the recipe's micro-batch decides which layouts can compute it)."""
+    kept = [o for o in TINY if not o.startswith(("train.micro_batch=", "finetune.micro_batch="))]
+    return [*kept, f"train.micro_batch={micro}", f"finetune.micro_batch={finetune_micro or micro}"]
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
@@ -228,9 +237,9 @@ def mix_sweep(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Sha
 @pytest.fixture(scope="session")
 def one_step_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> SharedRun:
     """TINY for one step (`train.max_steps=1`) as a sweep of one run (`-m seed=0`: the default seed, and Hydra's
-    runs/multirun.yaml), with 2 torch threads and micro-batches of 8 (runtime settings: not the experiment)."""
+    runs/multirun.yaml), with 2 torch threads (a runtime setting) and micro-batches of 16."""
     return shared_run(tmp_path_factory, data_cache, "one_step", ["-m", "seed=0"] + TINY + [
-        "train.max_steps=1", "runtime.cpu_threads=2", "train.micro_batch=8"])
+        "train.max_steps=1", "runtime.cpu_threads=2", "train.micro_batch=16"])
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,8 @@ def test_two_processes_make_the_same_first_update_as_one(tmp_path, data_cache):
                 str(REPO / "train.py")]
     proc = run_train(DETERMINISTIC + TINY + [f"hydra.run.dir={two}"], tmp_path, data_cache, module=torchrun)
     assert re.search(r"rank 1 of 2 \(local rank 1 on .+\) joined the process group \(gloo, cpu\)", proc.stdout)
-    assert "global batch 32 = 2 x 16 per rank" in proc.stdout
-    assert "global batch 32 = 2 x 16 per rank" in RunDir(two).log.read_text()  # each rank's own log
+    assert "global batch 32 = 4 micro-batches of 8 (virtual slots), 2 per rank and step" in proc.stdout
+    assert "4 micro-batches of 8 (virtual slots), 2 per rank" in RunDir(two).log.read_text()  # each rank's own log
     assert RunDir(two).rank_log(1).exists() and not list(two.glob(f"{LOCK}*"))
     a = torch.load(RunDir(one).last_checkpoint, weights_only=True)
     b = torch.load(RunDir(two).last_checkpoint, weights_only=True)

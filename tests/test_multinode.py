@@ -31,7 +31,7 @@ from deit_ablate.rundir import (
     wandb_root,
 )
 from deit_ablate.validate import plan_batch
-from tests.conftest import REPO, TINY, compose_config, run_train
+from tests.conftest import REPO, compose_config, run_train, tiny_with
 
 NODES = ("n1", "n2")
 TWO_NODES = ["hydra/launcher=slurm_8gpu", "hydra.launcher.partition=multi", "hydra.launcher.nodes=2",
@@ -42,6 +42,7 @@ ONE_NODE_16 = ["hydra/launcher=slurm_8gpu", "hydra.launcher.tasks_per_node=16", 
 # in the sign of its gradient, so a 1e-6 tolerance catches any gradient that differs (a rank on other data, a
 # missing rank, a wrong average). The full recipe stays on: each rank's augmentation must match too.
 FIRST_UPDATE = ["train.max_steps=1", "optimizer.warmup_epochs=0"]
+TINY = tiny_with(2)  # 16 micro-batches of 2: one per rank of two nodes of 8
 AUDIT = REPO / "tests" / "write_audit"
 
 
@@ -247,13 +248,14 @@ def test_the_released_finetune_layout_splits_512_over_two_nodes_of_8():
 def test_the_finetune_stage_runs_on_two_nodes_at_the_released_batch_layout(tmp_path, data_cache):
     # 1,600 images: 100 per rank, three batches of 32 per rank at the fine-tune's global batch of 512.
     data = ["data.builtin.train_per_class=160"]
-    args = ["-m", "stage=pretrain,finetune", "train.max_steps=3", "finetune.global_batch=512", *TWO_NODES, *TINY,
-            *data]
+    args = ["-m", "stage=pretrain,finetune", "train.max_steps=3", "finetune.global_batch=512", *TWO_NODES,
+            *tiny_with(2, finetune_micro=32), *data]
     proc = run_train(args, tmp_path, data_cache, timeout=900)
     assert re.search(r"#1 : stage=finetune .* waits for job \d+", proc.stderr + proc.stdout, re.S)
     logs = "\n".join(p.read_text() for p in (runs_root(tmp_path / "outputs") / SUBMITIT).rglob("*_log.out"))
     assert re.search(r"finetune at 48px of deit_tiny_patch16_224 \(patch 8, width 32, depth 1, heads 2, [\d.]+ M "
-                     r"params\) \(in eval mode\), world size 16, global batch 512 = 16 x 32", logs)
+                     r"params\) \(in eval mode\), world size 16, global batch 512 = 16 micro-batches of 32 "
+                     r"\(virtual slots\), 1 per rank and step", logs)
     results = [json.loads(p.read_text()) for p in (runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}")]
     assert len(results) == 2
     assert all(r["status"] == "finished" and r["steps_done"] == 3 and set(r["nodes"]) == set(NODES) for r in results)

@@ -17,7 +17,7 @@ import torch
 
 from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.rundir import LAST, RESULT, SUBMITIT, RunDir, runs_root, wandb_root
-from tests.conftest import REPO, TINY, run_train
+from tests.conftest import REPO, TINY, run_train, tiny_with
 
 pytestmark = [
     pytest.mark.slurm,
@@ -25,6 +25,7 @@ pytestmark = [
 ]
 # 8 tasks x 2 CPUs fit the test node; a global batch of 32 is 4 images per rank.
 SLURM = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=20"]
+TINY_8 = tiny_with(4)  # 8 micro-batches of 4: one per rank
 
 
 def _rank_logs(cwd: Path) -> list[str]:
@@ -40,7 +41,7 @@ def _results(cwd: Path) -> dict[str, dict]:
 
 
 def test_sweep_runs_8_rank_jobs_and_chains_the_finetune_after_its_pretraining(tmp_path, data_cache):
-    proc = run_train(["-m", "stage=pretrain,finetune", "train.max_steps=3"] + SLURM + TINY, tmp_path, data_cache,
+    proc = run_train(["-m", "stage=pretrain,finetune", "train.max_steps=3"] + SLURM + TINY_8, tmp_path, data_cache,
                      timeout=900)
     assert re.search(r"#1 : stage=finetune .* waits for job \d+", proc.stderr + proc.stdout, re.S)
     results = _results(tmp_path)
@@ -58,7 +59,7 @@ def test_sweep_runs_8_rank_jobs_and_chains_the_finetune_after_its_pretraining(tm
 
 def test_dry_run_on_the_slurm_launcher_plans_without_queueing(tmp_path, data_cache):
     queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
-    proc = run_train(["-m", "stage=pretrain,finetune", "runtime.dry_run=true"] + SLURM + TINY, tmp_path, data_cache)
+    proc = run_train(["-m", "stage=pretrain,finetune", "runtime.dry_run=true"] + SLURM + TINY_8, tmp_path, data_cache)
     plan = [line for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
     assert len(plan) == 2 and "train from step 0" in plan[0] and "wait for its pre-training" in plan[1]
     now = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
@@ -67,7 +68,7 @@ def test_dry_run_on_the_slurm_launcher_plans_without_queueing(tmp_path, data_cac
 
 
 def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_cache):
-    tiny = [o for o in TINY if o != "train.epochs=1"]
+    tiny = [o for o in TINY_8 if o != "train.epochs=1"]
     args = ["-m", "runtime.checkpoint_every_steps=1", "train.epochs=6"] + SLURM + tiny
     env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     driver = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, env=env,
@@ -108,11 +109,11 @@ def test_requeued_job_resumes_and_ends_with_the_same_step_count(tmp_path, data_c
 
 def test_config_errors_are_reported_before_anything_is_submitted(tmp_path, data_cache):
     before = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, check=True).stdout
-    proc = run_train(["-m", "train.global_batch=36", "mix=none,cutmix_only"] + SLURM + TINY[:5], tmp_path,
-                     data_cache, check=False)
-    assert proc.returncode == 2 and "cannot be split over 8 processes" in proc.stderr
+    proc = run_train(["-m", "train.global_batch=36", "train.micro_batch=6", "mix=none,cutmix_only"] + SLURM + TINY[:5],
+                     tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "cannot be dealt equally over 8 processes" in proc.stderr
     assert "Nothing was submitted" in proc.stderr
-    proc = run_train(["-m", "data=imagenet", "mix=none,cutmix_only"] + SLURM + TINY, tmp_path, data_cache,
+    proc = run_train(["-m", "data=imagenet", "mix=none,cutmix_only"] + SLURM + TINY_8, tmp_path, data_cache,
                      check=False)
     assert proc.returncode == 2 and "data.root" in proc.stderr
     assert not (runs_root(tmp_path / "outputs") / SUBMITIT).exists()

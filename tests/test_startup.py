@@ -203,7 +203,7 @@ def test_a_dry_run_leaves_every_file_under_the_output_root_as_it_was(tmp_path, d
     before = _tree(outputs)
     assert any(key.endswith(f"{HYDRA}/{HYDRA_CONFIG}") for key in before) and f"{RUNS}/{MULTIRUN}" in before
     dry = ONE_STEP + ["runtime.dry_run=true"]
-    slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2"]
+    slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2", "hydra.launcher.tasks_per_node=2"]
     for args, plan in [(["seed=0"], ["skip (already finished)"]),
                        (["seed=1"], ["train from step 0"]),
                        (["-m", "seed=0,1"], ["skip (already finished)", "train from step 0"]),

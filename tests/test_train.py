@@ -33,7 +33,7 @@ def test_tiny_run_trains_evaluates_checkpoints_and_logs(tiny_run: SharedRun):
     assert not list(run_dir.glob(".*.tmp"))  # no half-written checkpoint left behind
     assert "status    finished" in proc.stdout and "top-1" in proc.stdout
     assert "img_s=" in proc.stderr and "lr=" in proc.stderr and "loss=" in proc.stderr  # the progress bar
-    assert "global batch 32 = 1 micro-batches of 32 (virtual slots), 1 per rank and step" in proc.stdout
+    assert "global batch 32 = 4 micro-batches of 8 (virtual slots), 4 per rank and step" in proc.stdout
     offline = list((wandb_root(cwd / "outputs")).glob(f"offline-run-*-{result['run_id']}"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
     (logged,) = read_offline(wandb_root(cwd / "outputs"))
@@ -96,8 +96,8 @@ def test_imagefolder_without_val_split_names_the_layout(tmp_path, data_cache):
 
 
 def test_odd_batch_with_mixup_is_a_clear_error(tmp_path, data_cache):
-    proc = run_train(TINY + ["train.global_batch=33"], tmp_path, data_cache, check=False)
-    assert proc.returncode == 2 and "even" in proc.stderr and "33" in proc.stderr
+    proc = run_train(TINY + ["train.global_batch=36", "train.micro_batch=9"], tmp_path, data_cache, check=False)
+    assert proc.returncode == 2 and "must be even" in proc.stderr and "train.micro_batch=9" in proc.stderr
     assert not list(tmp_path.glob("outputs/wandb/offline-run-*")) and not list(tmp_path.glob("outputs/runs/*"))
 
 
@@ -107,8 +107,8 @@ def test_unknown_model_name_is_a_clear_error(tmp_path, data_cache):
 
 
 def test_one_process_accumulates_the_recipes_micro_batches(one_step_run: SharedRun):
-    proc = one_step_run.proc  # TINY + train.micro_batch=8 (and one step)
-    assert "global batch 32 = 4 micro-batches of 8 (virtual slots), 4 per rank and step" in proc.stdout
+    proc = one_step_run.proc  # TINY + train.micro_batch=16 (and one step)
+    assert "global batch 32 = 2 micro-batches of 16 (virtual slots), 2 per rank and step" in proc.stdout
 
 
 def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache, stopped_at_step_3):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, compose_config, identity_of, run_train
+from conftest import TINY, compose_config, identity_of, run_train, tiny_with
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
@@ -280,7 +280,7 @@ def test_slurm_chains_a_transfer_after_its_source(tmp_path: Path, data_cache: Pa
     # a sweep can hold a source and its transfer when the transfer keeps the source's data (stage=transfer, no row)
     slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=20"]
     proc = run_train(["-m", "stage=pretrain,transfer", "transfer.source_stage=pretrain", "transfer.global_batch=32",
-                      "train.max_steps=3", *slurm, *TINY], tmp_path, data_cache, timeout=900)
+                      "train.max_steps=3", *slurm, *tiny_with(4)], tmp_path, data_cache, timeout=900)
     assert re.search(r"#1 : stage=transfer .* waits for job \d+ \(its source run\)", proc.stderr + proc.stdout, re.S)
     results = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/result.json")}
     (transfer,) = [r for r in results.values() if "transfer_from" in r]
