@@ -270,6 +270,8 @@ def test_demo_transfer_to_the_second_builtin_set_end_to_end(tmp_path: Path, data
     assert result["status"] == "finished" and result["epochs_done"] == 2 and result["top1"] >= 0.0
     assert result["transfer_from"]["run"] == source.name and result["transfer_from"]["heads"] == ["head"]
     assert result["data_fingerprint"]["builtin"]["classes"] == "shapes_b"
+    source_data = RunDir(source).read_identity()["data_fingerprint"]["digest"]
+    assert RunDir(run).read_identity()["source"] == {"run": source.name, "data": source_data, "teacher": None}
     trained = torch.load(RunDir(run).last_checkpoint, weights_only=True)["model"]
     before = torch.load(RunDir(source).last_checkpoint, weights_only=True)["model"]
     assert trained["head.weight"].shape == (10, 32) and not torch.equal(trained["head.weight"], before["head.weight"])
