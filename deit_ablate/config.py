@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.studies import CONF_DIR, defaults_list
 
@@ -314,6 +316,21 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     sharpness: SharpnessConfig = field(default_factory=SharpnessConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+@functools.cache
+def _preset_teacher(preset: str) -> str:
+    teacher = OmegaConf.structured(TeacherConfig)
+    path = CONF_DIR / "preset" / f"{preset}.yaml"
+    if path.is_file():
+        teacher = OmegaConf.merge(teacher, OmegaConf.select(OmegaConf.load(path), "distill.teacher", default={}))
+    return json.dumps(OmegaConf.to_container(teacher, resolve=True, enum_to_str=True))
+
+
+def preset_teacher(preset: str) -> dict[str, Any]:
+    """The teacher block a run of `preset` has when nothing names a teacher: the schema's, with the preset's own on
+    top (conf/preset/<preset>.yaml: the demo's CNN). What a run that does not distil holds in its identity."""
+    return json.loads(_preset_teacher(str(preset)))  # a fresh copy: callers edit it
 
 
 def compose_run_config(overrides: list[str]) -> DictConfig:

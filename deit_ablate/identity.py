@@ -7,6 +7,8 @@ relaunch with other execution settings resumes the same run. The folder name put
 the hash so that people can read it. The data and the teacher are known only once the run looks at them: they
 enter the wandb id and group (with_data, with_teacher), and the run folder records them (identity.json), so a
 relaunch on other data or other teacher weights is refused rather than resumed or skipped (run.py, teacher.py).
+A transfer's wandb id and group carry its source run's data and teacher the same way (with_source, transfer.py). A
+run that does not distil carries no teacher: its identity is as if no `distill.teacher.*` key had been given.
 Which keys enter it is deit_ablate/keys.py's. Study rows are Hydra choices, not keys, so `run_identity` takes the
 choices too: Table 8's row enters the digest as the schema key it once was (keys.LEGACY_CHOICE_KEYS), which keeps
 the folders and wandb ids of runs from before it became a choice.
@@ -25,7 +27,17 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from deit_ablate.keys import ADDED_KEYS, NOT_EXPERIMENT, NOT_IDENTITY, TRANSFER_ONLY, is_default_leaf, legacy_keys
+from deit_ablate.config import preset_teacher
+from deit_ablate.keys import (
+    ADDED_KEYS,
+    NOT_EXPERIMENT,
+    NOT_IDENTITY,
+    TEACHER_KEYS,
+    TRANSFER_ONLY,
+    is_default_leaf,
+    legacy_keys,
+    unused_teacher,
+)
 from deit_ablate.studies import study_names
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
@@ -46,13 +58,16 @@ _MAX_READABLE = 100
 
 @dataclass(frozen=True)
 class RunIdentity:
-    """Name (folder), wandb id, wandb group and experiment digest of a run; and its teacher, once known."""
+    """Name (folder), wandb id, wandb group and experiment digest of a run; its teacher and a transfer's source,
+    once known; and, in a dry run, what its wandb id still waits for (`pending`: the id is not final)."""
 
     name: str
     run_id: str
     group: str
     digest: str
     teacher: dict[str, Any] | None = field(default=None, hash=False)
+    source: dict[str, Any] | None = field(default=None, hash=False)
+    pending: str | None = field(default=None, hash=False, compare=False)
 
 
 def _short_hash(text: str, length: int = 8) -> str:
@@ -87,6 +102,9 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value, resolve=True, enum_to_str=True)
         out[str(key)] = str(value) if hasattr(value, "value") else value  # an Enum leaf
+    distill = out.get("distill")
+    if isinstance(distill, dict) and unused_teacher(TEACHER_KEYS, distill.get("type")):
+        distill["teacher"] = preset_teacher(out.get("preset", "demo"))  # as if the run were given no teacher
     for dotted in NOT_IDENTITY:
         _pop(out, dotted)
     for dotted in ADDED_KEYS:  # runs from before a key keep their identity while it holds its default
@@ -152,8 +170,11 @@ def _stage_drop(cfg: DictConfig) -> tuple[str, ...]:
 
 def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, Any]) -> RunIdentity:
     """The identity of the run `cfg` describes, launched with `overrides` (Hydra's task overrides), whose group
-    options are `choices` (Hydra's `runtime.choices`; see `composed_choices`)."""
+    options are `choices` (Hydra's `runtime.choices`; see `composed_choices`). A run that does not distil is named
+    without the teacher overrides a sweep gave it (keys.TEACHER_KEYS)."""
     drop = _stage_drop(cfg)
+    distill_type = cfg.distill.type if "distill" in cfg else None
+    overrides = [item for item in overrides if not unused_teacher(_override_key(item), distill_type)]
     digest = experiment_digest(cfg, drop, choices)
     name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
     # groups keep the names they had (no key put first), so the seeds of one setting stay in one wandb group
@@ -192,6 +213,21 @@ def with_teacher(identity: RunIdentity, teacher: dict[str, Any] | None,
     digest = str(teacher["digest"])
     return replace(identity, run_id=_short_hash(f"{identity.run_id}:teacher:{digest}", 16),
                    group=f"{identity.group}+t{digest[:6]}", teacher=teacher)
+
+
+def with_source(identity: RunIdentity, source: dict[str, Any] | None,
+                recorded: dict[str, Any] | None = None) -> RunIdentity:
+    """A transfer's identity once its source run is known (`source`: its folder, data fingerprint and teacher
+    weights digest, transfer.source_identity; None: no source run): the wandb id and group carry the source's data
+    and teacher, so transfers of sources trained on other data or distilled from other teacher weights never write
+    to one wandb run. A run folder whose identity.json (`recorded`) predates source records keeps its wandb id."""
+    if source is None:
+        return identity
+    if recorded is not None and "source" not in recorded:
+        return replace(identity, source=source)
+    key = f"{source['data']}:{source['teacher'] or ''}"
+    return replace(identity, run_id=_short_hash(f"{identity.run_id}:source:{key}", 16),
+                   group=f"{identity.group}+s{_short_hash(key, 6)}", source=source)
 
 
 def folder_name(identity: RunIdentity, runs_root: Path) -> str:

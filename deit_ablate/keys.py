@@ -36,6 +36,11 @@ TRANSFER_ONLY = "transfer"
 TEACHER_PERMISSION = "distill.teacher.allow_unfinished"
 # Leaves of the experiment that never enter its identity.
 NOT_IDENTITY = (DATA_LOCATION, TEACHER_PERMISSION)
+# The teacher of a distillation: no part of a run that does not distil (distill.type=none), whatever a sweep names
+# for it (`-m ablation=baseline,no_mixup distill.teacher.checkpoint=...`). Such a run's identity holds its preset's
+# teacher as if no teacher key were given (config.preset_teacher), and its folder name no teacher override.
+TEACHER_KEYS = "distill.teacher"
+NO_DISTILLATION = "none"
 # Execution settings as logs written before they moved under `runtime` have them (the aggregator still reads those).
 LEGACY_EXECUTION_KEYS = (
     "tracking",
@@ -71,6 +76,16 @@ def legacy_keys(choices: dict[str, Any]) -> dict[str, str]:
 def is_default_leaf(dotted: str, value: Any) -> bool:
     """Whether a leaf holds a default that the identity leaves out (`data.backend=pil`), as if it were unset."""
     return dotted in ADDED_KEYS and value == ADDED_KEYS[dotted]
+
+
+def is_teacher_key(dotted: str) -> bool:
+    """Whether a dotted key names the teacher of a distillation (`distill.teacher.checkpoint`)."""
+    return dotted == TEACHER_KEYS or dotted.startswith(TEACHER_KEYS + ".")
+
+
+def unused_teacher(dotted: str, distill_type: Any) -> bool:
+    """Whether a dotted key names a teacher that a run of `distill_type` never has (any teacher key, distill=none)."""
+    return str(distill_type) == NO_DISTILLATION and is_teacher_key(dotted)
 
 
 def unused_by_stage(dotted: str, stage: Any) -> bool:

@@ -199,5 +199,7 @@ def launch_plan(plan: RunPlan) -> str:
 
 
 def dry_run_line(plan: RunPlan) -> str:
-    """The dry run's line for one run: its folder, wandb id and what a launch would do."""
-    return f"[dry run] {plan.run_dir.name} (wandb id {plan.identity.run_id}): {launch_plan(plan)}"
+    """The dry run's line for one run: its folder, wandb id (or what it waits for) and what a launch would do."""
+    pending = plan.identity.pending
+    wandb_id = f"wandb id pending: keyed by {pending}" if pending else f"wandb id {plan.identity.run_id}"
+    return f"[dry run] {plan.run_dir.name} ({wandb_id}): {launch_plan(plan)}"

@@ -8,7 +8,7 @@ from. The modules that execute the run take the plan's typed pieces; none of the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -32,11 +32,13 @@ from deit_ablate.stages import (
     StageRecipe,
     check_layer_scale_run,
     layer_scale_run_dir,
+    stage_distils,
     stage_recipe,
     teacher_run_dir,
     upstream_run_dir,
 )
 from deit_ablate.teacher import TeacherSource, run_teacher, with_run_teacher
+from deit_ablate.transfer import with_transfer_source
 from deit_ablate.validate import BatchPlan, plan_batch
 
 
@@ -80,6 +82,18 @@ def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     return current
 
 
+def pending_id(cfg: DictConfig, identity: RunIdentity, teacher: TeacherSource | None,
+               upstream: RunDir | None) -> str | None:
+    """What the wandb id of a dry run's `identity` still waits for (None: it is the id the run will have): the
+    weights of a chained teacher run not trained yet, or a transfer's source run not started yet."""
+    if stage_distils(cfg) and teacher is None:
+        return "its teacher run's weights digest"
+    source_unstarted = upstream is not None and identity.source is None and not upstream.result.exists()
+    if cfg.stage == Stage.transfer and source_unstarted:
+        return "its source run's data and teacher weights"
+    return None
+
+
 def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
               overrides: list[str] | None = None) -> RunPlan:
     """The plan of the run `cfg` describes (the running Hydra job's folder and overrides unless given); a problem
@@ -94,9 +108,12 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
     teacher_run = teacher_run_dir(cfg, overrides)  # composes the chained teacher run's config: once
     teacher = agree(info, lambda: run_teacher(cfg, teacher_run, overrides))
-    # the teacher's weights, refused when they are not those the run folder records
-    identity = agree(info, lambda: with_run_teacher(with_data(named, data), teacher, run_dir))
     upstream = upstream_run_dir(cfg, overrides)
+    source = upstream if cfg.stage == Stage.transfer else None
+    # the teacher's weights and a transfer's source, refused when they are not those the run folder records
+    identity = agree(info, lambda: with_transfer_source(with_run_teacher(with_data(named, data), teacher, run_dir),
+                                                        source, run_dir))
+    identity = replace(identity, pending=pending_id(cfg, identity, teacher, upstream))
     layer_scale = layer_scale_run_dir(cfg, overrides)
     if layer_scale is not None and not cfg.runtime.dry_run:  # the dry run says it waits for it (launch_plan)
         check_layer_scale_run(cfg, layer_scale, data.get("digest"), overrides)

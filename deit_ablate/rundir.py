@@ -102,9 +102,11 @@ def read_record(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def identity_record(identity: RunIdentity, data: Mapping[str, Any]) -> dict[str, Any]:
-    """What identity.json holds: the run's name, wandb id, experiment digest, data fingerprint and teacher."""
+    """What identity.json holds: the run's name, wandb id, experiment digest, data fingerprint, teacher and (a
+    transfer) source."""
     return {"name": identity.name, "run_id": identity.run_id, DIGEST: identity.digest, DATA: dict(data),
-            **({"teacher": identity.teacher} if identity.teacher else {})}
+            **({"teacher": identity.teacher} if identity.teacher else {}),
+            **({"source": identity.source} if identity.source else {})}
 
 
 def result_record(identity: RunIdentity, data: Mapping[str, Any], final: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,11 +5,12 @@ distils from (Table 2, distill.teacher.chain)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate import checkpoint as ckpt
 from deit_ablate.config import CONF_DIR, DistillKind, Stage, compose_run_config
@@ -242,14 +243,19 @@ def chained_teacher(cfg: DictConfig) -> str | None:
 
 def teacher_run_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
     """The overrides of the teacher run a chained student distils from (None when distill.teacher.chain is unset):
-    the student's pre-training overrides without study rows, distill.* and model.* ones, plus model=<chain>:
-    the run `python train.py model=<chain> ...` trains, with the DeiT recipe (as DeiT trained its RegNetY-16GF)."""
+    the student's pre-training overrides without study rows, distill.* and model.* ones, plus model=<chain> and
+    distill.teacher.kwargs as its model.kwargs (Table 2's demo CNNs of three sizes): the run
+    `python train.py model=<chain> ...` trains, with the DeiT recipe (as DeiT trained its RegNetY-16GF)."""
     chain = chained_teacher(cfg)
     if chain is None:
         return None
     kept = pretrain_overrides(task_overrides() if overrides is None else overrides)
     dropped = (*CHAIN_DROPPED, *study_names())
-    return [f"model={chain}", *(item for item in kept if _override_group(item) not in dropped)]
+    kwargs = cfg.distill.teacher.kwargs  # an interpolation (a row's ${at_scale:...}) resolves to a plain dict
+    kwargs = OmegaConf.to_container(kwargs, resolve=True) if OmegaConf.is_config(kwargs) else dict(kwargs)
+    sized = [f"++model.kwargs.{key}={json.dumps(value, separators=(',', ':'))}"
+             for key, value in sorted(kwargs.items())]
+    return [f"model={chain}", *sized, *(item for item in kept if _override_group(item) not in dropped)]
 
 
 def _override_group(item: str) -> str:

@@ -3,19 +3,23 @@ fine-tune finds its pre-training, and the checks a transfer config gets before a
 
 A transfer launched with `transfer=<row>` (or `stage=transfer`) fine-tunes the run of the same command without the
 row, the stage, the resolution, the `transfer.*` and the data overrides, at `transfer.source_stage` (the ↑384
-fine-tune by default, Table 7's DeiT-B⚗↑384). That run's folder comes from its identity, composed as Hydra would.
+fine-tune by default, Table 7's DeiT-B⚗↑384). That run's folder comes from its identity, composed as Hydra would; the
+source's data fingerprint and teacher weights digest, as its identity.json records them, enter the transfer's wandb
+id and group (with_transfer_source), and a transfer whose source was trained again since is refused.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.config import DataName, DistillKind, Stage
 from deit_ablate.data.builtin import CLASS_SETS
 from deit_ablate.errors import ConfigError
-from deit_ablate.identity import task_overrides, transfer_source_overrides
+from deit_ablate.identity import RunIdentity, task_overrides, transfer_source_overrides, with_source
 from deit_ablate.resolvers import run_dir_of
-from deit_ablate.rundir import RunDir
+from deit_ablate.rundir import DATA, RunDir
 
 SOURCE_ROLE = "its source run"
 
@@ -34,6 +38,37 @@ def source_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDi
     if upstream_overrides is None:
         return None
     return run_dir_of(upstream_overrides, cfg.runtime.output_root)
+
+
+def source_identity(source: RunDir | None) -> dict[str, Any] | None:
+    """What a transfer's identity takes from its source run: the source's folder, the fingerprint of its data and
+    the digest of its teacher's weights (None: it did not distil), as its identity.json records them; None when
+    there is no source run (transfer.init_checkpoint) or it has not started."""
+    recorded = source.read_identity() if source is not None else None
+    if recorded is None:
+        return None
+    return {"run": source.name, "data": (recorded.get(DATA) or {}).get("digest"),
+            "teacher": (recorded.get("teacher") or {}).get("digest")}
+
+
+def _describe_source(source: dict[str, Any]) -> str:
+    return f"data {str(source.get('data'))[:12]}, teacher weights {str(source.get('teacher') or 'none')[:12]}"
+
+
+def with_transfer_source(identity: RunIdentity, source: RunDir | None, run_dir: RunDir) -> RunIdentity:
+    """A transfer's `identity` with its source run's data and teacher (identity.with_source); a ConfigError when the
+    transfer's folder records another source (the source was trained again since)."""
+    current = source_identity(source)
+    recorded = run_dir.read_identity()
+    before = (recorded or {}).get("source")
+    if current is not None and before is not None and (before.get("data"), before.get("teacher")) != (
+            current["data"], current["teacher"]):
+        raise ConfigError(
+            f"{run_dir.path} holds a transfer of another source run ({_describe_source(before)}) than {source.path} "
+            f"is now ({_describe_source(current)}): the source was trained again since. A transfer's source is part "
+            "of its identity: transfer the new source under another output folder (runtime.output_root=...), or "
+            f"delete {run_dir.path} to transfer it again here.")
+    return with_source(identity, current, recorded)
 
 
 def check_transfer_config(cfg: DictConfig) -> None:

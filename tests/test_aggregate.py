@@ -767,3 +767,13 @@ def test_only_present_keeps_the_fine_tune_column_when_fine_tunes_ran(
                                                 "no_erasing", "ema"]
     table = build_table([_described("a", 0)], only_present=True)  # no fine-tune run: its column goes
     assert table.stages == ["pretrain"] and "fine-tune" not in render(table, "markdown")
+
+
+def test_a_teacher_named_for_a_run_that_does_not_distil_never_splits_its_cell():
+    from deit_ablate.aggregate.settings import experiment_settings
+
+    plain = {"preset": "demo", "distill": {"type": "none", "teacher": {"model": "resnet10t", "checkpoint": None}}}
+    swept = {"preset": "demo", "distill": {"type": "none", "teacher": {"model": "resnet10t", "checkpoint": "/x/t.pt"}}}
+    assert experiment_settings(swept) == experiment_settings(plain)
+    distilled = [{**config, "distill": {**config["distill"], "type": "hard"}} for config in (plain, swept)]
+    assert experiment_settings(distilled[0]) != experiment_settings(distilled[1])

@@ -67,7 +67,7 @@ def test_the_paper_scale_dry_run_plans_every_row_its_teacher_and_fine_tunes(tmp_
     data = one_class_imagefolder(tmp_path / "imagenet")
     proc = run_train(["-m", f"{STUDY}=glob(*)", "stage=pretrain,finetune", "preset=paper", *data,
                       "runtime.dry_run=true"], tmp_path, data_cache)
-    plans = re.findall(r"\[dry run\] (\S+) \(wandb id \w+\): (.*)", proc.stdout)
+    plans = re.findall(r"\[dry run\] (\S+) \(wandb id [^)]+\): (.*)", proc.stdout)
     teacher = identity_of(["model=regnety_160", "preset=paper", *data]).name
     names = [name for name, _ in plans]
     assert names.count(teacher) == 1 and plans[names.index(teacher)][1] == "train from step 0"

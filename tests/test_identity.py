@@ -162,3 +162,22 @@ def test_a_typo_added_with_plus_names_the_close_key():
     with pytest.raises(ConfigError, match="Did you mean mix.mixup_alpha"):
         check_known_keys(compose_config(["+mix.mixup_alpah=1"]))
     check_known_keys(compose_config(["+model.kwargs.qkv_bias=false"]))  # timm arguments are free-form
+
+
+# A teacher named for a whole sweep (`-m ablation=baseline,no_mixup distill.teacher.checkpoint=/x/t.pt`) reaches
+# rows that do not distil too: there it is no part of the experiment.
+SWEEP_TEACHERS = ["distill.teacher.checkpoint=/x/t.pt", "distill.teacher.model=resnet50",
+                  "++distill.teacher.kwargs.channels=[8,16,32,64]", "distill.teacher.chain=cnn_demo"]
+
+
+@pytest.mark.parametrize("teacher", SWEEP_TEACHERS)
+@pytest.mark.parametrize("row", [[], ["ablation=no_mixup"], ["preset=paper", "cait=ca_12_2"]])
+def test_a_row_that_does_not_distil_carries_no_teacher(row, teacher):
+    base, other = _identity(row), _identity([*row, teacher])
+    assert (other.name, other.run_id, other.digest, other.group) == (base.name, base.run_id, base.digest, base.group)
+
+
+@pytest.mark.parametrize("teacher", SWEEP_TEACHERS[:3])
+def test_a_distilled_row_keeps_the_teacher_it_is_given(teacher):
+    base, other = _identity(["distill=hard_token"]), _identity(["distill=hard_token", teacher])
+    assert other.digest != base.digest and other.name != base.name

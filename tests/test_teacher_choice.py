@@ -211,3 +211,67 @@ def test_a_slurm_submission_chains_teacher_student_and_finetune_with_afterok(tmp
     assert pretrain.read_result()["teacher"]["run"] == teacher.name
     times = [run.result.stat().st_mtime_ns for run in (teacher, pretrain, tuned)]
     assert times == sorted(times) and tuned.read_result()["status"] == "finished"
+
+
+REGNETS = ("regnety_4gf", "regnety_8gf", "regnety_16gf")
+
+
+def test_the_three_regnet_rows_are_three_demo_experiments_ordered_by_size(tmp_path):
+    import timm
+
+    root = f"runtime.output_root={tmp_path}"
+    students = [identity_of([f"teachers={row}"]) for row in REGNETS]
+    assert len({s.digest for s in students}) == 3 and len({s.run_id for s in students}) == 3
+    assert students[2].name == "teachers=regnety_16gf-25766c6540"  # the 16GF row's demo teacher is the demo CNN
+    teachers = [teacher_run_overrides(_hydra_config([f"teachers={row}", root]), [f"teachers={row}", root])
+                for row in REGNETS]
+    assert teachers[2] == ["model=cnn_demo", root]
+    assert len({identity_of(t).digest for t in teachers}) == 3  # three teacher runs
+    sizes = []
+    for overrides in teachers:
+        model = _hydra_config(overrides).model
+        assert model.name == "resnet10t"
+        net = timm.create_model(model.name, num_classes=10, **model.kwargs)
+        sizes.append(sum(p.numel() for p in net.parameters()))
+    assert sizes[0] < sizes[1] < sizes[2]  # 4 < 8 < 16 GF
+    # the paper scale is as it was: the RegNetY runs themselves, the rows' names and hashes unchanged
+    paper = {"regnety_4gf": "7b97144cef", "regnety_8gf": "2c0cfba8c9", "regnety_16gf": "32713dc7bb"}
+    for row, option in zip(REGNETS, ("regnety_040", "regnety_080", "regnety_160"), strict=True):
+        overrides = ["preset=paper", f"teachers={row}"]
+        assert identity_of(overrides).name == f"preset=paper,teachers={row}-{paper[row]}"
+        assert teacher_run_overrides(_hydra_config(overrides), overrides) == [f"model={option}", "preset=paper"]
+
+
+def _plan(overrides: list[str], tmp_path: Path):
+    from deit_ablate.distributed import DistInfo
+    from deit_ablate.plan import make_plan
+
+    return make_plan(_hydra_config(overrides), DistInfo(), RunDir.under(tmp_path, identity_of(overrides).name),
+                     overrides)
+
+
+def _finished_teacher_run(run: RunDir) -> None:
+    """A finished demo CNN teacher run in `run`'s folder: its config, result and best weights."""
+    import timm
+    import torch
+    import yaml
+
+    run.hydra_config.parent.mkdir(parents=True)
+    run.hydra_config.write_text(yaml.safe_dump({"model": {"name": "resnet10t", "kwargs": {}}, "stage": "pretrain"}))
+    run.result.write_text(json.dumps({"status": "finished", "run_id": "0123456789abcdef", "top1": 50.0}))
+    torch.save({"model": timm.create_model("resnet10t", num_classes=10).state_dict()}, run.best_checkpoint)
+
+
+def test_a_dry_run_prints_the_wandb_id_the_student_will_have_or_says_it_waits_for_its_teacher(tmp_path):
+    from deit_ablate.lifecycle import dry_run_line
+
+    student = ["teachers=regnety_16gf", f"runtime.output_root={tmp_path}"]
+    dry = _plan([*student, "runtime.dry_run=true"], tmp_path)
+    line = dry_run_line(dry)
+    # the teacher run has not trained: the id is pending its weights, not the id of a student without a teacher
+    assert "(wandb id pending: keyed by its teacher run's weights digest)" in line, line
+    assert dry.identity.run_id not in line and line.endswith(f"wait for its teacher run {dry.teacher_run.name}")
+    _finished_teacher_run(dry.teacher_run)
+    dry, real = _plan([*student, "runtime.dry_run=true"], tmp_path), _plan(student, tmp_path)
+    assert real.identity.teacher is not None and dry.identity.run_id == real.identity.run_id
+    assert f"(wandb id {real.identity.run_id})" in dry_run_line(dry)

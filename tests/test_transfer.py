@@ -250,9 +250,10 @@ def test_paper_table7_dry_run_finds_its_source_run(tmp_path: Path, data_cache: P
     proc = run_train(["-m", "transfer=cifar10,cifar100,flowers,cars", *common, f"runtime.data_dir={data_dir}",
                       "runtime.dry_run=true"], tmp_path, data_cache)
     source = identity_of(["stage=finetune", *common]).name
-    lines = re.findall(r"\[dry run\] (\S+) \(wandb id \w+\): (.*)", proc.stdout)
-    assert len(lines) == 4 and {plan for _, plan in lines} == {f"wait for its source run {source}"}
-    assert {name.split(",")[-1].split("-")[0] for name, _ in lines} == {f"transfer={r}" for r in
+    lines = re.findall(r"\[dry run\] (\S+) \(wandb id ([^)]+)\): (.*)", proc.stdout)
+    assert len(lines) == 4 and {plan for _, _, plan in lines} == {f"wait for its source run {source}"}
+    assert {wandb for _, wandb, _ in lines} == {"pending: keyed by its source run's data and teacher weights"}
+    assert {name.split(",")[-1].split("-")[0] for name, _, _ in lines} == {f"transfer={r}" for r in
                                                                          ("cifar10", "cifar100", "flowers", "cars")}
 
 
@@ -269,6 +270,8 @@ def test_demo_transfer_to_the_second_builtin_set_end_to_end(tmp_path: Path, data
     assert result["status"] == "finished" and result["epochs_done"] == 2 and result["top1"] >= 0.0
     assert result["transfer_from"]["run"] == source.name and result["transfer_from"]["heads"] == ["head"]
     assert result["data_fingerprint"]["builtin"]["classes"] == "shapes_b"
+    source_data = RunDir(source).read_identity()["data_fingerprint"]["digest"]
+    assert RunDir(run).read_identity()["source"] == {"run": source.name, "data": source_data, "teacher": None}
     trained = torch.load(RunDir(run).last_checkpoint, weights_only=True)["model"]
     before = torch.load(RunDir(source).last_checkpoint, weights_only=True)["model"]
     assert trained["head.weight"].shape == (10, 32) and not torch.equal(trained["head.weight"], before["head.weight"])
@@ -286,3 +289,67 @@ def test_slurm_chains_a_transfer_after_its_source(tmp_path: Path, data_cache: Pa
     (transfer,) = [r for r in results.values() if "transfer_from" in r]
     assert transfer["status"] == "finished" and transfer["transfer_from"]["run"] in results
     assert results[transfer["transfer_from"]["run"]]["status"] == "finished"
+
+
+SOURCE_OF_A_DISTILLED_RUN = ["transfer=builtin_b", "transfer.source_stage=pretrain", "distill=hard_token",
+                             f"distill.teacher.checkpoint={TEACHER}"]
+
+
+def _transfer_plan(root: Path, *extra: str):
+    """The plan of a demo transfer of a distilled run under the output root `root`, and its source's folder."""
+    from deit_ablate.distributed import DistInfo
+    from deit_ablate.plan import make_plan
+
+    overrides = [*SOURCE_OF_A_DISTILLED_RUN, f"runtime.output_root={root}", *extra]
+    cfg = compose_run_config(overrides)
+    plan = make_plan(cfg, DistInfo(), RunDir.under(root, identity_of(overrides).name), overrides)
+    return plan, plan.upstream
+
+
+def _record_source(source: RunDir, teacher_digest: str | None, data_digest: str = "d" * 16) -> None:
+    """The identity.json a distilled source run (teacher weights `teacher_digest`) wrote at its first start."""
+    source.path.mkdir(parents=True, exist_ok=True)
+    teacher = {"teacher": {"run": None, "checkpoint": TEACHER, "digest": teacher_digest}} if teacher_digest else {}
+    source.write_identity({"name": source.name, "run_id": "0" * 16, "experiment_digest": source.name[-10:],
+                           "data_fingerprint": {"digest": data_digest}, **teacher})
+
+
+def test_a_transfer_carries_its_sources_teacher_weights_and_data(tmp_path: Path) -> None:
+    sources = (("a", "a" * 40, "d" * 16), ("b", "b" * 40, "d" * 16), ("c", "a" * 40, "e" * 16))
+    identities = []
+    for root, teacher, data in sources:
+        _, source = _transfer_plan(tmp_path / root)
+        _record_source(source, teacher, data)
+        identities.append(_transfer_plan(tmp_path / root)[0].identity)
+    a, b, c = identities
+    assert a.name == b.name == c.name and a.digest == b.digest  # one folder name: the same settings...
+    assert len({a.run_id, b.run_id, c.run_id}) == 3 and len({a.group, b.group, c.group}) == 3  # ...three wandb runs
+    for identity, (_, teacher, data) in zip(identities, sources, strict=True):  # identity.json records it
+        assert identity.source == {"run": source.name, "data": data, "teacher": teacher}
+
+
+def test_a_transfer_dry_run_before_its_source_says_its_wandb_id_is_pending(tmp_path: Path) -> None:
+    from deit_ablate.lifecycle import dry_run_line
+
+    plan, source = _transfer_plan(tmp_path, "runtime.dry_run=true")
+    line = dry_run_line(plan)
+    assert "(wandb id pending: keyed by its source run's data and teacher weights)" in line, line
+    assert line.endswith(f"wait for its source run {source.name}")
+    _record_source(source, "a" * 40)
+    dry, real = _transfer_plan(tmp_path, "runtime.dry_run=true")[0], _transfer_plan(tmp_path)[0]
+    assert f"(wandb id {real.identity.run_id})" in dry_run_line(dry)
+
+
+def test_a_transfer_of_a_source_trained_again_is_refused_and_an_old_folder_keeps_its_wandb_id(tmp_path):
+    plan, source = _transfer_plan(tmp_path)
+    before = plan.identity.run_id  # the wandb id transfers had before they carried their source
+    _record_source(source, "a" * 40)
+    plan, _ = _transfer_plan(tmp_path)
+    plan.run_dir.path.mkdir(parents=True)
+    plan.run_dir.record_identity(plan.identity, plan.data)
+    _record_source(source, "b" * 40)  # the source was deleted and trained again, from other teacher weights
+    with pytest.raises(ConfigError, match="another source run.*runtime.output_root"):
+        _transfer_plan(tmp_path)
+    old = {k: v for k, v in plan.run_dir.read_identity().items() if k != "source"}  # written before sources were
+    plan.run_dir.write_identity({**old, "run_id": before})
+    assert _transfer_plan(tmp_path)[0].identity.run_id == before != plan.identity.run_id

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from deit_ablate.keys import LEGACY_CHOICE_KEYS, is_default_leaf, is_execution_key, unused_by_stage
+from deit_ablate.keys import LEGACY_CHOICE_KEYS, is_default_leaf, is_execution_key, unused_by_stage, unused_teacher
 from deit_ablate.studies import default_choices, preset_choices
 
 from .paper import default_table, paper_table
@@ -55,9 +55,11 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def experiment_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The settings that decide a run's result: the flat config without seed, run names and execution keys (nor
-    the transfer recipe outside the transfer stage)."""
+    the transfer recipe outside the transfer stage, nor a teacher in a run that does not distil)."""
     stage = config.get("stage", "pretrain")
-    return {k: v for k, v in flatten(config).items() if not _ignored(k, v) and not unused_by_stage(k, stage)}
+    distill_type = (config.get("distill") or {}).get("type")
+    return {k: v for k, v in flatten(config).items()
+            if not _ignored(k, v) and not unused_by_stage(k, stage) and not unused_teacher(k, distill_type)}
 
 
 def signature(settings: dict[str, Any]) -> tuple[tuple[str, str], ...]:
