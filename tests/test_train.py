@@ -40,7 +40,7 @@ def test_tiny_run_trains_evaluates_checkpoints_and_logs(tiny_run: SharedRun):
     assert logged.config["ablation"] == "baseline" and logged.config["mix"]["mixup_alpha"] == 0.8
     assert {"baseline", "pretrain", "demo"} == set(logged.tags)
     assert logged.summary["status"] == "finished" and logged.summary["top1"] == result["top1"]
-    assert logged.summary["accum_steps"] == 1 and logged.summary["world_size"] == 1
+    assert logged.summary["accum_steps"] == 4 and logged.summary["slots"] == 4 and logged.summary["world_size"] == 1
     assert not re.search(r"api_key|password|secret|token\b|WANDB_", json.dumps(logged.config), re.I)
 
 
