@@ -25,7 +25,7 @@ from tests.conftest import REPO, TINY, compose_config, run_train
 from tests.test_fingerprint import read_only, read_only_mount_works
 
 # A run over a few 8x8 images: 4 per batch (an even share for Mixup/CutMix), one or two steps.
-SMALL = TINY + ["train.global_batch=4", "runtime.eval_batch=8", "train.max_steps=1"]
+SMALL = TINY + ["train.global_batch=4", "train.micro_batch=4", "runtime.eval_batch=8", "train.max_steps=1"]
 
 
 def write_tree(root: Path, classes: dict[str, list[str]], per_class: int = 4) -> Path:

@@ -106,7 +106,7 @@ def _result(cwd: Path) -> dict:
 def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(straight_runs):
     run = straight_runs(0)  # two epochs, optimizer.min_lr=0.5: min lr > peak, it warns
     proc, log = run.proc, (run.cwd / "straight" / "train.log").read_text()
-    assert "pretrain at 32px" in log and "global batch 32 = 1 x 32 per rank" in log  # the start line
+    assert "pretrain at 32px" in log and "global batch 32 = 4 micro-batches of 8" in log  # the start line
     assert "[epoch 0] train loss" in log and "[epoch 1] train loss" in log
     assert "status    finished after 16 steps" in log and "top-1" in log
     assert "WARNING py.warnings" in log and "is above the peak lr" in log  # warnings reach the run's own log

@@ -222,7 +222,7 @@ def test_the_three_regnet_rows_are_three_demo_experiments_ordered_by_size(tmp_pa
     root = f"runtime.output_root={tmp_path}"
     students = [identity_of([f"teachers={row}"]) for row in REGNETS]
     assert len({s.digest for s in students}) == 3 and len({s.run_id for s in students}) == 3
-    assert students[2].name == "teachers=regnety_16gf-25766c6540"  # the 16GF row's demo teacher is the demo CNN
+    assert students[2].name == "teachers=regnety_16gf-9abb340583"  # the 16GF row's demo teacher is the demo CNN
     teachers = [teacher_run_overrides(_hydra_config([f"teachers={row}", root]), [f"teachers={row}", root])
                 for row in REGNETS]
     assert teachers[2] == ["model=cnn_demo", root]
