@@ -6,10 +6,10 @@ layouts: one process accumulating all slots without loader workers; the same wit
 torchrun 4 ranks; and the first layout stopped after one step mid-epoch and resumed. The weights after the 3 steps
 must agree within float summation order; so for a BatchNorm model (the demo CNN teacher).
 
-Tolerance: the layouts add the same per-slot gradients in another order (accumulation in one process, Gloo's
-all-reduce across ranks), which changes float32 sums in the last bits (~1e-7 relative); three AdamW steps with
-lr ~1e-3 carry that into the weights at ~1e-6 at most. Different draws (what this audit catches) move weights by
-~lr = 1e-3: a thousand times the tolerance.
+Tolerance 1e-5: the layouts add the same per-slot gradients in another order (accumulation in one process, Gloo's
+all-reduce across ranks), which changes float32 sums in the last bits; measured 2e-6 to 3e-6 after 3 AdamW steps at
+lr 2.5e-3 (workers and the resume: bit for bit). Different draws (what this audit catches) moved the weights by
+4e-3 to 1e-2 (the ViT) and 0.3 to 1.6 (BatchNorm) on the code before the keyed streams.
 """
 
 from __future__ import annotations
@@ -59,20 +59,22 @@ def _train(layout: str, model: list[str], folder: Path, cwd: Path, cache: Path, 
 
 
 @pytest.fixture(scope="module")
-def audit_runs(tmp_path_factory, data_cache) -> dict[str, dict[str, Path]]:
-    """Every model trained on every layout: the run folders, by model and layout."""
-    cwd = tmp_path_factory.mktemp("invariance")
-    folders: dict[str, dict[str, Path]] = {}
-    port = 29571
-    for name, model in MODELS.items():
-        folders[name] = {}
-        (cwd / name).mkdir()
-        for layout in LAYOUTS:
-            folder = cwd / name / layout
-            _train(layout, model, folder, cwd / name, data_cache, port)
-            port += 1
-            folders[name][layout] = folder
-    return folders
+def audit_runs(tmp_path_factory, data_cache):
+    """A model trained on every layout, on first use: the run folders by layout (`audit_runs("vit")`)."""
+    cwd, trained = tmp_path_factory.mktemp("invariance"), {}
+
+    def get(name: str) -> dict[str, Path]:
+        if name not in trained:
+            (cwd / name).mkdir()
+            port = 29571 + 10 * list(MODELS).index(name)
+            trained[name] = {}
+            for offset, layout in enumerate(LAYOUTS):
+                folder = cwd / name / layout
+                _train(layout, MODELS[name], folder, cwd / name, data_cache, port + offset)
+                trained[name][layout] = folder
+        return trained[name]
+
+    return get
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -95,19 +97,20 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return worst
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+# the BatchNorm half is slow (about 40 s): .ci/run runs it
+@pytest.mark.parametrize("model", ["vit", pytest.param("batchnorm", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 def test_every_layout_computes_the_same_weights(audit_runs, model, layout):
-    reference = _weights(audit_runs[model]["one_process"])
-    difference = max_difference(reference, _weights(audit_runs[model][layout]))
+    reference = _weights(audit_runs(model)["one_process"])
+    difference = max_difference(reference, _weights(audit_runs(model)[layout]))
     assert difference <= TOLERANCE, f"{model} on {layout}: weights differ by {difference:.2e}"
 
 
 def test_the_weights_moved_far_more_than_the_tolerance(audit_runs):
     # the audit can fail: the 3 steps move the weights a thousand times the tolerance (the resumed run's first
     # launch stopped after step 1)
-    final = _weights(audit_runs["vit"]["one_process"])
-    after_one = torch.load(RunDir(audit_runs["vit"]["resumed"]).previous_checkpoint, weights_only=True)
+    final = _weights(audit_runs("vit")["one_process"])
+    after_one = torch.load(RunDir(audit_runs("vit")["resumed"]).previous_checkpoint, weights_only=True)
     assert after_one["step"] == 1
     moved = max_difference({f"model.{k}": v for k, v in after_one["model"].items()},
                            {k: v for k, v in final.items() if k.startswith("model.")})
