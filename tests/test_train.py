@@ -59,8 +59,8 @@ def test_divergence_ends_the_run_as_a_result_with_exit_status_0(tmp_path, data_c
     assert "diverged" in proc.stdout
 
 
-# loader workers must take run.py's per-epoch seeds too (with 2 workers: slow; test_rank_streams.py checks the
-# workers' draws epoch by epoch in the default suite)
+# loader workers draw per sample (with 2 workers: slow; test_streams.py and test_invariance.py check the
+# samples' draws epoch by epoch, and layouts, in the default suite)
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_resume_is_exact_two_epochs_equal_one_plus_resume_plus_one(resumed_runs, workers):
     a, _, first_half = resumed_runs(workers).checkpoints  # the weights are equal, checked by the helper
