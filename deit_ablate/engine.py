@@ -30,7 +30,7 @@ from deit_ablate.sam import (
     set_rng_state,
     with_grad,
 )
-from deit_ablate.streams import EpochStreams, RunStreams, Stream
+from deit_ablate.streams import EpochStreams, RunStreams, Stream, slot_positions
 
 if TYPE_CHECKING:
     from deit_ablate.validate import BatchPlan
@@ -195,10 +195,8 @@ class Trainer:
         the epoch, or without a batch plan)."""
         if self._epoch is None or self.batch is None:
             return None
-        slots, micro = self.batch.slots, self.batch.micro_batch
-        first = step_in_epoch * micro
-        return [self._epoch.sample_seed(stream, slot + slots * (first + i)) for slot in self._slots
-                for i in range(micro)]
+        positions = slot_positions(self.batch.slots, self._slots, self.batch.micro_batch, step_in_epoch)
+        return [self._epoch.sample_seed(stream, position) for position in positions]
 
     def _no_sync(self, last: bool = False):
         """DDP's no_sync (gradients stay on this rank) unless `last`; a no-op without DDP."""

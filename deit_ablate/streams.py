@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -69,6 +70,13 @@ def mix_seed(base: int, key: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) % 2**_SEED_BITS
+
+
+def slot_positions(slots: int, own: Sequence[int], micro_batch: int, step: int) -> list[int]:
+    """The epoch positions of slots `own`'s micro-batches at `step`, in batch order: slot j's i-th image of a step is
+    position j + slots * (step * micro_batch + i), as the released RASampler deals an epoch to `slots` GPUs."""
+    first = step * micro_batch
+    return [slot + slots * (first + i) for slot in own for i in range(micro_batch)]
 
 
 def seed_sample(sample_seed: int) -> None:

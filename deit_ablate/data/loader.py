@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from deit_ablate.config import DataBackend
-from deit_ablate.streams import EpochStreams, RunStreams, Stream, seed_sample
+from deit_ablate.streams import EpochStreams, RunStreams, Stream, seed_sample, slot_positions
 
 # The released RASampler keeps floor(|data| / 256) * 256 images of each epoch (timm's selected_round).
 SELECTED_ROUND = 256
@@ -45,9 +45,8 @@ class SlotSampler(Sampler):
 
     def positions(self) -> list[int]:
         """The epoch positions this process takes, in the order it takes them."""
-        slots, micro = self.slots, self.micro_batch
-        return [slot + slots * (step * micro + i)
-                for step in range(self.steps) for slot in self.own for i in range(micro)]
+        return [position for step in range(self.steps)
+                for position in slot_positions(self.slots, self.own, self.micro_batch, step)]
 
     def order(self) -> list[int]:
         """The epoch's order: the permutation, each image `repeats` times in a row."""
@@ -57,10 +56,15 @@ class SlotSampler(Sampler):
             permutation = torch.repeat_interleave(permutation, self.repeats)
         return permutation.tolist()
 
-    def __iter__(self):
+    def dealt(self) -> list[tuple[int, int]]:
+        """(image index, epoch position) of each sample this process takes, in order (the order wraps around to pad,
+        as timm's does)."""
         order = self.order()
         n = len(order)
-        return iter([order[position % n] for position in self.positions()])
+        return [(order[position % n], position) for position in self.positions()]
+
+    def __iter__(self):
+        return (index for index, _ in self.dealt())
 
     def __len__(self) -> int:
         return self.steps * len(self.own) * self.micro_batch
@@ -88,8 +92,7 @@ class SeededSamples(Sampler):
 
     def __iter__(self):
         seeds = self.epoch_streams
-        return ((index, seeds.sample_seed(Stream.AUGMENT, position))
-                for index, position in zip(self.sampler, self.sampler.positions(), strict=True))
+        return ((index, seeds.sample_seed(Stream.AUGMENT, position)) for index, position in self.sampler.dealt())
 
     def __len__(self) -> int:
         return len(self.sampler)
