@@ -253,14 +253,14 @@ def test_unwritable_root_caches_in_cache_dir(tmp_path, monkeypatch, scans):
     temp file; tests run as root here, where chmod does not stop writes; the next test does it with chmod where it
     can)."""
     root = make_tree(tmp_path / "d")
-    real = atomic.tempfile.mkstemp
+    real = atomic.create_unique
 
-    def mkstemp(*a, dir=None, **kw):
-        if os.path.samefile(dir, root):
-            raise PermissionError(13, "Permission denied", str(dir))
-        return real(*a, dir=dir, **kw)
+    def create_unique(parent, *a, **kw):
+        if os.path.samefile(parent, root):
+            raise PermissionError(13, "Permission denied", str(parent))
+        return real(parent, *a, **kw)
 
-    monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(atomic, "create_unique", create_unique)
     fp = dataset_fingerprint(root, cache_dir=tmp_path / "cache")
     assert not (root / CACHE_NAME).exists()
     [cached] = (tmp_path / "cache").iterdir()
