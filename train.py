@@ -7,7 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 from deit_ablate.config import register_configs
-from deit_ablate.errors import ConfigError, RunError
+from deit_ablate.errors import ConfigError, RunError, no_access
 from deit_ablate.resolvers import register_resolvers
 from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
 
@@ -38,6 +38,10 @@ def main(cfg: DictConfig) -> None:
         discard_empty_run_dir()
         print(f"\nerror: {error}\n", file=sys.stderr)
         sys.exit(2 if isinstance(error, ConfigError) else 1)
+    except PermissionError as error:  # a teammate's teacher run, data or cache this user may not read
+        discard_empty_run_dir()
+        print(f"\nerror: {no_access(error)}\n", file=sys.stderr)
+        sys.exit(2)
     except StopRequested as stopped:
         if speaks:
             print(f"\n{stopped}\n", file=sys.stderr)

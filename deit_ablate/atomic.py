@@ -6,6 +6,9 @@ file, the free space there and what to do. The temp file is `.<name>.<random>.tm
 two processes writing one shared file never mix their bytes) unless the caller names one (`temp`): a run folder's
 own files have one writer, its lock holder, and RunDir names their temp files (rundir.TEMP_PATTERNS finds them).
 A folder is made the same way (atomic_folder): filled under a hidden staging name beside it, then renamed.
+Temp files and staging folders are created with the modes the umask (or the folder's default ACL) gives, 0644 and
+0755 under umask 022, 0664 and 0775 under 002, as open() and mkdir() would: not mkstemp's 0600 and mkdtemp's 0700,
+which kept checkpoints, metrics.csv and the built-in data from a teammate in the same group.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -54,12 +57,26 @@ def is_no_space(error: BaseException | None) -> bool:
     return False
 
 
+def create_unique(parent: Path, prefix: str, suffix: str, create: Callable[[Path], Any]) -> tuple[Path, Any]:
+    """`create(path)` at a new name `<prefix><random><suffix>` in `parent` (it must raise FileExistsError for a name
+    taken, as O_EXCL and mkdir do); the path and what `create` returned."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
+        try:
+            return path, create(path)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name {prefix}*{suffix} in {parent}")
+
+
 def _open_temp(path: Path, temp: Path | None) -> tuple[IO[bytes], Path]:
-    """The temp file to write, open for writing: `temp` when given, else a new unique one beside `path`."""
+    """The temp file to write, open for writing: `temp` when given, else a new unique one beside `path` (mode 0666
+    less the umask, as open() makes a file)."""
     if temp is not None:
         return open(temp, "wb"), temp  # noqa: SIM115 (closed by atomic_write)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    return os.fdopen(fd, "wb"), Path(name)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    name, fd = create_unique(path.parent, f".{path.name}.", ".tmp", lambda new: os.open(new, flags, 0o666))
+    return os.fdopen(fd, "wb"), name
 
 
 def _size(path: Path | None) -> int | None:
@@ -121,7 +138,7 @@ def atomic_folder(target: str | os.PathLike, fill: Callable[[Path], None], compl
     (`complete()` true once the rename fails) is kept. The staging folder never outlives the call."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging, _ = create_unique(target.parent, f".{target.name}-", "", lambda new: new.mkdir(0o777))  # less umask
     try:
         fill(staging)
         if target.exists() and not complete():

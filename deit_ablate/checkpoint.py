@@ -22,11 +22,14 @@ class CheckpointUnreadable(ConfigError):
     """A checkpoint file that cannot be read (truncated, damaged, not a checkpoint, or unsafe to unpickle)."""
 
     def __init__(self, path: Path, reason: str, source: str = "checkpoint") -> None:
-        self.path, self.reason = path, reason
+        self.path, self.reason, self.source = path, reason, source
         named = source if str(path) in source else f"{source} {path}"
         super().__init__(f"{named} cannot be read: {reason}. It is truncated or damaged, not a PyTorch or "
                          "safetensors checkpoint, or holds objects other than tensors and plain values (which are "
                          "never unpickled here). Re-save or copy it again from a good source.")
+
+    def __reduce__(self):  # pickled (distributed.agree sends it to the other ranks) by what builds it again
+        return type(self), (self.path, self.reason, self.source)
 
 
 def save_atomic(state: dict[str, Any], path: str | os.PathLike, keep_previous: str | os.PathLike | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,21 +114,40 @@ def cleanup(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
+def portable_error(error: ConfigError | RunError) -> ConfigError | RunError:
+    """`error` itself when it comes back whole from pickling (its type and message), else a ConfigError or RunError
+    carrying its text: what another rank can be sent and raise."""
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+        if type(copy) is type(error) and str(copy) == str(error):
+            return error
+    except Exception:  # noqa: BLE001 - an error class that does not pickle (a local class, unpicklable state)
+        pass
+    return (ConfigError if isinstance(error, ConfigError) else RunError)(str(error))
+
+
 def agree(info: DistInfo, decide: Callable[[], Any]) -> Any:
-    """Rank 0 decides; every rank gets its answer, or raises the same ConfigError/RunError it raised (any other
-    error of rank 0 stops the others with a RunError, instead of leaving them waiting for its answer)."""
+    """Rank 0 decides; every rank gets its answer, or raises the ConfigError/RunError it raised (the error object
+    itself, pickled: its class, message and attributes; see portable_error). Any other error of rank 0 stops the
+    others with a RunError, instead of leaving them waiting for its answer."""
     outcome: tuple = ("ok", None)
+    failed: BaseException | None = None
     if info.is_main:
         try:
             outcome = ("ok", decide())
         except (ConfigError, RunError) as error:
-            outcome = ("error", type(error), str(error))
+            if not info.enabled:
+                raise
+            failed, outcome = error, ("error", portable_error(error))
         except Exception as error:
-            broadcast_object(("error", RunError, f"rank 0 failed ({type(error).__name__}: {error}); see its log"), info)
+            stop = RunError(f"rank 0 failed ({type(error).__name__}: {error}); see its log")
+            broadcast_object(("error", stop), info)
             raise
     outcome = broadcast_object(outcome, info)
+    if failed is not None:
+        raise failed
     if outcome[0] == "error":
-        raise outcome[1](outcome[2])
+        raise outcome[1]
     return outcome[1]
 
 

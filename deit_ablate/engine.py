@@ -262,15 +262,17 @@ class Trainer:
 
     def train_epoch(self, loader, epoch: int, max_steps: int | None = None,
                     step_hook: Callable[[int], None] | None = None, streams: RunStreams | None = None,
-                    first_step: int = 0) -> float:
-        """Run the epoch's batches (from its step `first_step` on, after a resume); returns the mean training loss.
-        With the run's `streams`, every draw is keyed by (epoch, step, slot) or the sample's position (streams.py).
+                    first_step: int = 0, done: tuple[float, int] = (0.0, 0)) -> float:
+        """Run the epoch's batches (from its step `first_step` on, after a resume); returns the mean training loss of
+        the epoch, the loss sum and count of the batches `done` before a resume included (`epoch_loss_sum`: the
+        running sum, for a mid-epoch checkpoint). With the run's `streams`, every draw is keyed by (epoch, step,
+        slot) or the sample's position (streams.py).
         Raises Diverged on a non-finite loss."""
         set_training_mode(self.model, self.train_mode)
         self._epoch = EpochStreams(streams, epoch) if streams is not None else None
         bar = tqdm(loader, desc=f"epoch {epoch}", disable=not self.info.is_main, dynamic_ncols=True, leave=False,
                    mininterval=1.0)
-        loss_sum = torch.zeros((), device=self.info.device)
+        loss_sum = self.epoch_loss_sum = torch.full((), done[0], device=self.info.device)
         window_loss = torch.zeros((), device=self.info.device)
         steps_in_epoch, window_steps, window_images = 0, 0, 0
         window_start = time.perf_counter()
@@ -307,7 +309,7 @@ class Trainer:
             if step_hook is not None:
                 step_hook(steps_in_epoch)
         bar.close()
-        mean = loss_sum.item() / max(steps_in_epoch, 1)
+        mean = loss_sum.item() / max(steps_in_epoch + done[1], 1)
         if not math.isfinite(mean):
             raise Diverged(self.step, mean)
         return mean

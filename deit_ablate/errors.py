@@ -7,3 +7,11 @@ class ConfigError(ValueError):
 
 class RunError(RuntimeError):
     """A run cannot go on (its folder is in use, the disk is full); the message says why and what to do."""
+
+
+def no_access(error: PermissionError) -> ConfigError:
+    """The one-line error for a file or folder this user may not read or write (a teammate's run, a shared cache)."""
+    where = error.filename or "a file"
+    return ConfigError(f"{where} cannot be opened by this user ({error.strerror or error}). Ask its owner for access "
+                       "(for a group: chmod -R g+rX on what is read, g+w on folders written to; files written from now "
+                       "on follow the umask, 0644/0664 under umask 022/002), or use a copy you can read.")

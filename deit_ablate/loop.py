@@ -92,12 +92,17 @@ class EpochLoop:
         runtime, run_dir = plan.settings.runtime, plan.run_dir
         self.saver = ckpt.MidEpochSaver(self.trainer, run_dir.last_checkpoint, runtime.checkpoint_every_steps,
                                         runtime.checkpoint_every_minutes, info.is_main,
-                                        keep_previous=run_dir.previous_checkpoint, extra=self.extra)
+                                        keep_previous=run_dir.previous_checkpoint, extra=self.mid_epoch_extra)
 
     def extra(self, complete: bool = False) -> dict[str, Any]:
         """What a checkpoint holds beside the training state: the clock, completion and the unreadable images."""
         return {"train_seconds": self.clock(), "training_complete": complete,
                 "bad_images": sorted(self.progress.bad_images)}
+
+    def mid_epoch_extra(self) -> dict[str, Any]:
+        """What a mid-epoch checkpoint holds beside `extra`: the loss sum of the epoch's batches so far, so that a
+        resume logs the whole epoch's mean (at an epoch's last batch, resumed with no batch left, it logged 0.0)."""
+        return {**self.extra(), "epoch_loss_sum": float(self.trainer.epoch_loss_sum)}
 
     def run(self) -> Progress:
         """Train the epochs left and evaluate each; the progress at the end (status `diverged` on divergence)."""
@@ -105,7 +110,7 @@ class EpochLoop:
         try:
             if state.get("evaluated") is False and not progress.skip_batches and \
                     progress.start_epoch < self.plan.recipe.epochs:  # resumed from an epoch's end: evaluate it
-                row = {"train/epoch_loss": state["train_loss"]} if "train_loss" in state else {}
+                row = {"train/epoch_loss": state["train_loss"]} if state.get("train_loss") is not None else {}
                 self.evaluate_epoch(progress.start_epoch - 1, row, progress.resumed_from)
             for epoch in range(progress.start_epoch, self.plan.recipe.epochs):
                 if self.max_steps is not None and self.trainer.step >= self.max_steps:
@@ -157,9 +162,13 @@ class EpochLoop:
         skipped = progress.skip_batches if epoch == progress.start_epoch else 0
         self.saver.start_epoch(epoch, progress.best_top1, skipped)
         steps_before = trainer.step
+        resumed_sum = self.resumed_state.get("epoch_loss_sum") if skipped else None  # None: before it was kept
+        before = (float(resumed_sum), skipped) if resumed_sum is not None else (0.0, 0)
         train_loss = trainer.train_epoch(loader, epoch, self.max_steps, step_hook=self.step_hook,
-                                         streams=self.streams, first_step=skipped)
+                                         streams=self.streams, first_step=skipped, done=before)
         batches_done = skipped + trainer.step - steps_before
+        if not before[1] and trainer.step == steps_before:  # no batch of the epoch counted: no loss to log
+            train_loss = None
         complete = batches_done >= self.pieces.loaders.steps_per_epoch  # train.max_steps may stop it part-way
         progress.epochs_done = epoch + 1 if complete else epoch
         done = progress.epochs_done >= self.plan.recipe.epochs or \
@@ -173,7 +182,8 @@ class EpochLoop:
         self.stop_if_asked()
         if not done:
             self.start_early(epoch + 1)
-        self.evaluate_epoch(epoch, {"train/epoch_loss": train_loss}, self.plan.run_dir.last_checkpoint)
+        row = {"train/epoch_loss": train_loss} if train_loss is not None else {}
+        self.evaluate_epoch(epoch, row, self.plan.run_dir.last_checkpoint)
         self.stop_if_asked()
 
     def step_hook(self, batches_in_loader: int) -> None:

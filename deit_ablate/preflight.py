@@ -25,25 +25,29 @@ def refuse(error: Exception, where: str = "") -> NoReturn:
 
 def check_launch(cfg: DictConfig, world_size: int | None = None, where: str = "") -> None:
     """validate_launch, or one line and exit status 2 (`where` names the run of a sweep)."""
-    from deit_ablate.errors import ConfigError
+    from deit_ablate.errors import ConfigError, no_access
     from deit_ablate.validate import validate_launch
 
     try:
         validate_launch(cfg, world_size)
     except ConfigError as error:
         refuse(error, where)
+    except PermissionError as error:  # a teacher run or data folder this user may not read
+        refuse(no_access(error), where)
 
 
 def check_teacher_trained(cfg: DictConfig) -> None:
     """A single launch of a chained student (distill.teacher.chain) whose teacher run has not finished: one line
     naming the command that trains it, and exit status 2 (a sweep trains it first instead)."""
-    from deit_ablate.errors import ConfigError
+    from deit_ablate.errors import ConfigError, no_access
     from deit_ablate.stages import finished_teacher_run
 
     try:
         finished_teacher_run(cfg, list(cfg.hydra.overrides.task))
     except ConfigError as error:
         refuse(error)
+    except PermissionError as error:
+        refuse(no_access(error))
 
 
 def sweep_run_dir(cfg: DictConfig) -> Path:
@@ -56,7 +60,7 @@ def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None
     from hydra.core.hydra_config import HydraConfig
 
     from deit_ablate.distributed import DistInfo
-    from deit_ablate.errors import ConfigError, RunError
+    from deit_ablate.errors import ConfigError, RunError, no_access
     from deit_ablate.lifecycle import dry_run_line
     from deit_ablate.plan import make_plan
     from deit_ablate.rundir import RunDir
@@ -70,6 +74,8 @@ def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None
             print(dry_run_line(plan), flush=True)
     except (ConfigError, RunError) as error:
         refuse(error)
+    except PermissionError as error:
+        refuse(no_access(error))
     finally:
         HydraConfig.instance().cfg = saved
 

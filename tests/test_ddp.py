@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from deit_ablate.errors import ConfigError
 from deit_ablate.rundir import LOCK, RESULT, RunDir, runs_root
 from tests.conftest import REPO, TINY, run_train
 
@@ -84,3 +85,90 @@ def test_an_unexpected_error_of_rank_0_stops_the_other_ranks_instead_of_leaving_
     assert (tmp_path / "outcome.0").read_text() == "PermissionError"
     assert (tmp_path / "outcome.1").read_text() == ("RunError: rank 0 failed (PermissionError: cannot read /data/x); "
                                                     "see its log")
+
+
+class _NeedsTwoArguments(ConfigError):
+    """An error class that pickle cannot build again (its __init__ takes other arguments than its message)."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+
+
+def _errors_that_cross_agree(garbage: str) -> dict:
+    """Each error class a function run by `agree` raises (the last one falls back to a ConfigError with its text),
+    with the error raised: a teacher checkpoint that cannot be read is a real CheckpointUnreadable."""
+    from deit_ablate.checkpoint import CheckpointUnreadable, load
+    from deit_ablate.errors import RunError
+    from deit_ablate.teacher import TeacherLoadError
+
+    def unreadable_teacher():
+        load(garbage, f"The teacher checkpoint {garbage}")
+
+    def raising(error):
+        def decide():
+            raise error
+        return decide
+
+    return {"CheckpointUnreadable": (unreadable_teacher, CheckpointUnreadable),
+            "ConfigError": (raising(ConfigError("data.root=/x does not exist")), ConfigError),
+            "RunError": (raising(RunError("no space left on the device")), RunError),
+            "TeacherLoadError": (raising(TeacherLoadError("a 5-class head")), TeacherLoadError),
+            "unpicklable": (raising(_NeedsTwoArguments("the plan", "it cannot be built again")), ConfigError)}
+
+
+def _what_agree_raised(info, garbage: str) -> dict[str, list]:
+    """Per case of _errors_that_cross_agree: the class name, message and path attribute of what `agree` raised."""
+    from deit_ablate.distributed import agree
+
+    seen = {}
+    for name, (decide, _) in _errors_that_cross_agree(garbage).items():
+        try:
+            agree(info, decide)
+            seen[name] = ["returned", "", None]
+        except Exception as error:  # noqa: BLE001 - the test records whatever came
+            seen[name] = [type(error).__name__, str(error), str(getattr(error, "path", None))]
+    return seen
+
+
+def _agree_each_error(rank: int, store: str, garbage: str, results: str) -> None:
+    import torch.distributed as dist
+
+    from deit_ablate.distributed import DistInfo
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        seen = _what_agree_raised(DistInfo(rank=rank, world_size=2), garbage)
+    finally:
+        dist.destroy_process_group()
+    with open(f"{results}.{rank}", "w") as f:
+        json.dump(seen, f)
+
+
+def _check_what_agree_raised(seen: dict[str, list], garbage: str, other_rank: bool) -> None:
+    """Each error arrived with its class, message and path; on another rank than rank 0, the one that does not pickle
+    is a ConfigError with its text (rank 0 raises it itself)."""
+    for name, (_, expected) in _errors_that_cross_agree(garbage).items():
+        kind = seen[name][0]
+        assert kind == (expected.__name__ if other_rank or name != "unpicklable" else "_NeedsTwoArguments"), seen[name]
+    assert seen["CheckpointUnreadable"][1].startswith(f"The teacher checkpoint {garbage} cannot be read: ")
+    assert seen["CheckpointUnreadable"][2] == garbage
+    assert seen["unpicklable"][1] == "the plan: it cannot be built again"
+    assert seen["ConfigError"][1] == "data.root=/x does not exist"
+
+
+def test_every_error_class_that_crosses_agree_arrives_whole_on_one_rank_and_on_two(tmp_path):
+    import torch.multiprocessing as mp
+
+    from deit_ablate.distributed import DistInfo
+
+    garbage = tmp_path / "teacher.pth"
+    garbage.write_bytes(bytes(range(256)) * 8)
+    alone = _what_agree_raised(DistInfo(), str(garbage))
+    _check_what_agree_raised(alone, str(garbage), other_rank=False)
+    results = str(tmp_path / "seen")
+    mp.spawn(_agree_each_error, args=(str(tmp_path / "store"), str(garbage), results), nprocs=2, join=True)
+    seen = [json.loads((tmp_path / f"seen.{rank}").read_text()) for rank in (0, 1)]
+    assert seen[0] == alone  # rank 0 raises what it raised alone
+    _check_what_agree_raised(seen[1], str(garbage), other_rank=True)
+    assert {name: seen[1][name] for name in alone if name != "unpicklable"} == \
+        {name: alone[name] for name in alone if name != "unpicklable"}

@@ -30,6 +30,7 @@ from deit_ablate.aggregate.reader import read_offline
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.rundir import LAST, PREV, RESULT, RunDir, runs_root, wandb_root
 from deit_ablate.runlock import LOCK_NAME
+from deit_ablate.tracking import read_epoch_rows
 from tests.conftest import REPO, TINY, run_train
 
 pytestmark = [pytest.mark.faults,
@@ -291,3 +292,26 @@ def test_disk_full_while_saving(tmp_path, cache, small_tmpfs):
     result = check_complete(tmp_path, run_dir, relaunch)
     SUMMARY.append(f"  disk full (700 KiB tmpfs) at step {kept + 2}: exit 1 with the path and free space, "
                    f"step {kept} kept -> relaunch after freeing space: {result['steps_done']} steps, 1 wandb id")
+
+
+def test_disk_full_at_an_epochs_end_save_then_a_resume_logs_the_epochs_true_loss(tmp_path, cache, small_tmpfs):
+    # 2 steps an epoch and a checkpoint every step: the epoch-end save of epoch 0 is the first write that needs a
+    # third checkpoint-sized file (last, previous, its temp file), so the disk fills there and the relaunch resumes
+    # from the mid-epoch checkpoint of the epoch's last batch: batch 2 of 2, no batch left to train.
+    args = TINY + ["train.epochs=2", "train.global_batch=128", "runtime.checkpoint_every_steps=1"]
+    run_dir = small_tmpfs / "run"
+    proc = run_train(args + [f"hydra.run.dir={run_dir}"], tmp_path, cache, check=False)
+    assert proc.returncode == 1 and f"while writing {RunDir(run_dir).last_checkpoint}" in proc.stderr, proc.stderr
+    kept = torch.load(RunDir(run_dir).last_checkpoint, weights_only=True)
+    assert (kept["epoch"], kept["batches_done"], kept["step"]) == (0, 2, 2)
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_tmpfs)], check=True)
+    relaunch = run_train(args + [f"hydra.run.dir={run_dir}"], tmp_path, cache)
+    assert "step 2" in relaunch.stdout
+    straight = tmp_path / "straight"
+    run_train(args + [f"hydra.run.dir={straight}"], tmp_path, cache)
+    resumed, expected = (read_epoch_rows(RunDir(folder).metrics) for folder in (run_dir, straight))
+    assert [row["epoch"] for row in resumed] == [0, 1]
+    loss, true_loss = resumed[0]["train/epoch_loss"], expected[0]["train/epoch_loss"]
+    assert loss == pytest.approx(true_loss, rel=1e-5), (loss, true_loss)  # it was logged as 0.0
+    SUMMARY.append(f"  disk full at the epoch-end save, resumed at batch 2 of 2: epoch 0's train loss {loss:.4f} "
+                   f"(straight run: {true_loss:.4f})")

@@ -1,4 +1,5 @@
-"""The data fingerprint: by content (paths and sizes), not by location; cached against folder mtimes."""
+"""The data fingerprint: by content (paths and sizes), not by location; cached against folder mtimes and every
+file's size and mtime."""
 
 from __future__ import annotations
 
@@ -186,13 +187,28 @@ def test_a_resized_file_gives_another_digest(tmp_path):
     assert digest(a) != digest(b)
 
 
-def test_rewriting_a_file_in_place_needs_refresh(tmp_path):
-    """The documented limit: an in-place rewrite leaves the folder mtime, so the stamp holds; refresh=True rescans."""
+def rewrite_in_place(files: list[Path], extra: bytes = b"\0" * 7) -> None:
+    """Rewrite each file in place (the same inode, its folder's mtime untouched) with `extra` bytes more."""
+    for path in files:
+        inode = path.stat().st_ino
+        with open(path, "r+b") as handle:
+            data = handle.read()
+            handle.seek(0)
+            handle.write(data + extra)
+        assert path.stat().st_ino == inode
+
+
+def test_rewriting_every_val_image_in_place_changes_the_digest_and_the_cache(tmp_path, scans):
+    """Folder mtimes do not move when files are rewritten in place: the stamp holds every file's size and mtime."""
     root = make_tree(tmp_path / "d")
     before = digest(root)
-    (root / "train" / "cat" / "img0.jpg").write_bytes(b"x" * 100)
-    assert digest(root) == before
-    assert digest(root, refresh=True) != before
+    assert digest(root) == before and json.loads((root / CACHE_NAME).read_text())["fingerprint"]["digest"] == before
+    n = len(scans)
+    rewrite_in_place(sorted((root / "val").rglob("*.jpg")))
+    after = digest(root)
+    assert after != before and len(scans) > n  # it was the cached digest of the old files
+    assert after == digest(make_tree(tmp_path / "fresh", {**TREE, "val": {c: [k + 7 for k in sizes]
+                                                                          for c, sizes in TREE["val"].items()}}))
 
 
 def test_hidden_files_do_not_change_the_digest(tmp_path, scans):
@@ -237,14 +253,14 @@ def test_unwritable_root_caches_in_cache_dir(tmp_path, monkeypatch, scans):
     temp file; tests run as root here, where chmod does not stop writes; the next test does it with chmod where it
     can)."""
     root = make_tree(tmp_path / "d")
-    real = atomic.tempfile.mkstemp
+    real = atomic.create_unique
 
-    def mkstemp(*a, dir=None, **kw):
-        if os.path.samefile(dir, root):
-            raise PermissionError(13, "Permission denied", str(dir))
-        return real(*a, dir=dir, **kw)
+    def create_unique(parent, *a, **kw):
+        if os.path.samefile(parent, root):
+            raise PermissionError(13, "Permission denied", str(parent))
+        return real(parent, *a, **kw)
 
-    monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(atomic, "create_unique", create_unique)
     fp = dataset_fingerprint(root, cache_dir=tmp_path / "cache")
     assert not (root / CACHE_NAME).exists()
     [cached] = (tmp_path / "cache").iterdir()
@@ -308,7 +324,7 @@ def test_thread_pool_and_serial_scans_agree(tmp_path, monkeypatch):
     serial = dataset_fingerprint(root, workers=1, refresh=True)
     assert pools == []
     pooled = dataset_fingerprint(root, workers=8, refresh=True)
-    assert pools == [8] and pooled == serial
+    assert set(pools) == {8} and pooled == serial  # the stamp of the files and the computation
 
 
 READ_ONLY = """

@@ -198,6 +198,23 @@ def _image_folder(data_cache: Path, target: Path) -> Path:
     return target
 
 
+
+@pytest.mark.slow
+def test_a_finished_run_is_not_skipped_after_its_val_images_are_rewritten_in_place(tmp_path, data_cache):
+    from tests.test_fingerprint import age, rewrite_in_place
+
+    root = _image_folder(data_cache, tmp_path / "folder")
+    age(root)  # data that has settled: its fingerprint is cached
+    args = ["data=imagefolder", f"data.root={root}", "data.num_classes=10", *TINY, "train.max_steps=1"]
+    run_train(args, tmp_path, data_cache)
+    first = _result(tmp_path)
+    rewrite_in_place(sorted((root / "val").rglob("*.png")))  # other sizes, same inodes, folder mtimes untouched
+    proc = run_train(args, tmp_path, data_cache, check=False)
+    assert "skipping" not in proc.stdout, proc.stdout[-2000:]  # it skipped as finished, with the old data's result
+    assert proc.returncode == 2 and "holds this experiment trained on other data" in proc.stderr, proc.stderr
+    assert f"digest {first['data_fingerprint']['digest']}" in proc.stderr and "Traceback" not in proc.stderr
+    assert first["status"] == "finished"
+
 def test_unreadable_image_is_replaced_named_once_and_counted(tmp_path, data_cache):
     root = _image_folder(data_cache, tmp_path / "folder")
     bad = root / "train" / "disc" / "garbage.JPEG"

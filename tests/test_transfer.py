@@ -118,6 +118,55 @@ def test_cifar10_reader_names_a_missing_file_and_the_layout(tmp_path: Path) -> N
         check_data_root(compose_config(["data=cifar10", f"data.root={tmp_path}"]))
 
 
+class _WritesAMarker:
+    """What a crafted pickle holds: unpickling it runs exec, which writes the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+CRAFTED = [("cifar10", f"{FOLDER}/{META_FILE}"), ("cifar100", f"{CIFAR100_FOLDER}/{CIFAR100_FILES['meta']}")]
+
+
+def _crafted(tmp_path: Path, data: str, crafted: str) -> tuple[list[str], str, Path]:
+    """A CIFAR folder whose file `crafted` runs exec when unpickled (it would write `marker`); the data overrides
+    and the error expected."""
+    root, marker = tmp_path / "data", tmp_path / "marker"
+    (write_cifar10 if data == "cifar10" else write_cifar100)(root)
+    with open(root / crafted, "wb") as handle:
+        pickle.dump({b"label_names": [b"a"], b"fine_label_names": [b"a"], b"payload": _WritesAMarker(marker)},
+                    handle)
+    refused = rf"{re.escape(str(root / crafted))} is not a CIFAR file: it names the Python global builtins\.exec"
+    overrides = [f"data={data}", f"data.root={root}", f"data.num_classes={10 if data == 'cifar10' else 100}"]
+    return overrides, refused, marker
+
+
+@pytest.mark.parametrize(("data", "crafted"), CRAFTED)
+def test_a_crafted_cifar_file_is_never_unpickled_and_is_named(tmp_path: Path, data: str, crafted: str) -> None:
+    overrides, refused, marker = _crafted(tmp_path, data, crafted)
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError, match=refused):
+        data_fingerprint(cfg)
+    with pytest.raises(ConfigError, match=refused):
+        build_dataset(cfg, "train", lambda x: x)
+    assert not marker.exists()  # nothing it names ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("data", "crafted"), CRAFTED)
+def test_a_crafted_cifar_file_stops_a_dry_run_and_a_run_with_one_line(tmp_path: Path, data_cache: Path, data: str,
+                                                                      crafted: str) -> None:
+    overrides, refused, marker = _crafted(tmp_path, data, crafted)
+    for extra in (["runtime.dry_run=true"], []):  # the dry run, and training
+        proc = run_train([*overrides, *TINY, *extra], tmp_path, data_cache, check=False)
+        assert proc.returncode == 2 and re.search(refused, proc.stdout + proc.stderr), proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+    assert not marker.exists()
+
+
 def _mask(name: str) -> np.ndarray:
     """The shape `name` drawn alone, upright and centred: its pixels."""
     image = Image.new("L", (64, 64), 0)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deit_ablate.errors import no_access
 from deit_ablate.studies import studies as all_studies
 
 from .api import read_api
@@ -372,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     warn: Warn = (lambda message: None) if args.quiet else stderr_warn
     try:
         table = aggregate(args, warn)
+    except PermissionError as exc:  # a folder or log of another user's that this one may not read
+        print(f"error: {no_access(exc)}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, ValueError, KeyError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -263,6 +264,20 @@ def _readable(files: Iterable[Path], root: Path | None, warn: Warn) -> list[Path
     return kept
 
 
+def _search(root: Path, warn: Warn) -> list[Path]:
+    """Every run-*.wandb below `root` (no symlinked folder followed, as rglob); each folder this user may not read
+    is named through `warn` instead of being passed over in silence."""
+    found = []
+
+    def unreadable(error: OSError) -> None:
+        warn(f"{error.filename}: skipped, cannot be read ({error.strerror}); ask its owner for read access "
+             "(chmod -R g+rX for a group)")
+
+    for folder, _, files in os.walk(root, onerror=unreadable):
+        found += [Path(folder) / name for name in files if fnmatch.fnmatchcase(name, "run-*.wandb")]
+    return found
+
+
 def find_run_files(path: str | Path, warn: Warn = stderr_warn) -> list[Path]:
     """The `run-*.wandb` files under a wandb folder, its parent, one run folder, or a single file: regular files
     only, no symlink followed out of the folder, none above MAX_LOG_BYTES (each skipped one reported)."""
@@ -277,7 +292,7 @@ def find_run_files(path: str | Path, warn: Warn = stderr_warn) -> list[Path]:
     if not found and wandb_root(root).is_dir():
         found = list(wandb_root(root).glob("*/run-*.wandb"))
     if not found:
-        found = list(root.rglob("run-*.wandb"))
+        found = _search(root, warn)
     unique: dict[Path, Path] = {}
     for file in sorted(found):  # `latest-run` is a symlink to a run folder already listed
         if any(part == "latest-run" for part in file.parts):

@@ -12,13 +12,13 @@ from pathlib import Path
 from omegaconf import DictConfig
 from PIL import ImageFile
 from torch.utils.data import Dataset
-from torchvision.datasets import CIFAR100
 
 from deit_ablate.config import DataName
 from deit_ablate.data.bad_images import GONE_HINT, SkippingImageFolder
 from deit_ablate.data.builtin import DEFAULT_CLASS_SET, ensure_builtin_dataset
 from deit_ablate.data.cifar10 import (
     CIFAR10Pickles,
+    CIFAR100Pickles,
     cifar10_fingerprint,
     cifar10_folder,
     cifar100_fingerprint,
@@ -127,13 +127,7 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
     if cfg.data.name == DataName.cifar10:
         dataset = CIFAR10Pickles(root, train=split == "train", transform=transform)
     elif cfg.data.name == DataName.cifar100:
-        try:
-            dataset = CIFAR100(str(root), train=split == "train", transform=transform, download=False)
-        except RuntimeError as error:
-            raise ConfigError(
-                f"CIFAR-100 was not found under data.root={root} ({error}). Download it once with "
-                "torchvision.datasets.CIFAR100(root, download=True) on a machine with internet."
-            ) from error
+        dataset = CIFAR100Pickles(root, train=split == "train", transform=transform)
     else:
         loader = lazy_loader if cfg.data.fast_jpeg and split == "train" else load_rgb  # fast_jpeg: the crop decodes
         gone_hint = BUILTIN_GONE if cfg.data.name == DataName.builtin else GONE_HINT

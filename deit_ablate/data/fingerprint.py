@@ -9,8 +9,11 @@ distinct class names over all the splits; "not_read" (present when there are any
 out and names the first few.
 
 The result is cached against a stamp of the split, class and nested folders' mtime_ns (adding, removing or renaming
-a file changes its folder's mtime). Rewriting a file in place does not: pass refresh=True after doing that. A tree
-changed within the last RACY_NS is not cached yet, as a second change within the same mtime tick would be unseen.
+a file changes its folder's mtime) and of every file's size and mtime_ns under the class folders (a file rewritten in
+place, same inode, changes neither folder; its size or mtime it does): one scandir walk with a stat per file, which is
+most of what computing the fingerprint costs (0.5 s against 0.6 s for 200,000 files on a local disk), since sizes are
+what it hashes; no file is ever read. A tree whose folders changed within the last RACY_NS is not cached yet, as a
+second change within the same mtime tick would be unseen.
 The cache is the root's CACHE_NAME, or, where the root is not writable (read-only or shared data), a file named by a
 hash of the root under $DEIT_ABLATE_CACHE/fingerprints (default ~/.cache/deit-ablate/fingerprints).
 """
@@ -27,11 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from deit_ablate.atomic import write_json_atomic
-from deit_ablate.data.images import is_hidden, scan_class
+from deit_ablate.data.images import _walk, is_hidden, scan_class
 from deit_ablate.errors import RunError
 
 CACHE_NAME = ".deit_fingerprint.json"
-VERSION = 2  # 2: the dataset's file rule (data/images.py)
+VERSION = 3  # 2: the dataset's file rule (data/images.py); 3: the files' sizes and mtimes in the stamp
 RACY_NS = 2_000_000_000
 NOT_READ_NAMED = 5  # files left out by the rule, named in the fingerprint
 
@@ -73,6 +76,36 @@ def _scan_class(folder: str, rel: str) -> tuple[bytes, int, list, list[str]]:
     return records, len(scan.images), [list(f) for f in scan.folders], scan.others
 
 
+def _files_stamp(folder: str, rel: str) -> str:
+    """A digest of the path, size and mtime_ns of every file under one class folder (hidden names skipped, as the
+    file rule does), in path order."""
+    records = []
+    for prefix, e in _walk(folder, rel):
+        if not e.is_dir():
+            st = e.stat()
+            name = f"{prefix}/{e.name}".encode("utf-8", "surrogateescape")
+            records.append(b"%s\0%d\0%d\0" % (name, st.st_size, st.st_mtime_ns))
+    return hashlib.sha256(b"".join(sorted(records))).hexdigest()[:16]
+
+
+def _class_jobs(root: Path, classes: dict[str, list[str]]) -> tuple[list[str], list[str]]:
+    """Each class folder's path and its path relative to `root`, split by split."""
+    jobs = [(split, name) for split, names in classes.items() for name in names]
+    return [str(root / s / c) for s, c in jobs], [f"{s}/{c}" for s, c in jobs]
+
+
+def _pool(workers: int, jobs: int):
+    """A thread pool of `workers` when there are several jobs to spread, else None (map in this thread)."""
+    return ThreadPoolExecutor(min(workers, jobs)) if workers > 1 < jobs else contextlib.nullcontext()
+
+
+def _stamp_files(root: Path, classes: dict[str, list[str]], workers: int) -> list[str]:
+    """Every class folder's _files_stamp, in class order (scanned by a pool)."""
+    args = _class_jobs(root, classes)
+    with _pool(workers, len(args[0])) as pool:
+        return list((pool.map if pool else map)(_files_stamp, *args))
+
+
 def _compute(root: Path, classes: dict[str, list[str]], workers: int) -> tuple[dict, list]:
     """The fingerprint and the nested folders' stamp; class folders are scanned by a pool, hashed in sorted order."""
     h = hashlib.sha256(b"deit-fingerprint-v1\0")
@@ -80,9 +113,9 @@ def _compute(root: Path, classes: dict[str, list[str]], workers: int) -> tuple[d
         h.update(b"S\0" + split.encode() + b"\0" + b"".join(b"C\0%s\0" % n.encode("utf-8", "surrogateescape")
                                                            for n in names))
     jobs = [(split, name) for split, names in classes.items() for name in names]
-    args = [str(root / s / c) for s, c in jobs], [f"{s}/{c}" for s, c in jobs]
+    args = _class_jobs(root, classes)
     images, nested, others = dict.fromkeys(classes, 0), [], []
-    with ThreadPoolExecutor(min(workers, len(jobs))) if workers > 1 < len(jobs) else contextlib.nullcontext() as pool:
+    with _pool(workers, len(jobs)) as pool:
         scan = pool.map if pool else map  # both yield in submission order, whatever order the scans finish in
         for (split, _), (chunk, count, sub, left_out) in zip(jobs, scan(_scan_class, *args), strict=True):
             h.update(chunk)
@@ -97,12 +130,13 @@ def _compute(root: Path, classes: dict[str, list[str]], workers: int) -> tuple[d
     return fp, nested
 
 
-def _cached(path: Path, root: Path, stamp: list) -> dict | None:
-    """The fingerprint in a cache file if its root and stamp still hold; None if stale, missing or corrupt."""
+def _cached(path: Path, root: Path, stamp: list, files: list[str]) -> dict | None:
+    """The fingerprint in a cache file if its root and stamps still hold; None if stale, missing or corrupt."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         nested_now = [[r, _mtime(root / r)] for r, _ in data["nested"]]
-        ok = (data["version"], data["root"], data["stamp"], data["nested"]) == (VERSION, str(root), stamp, nested_now)
+        ok = (data["version"], data["root"], data["stamp"], data["nested"], data["files"]) == \
+            (VERSION, str(root), stamp, nested_now, files)
         return data["fingerprint"] if ok and isinstance(data["fingerprint"], dict) else None
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -123,13 +157,15 @@ def dataset_fingerprint(root: str | Path, splits: Sequence[str] = ("train", "val
     root, splits = Path(root).resolve(), [splits] if isinstance(splits, str) else list(splits)
     t0 = time.time_ns()
     classes, stamp = _listing(root, splits)
+    files = _stamp_files(root, classes, workers)  # before the computation: a change during it makes the cache stale
     fallback = Path(cache_dir or default_cache_dir()) / f"{hashlib.sha256(str(root).encode()).hexdigest()[:16]}.json"
     for path in [] if refresh else [root / CACHE_NAME, fallback]:
-        if (fp := _cached(path, root, stamp)) is not None:
+        if (fp := _cached(path, root, stamp, files)) is not None:
             return fp
     fp, nested = _compute(root, classes, workers)
     if all(m is None or m < t0 - RACY_NS for _, m in stamp + nested):
-        entry = {"version": VERSION, "root": str(root), "stamp": stamp, "nested": nested, "fingerprint": fp}
+        entry = {"version": VERSION, "root": str(root), "stamp": stamp, "nested": nested, "files": files,
+                 "fingerprint": fp}
         if not _write(root / CACHE_NAME, entry):
             with contextlib.suppress(OSError):
                 fallback.parent.mkdir(parents=True, exist_ok=True)
