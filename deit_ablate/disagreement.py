@@ -26,6 +26,7 @@ from deit_ablate.aggregate.disagree import (
     unique_labels,
 )
 from deit_ablate.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
+from deit_ablate.commands import command
 from deit_ablate.errors import ConfigError
 from deit_ablate.rundir import RunDir, find_run, runs_root
 
@@ -78,6 +79,7 @@ def report(run_refs: list[str], labels: list[str] | None, out: str | None) -> st
     return text
 
 
+@command("python -m deit_ablate.disagreement")
 def main(argv: list[str] | None = None) -> int:
     """Print (and write) the matrix; 0 on success, 2 with one line on stderr for bad input."""
     args = build_parser().parse_args(argv)
