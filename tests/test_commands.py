@@ -12,8 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-from conftest import REPO, TINY, compose_config, run_train
+from conftest import REPO, compose_config, run_train
 from test_aggregate import WRITER, _done, _run
 
 PAUSE = REPO / "tests" / "pause_at_write"
