@@ -6,13 +6,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from deit_ablate.config import register_configs
+from deit_ablate.commands import check_overrides, prepare_configs
 from deit_ablate.errors import ConfigError, RunError, no_access
-from deit_ablate.resolvers import register_resolvers
 from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
 
-register_configs()
-register_resolvers()
+prepare_configs()
 
 
 def check_group_options(argv: list[str]) -> None:
@@ -85,6 +83,7 @@ def exit_now(status: int) -> None:
 
 if __name__ == "__main__":
     check_group_options(sys.argv[1:])
+    check_overrides(sys.argv[1:])
     sys.argv += one_writer_overrides(int(os.environ.get("RANK", "0")))  # under torchrun: rank 0 saves .hydra/
     try:
         main()

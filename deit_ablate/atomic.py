@@ -132,6 +132,12 @@ def write_json_atomic(path: str | os.PathLike, payload: Any, indent: int | None 
     write_text_atomic(path, json.dumps(payload, indent=indent), **options)
 
 
+def write_figure_atomic(path: str | os.PathLike, figure: Any, format: str = "png", **options: Any) -> None:
+    """atomic_write of a matplotlib Figure: savefig into the temp file beside `path`, then the rename (options as
+    atomic_write's)."""
+    atomic_write(path, lambda handle: figure.savefig(handle, format=format), **options)
+
+
 def atomic_folder(target: str | os.PathLike, fill: Callable[[Path], None], complete: Callable[[], bool]) -> Path:
     """Make the folder `target` whole or not at all: `fill` a hidden staging folder beside it, then rename that into
     place. An incomplete `target` from an earlier attempt is replaced; one that another process completed meanwhile

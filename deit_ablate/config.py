@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -37,15 +38,61 @@ Criterion = Choice("Criterion", {name: name for name in ("ce", "bce")})  # soft-
 TeacherView = Choice("TeacherView", {name: name for name in ("same", "fixed")})  # Beyer et al. 2022
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key takes: finite, between its bounds (each closed or open, or none); each item of a
+    list key the same. `hint` says what the number means, for the message."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    hint: str = ""
+
+    def holds(self, value: float) -> bool:
+        """Whether `value` lies in the range."""
+        if not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high}"
+        return "a finite number"
+
+
+def ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None, hint: str = "") -> Any:
+    """A numeric schema field with its valid range (`ge`/`gt`: the lower bound, closed/open; `le`/`lt`: the upper);
+    validate.check_ranges checks every such field (null, where the type allows it, is not checked)."""
+    bounds = Range(low=gt if gt is not None else ge, high=lt if lt is not None else le, low_open=gt is not None,
+                   high_open=lt is not None, hint=hint)
+    return field(default=default, metadata={"range": bounds})
+
+
+def fraction(default: float, hint: str = "") -> Any:
+    """A probability or fraction: a numeric field in [0, 1]."""
+    return ranged(default, ge=0, le=1, hint=hint)
+
+
+BETA = "a Beta parameter (0 turns it off)"
+
+
 @dataclass
 class ModelConfig:
     """A timm model and its regularizers."""
 
     name: str = "deit_base_patch16_224"
-    drop_path: float = 0.1  # stochastic depth, linspace(0, p, depth) over blocks (DeiT Table 9)
+    drop_path: float = fraction(0.1)  # stochastic depth, linspace(0, p, depth) over blocks (DeiT Table 9)
     # DeiT's --drop (timm 0.3.2): after the position embedding, in the attention projection and the MLP, not
     # before the head (timm 1.0's pos_drop_rate and proj_drop_rate; its drop_rate stays 0 on ViTs)
-    dropout: float = 0.0
+    dropout: float = fraction(0.0)
     # The same network with a distillation token (timm name), trained instead of `name` by distill=hard_token
     # and soft_token, as DeiT's Table 3 trains DeiT-B for the class-token rows and DeiT-B⚗ for the token rows
     distilled_name: str | None = None
@@ -56,10 +103,10 @@ class ModelConfig:
 class BuiltinDataConfig:
     """How the procedural dataset is drawn (data=builtin only)."""
 
-    image_size: int = 40
-    train_per_class: int = 500
-    val_per_class: int = 100
-    seed: int = 0
+    image_size: int = ranged(40, ge=8)
+    train_per_class: int = ranged(500, ge=1)
+    val_per_class: int = ranged(100, ge=1)
+    seed: int = ranged(0, ge=0)
     # which shapes: `shapes` (the 10 classes of every run so far) or `shapes_b` (10 others: a second dataset for
     # the demo's transfer stage; data/builtin.py CLASS_SETS)
     classes: str = "shapes"
@@ -71,13 +118,13 @@ class DataConfig:
 
     name: DataName = DataName.builtin
     root: str | None = None
-    num_classes: int = 10
+    num_classes: int = ranged(10, ge=1)
     fast_jpeg: bool = False  # faster decode and crop of training JPEGs (changes pixels; data/fast_jpeg.py)
     # training images decoded and augmented by timm's PIL transform (pil, the reference's pixels) or by NVIDIA
     # DALI (dali, opt-in: on the GPU when there is one; data/dali.py)
     backend: DataBackend = DataBackend.pil
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    mean: tuple[float, float, float] = fraction((0.485, 0.456, 0.406), "a channel's mean, pixels scaled to [0, 1]")
+    std: tuple[float, float, float] = ranged((0.229, 0.224, 0.225), gt=0, hint="each channel is divided by it")
     builtin: BuiltinDataConfig = field(default_factory=BuiltinDataConfig)
 
 
@@ -88,16 +135,17 @@ class AugmentConfig:
     auto_augment: str | None = "rand-m9-mstd0.5-inc1"
     # --color-jitter 0.4 in DeiT's main.py of the paper era (commit 1d38fa4, Dec 2020; 0.3 since DeiT III, 2022).
     # timm ignores it while an auto-augment policy is on, so only the no_randaugment row sees it.
-    color_jitter: float = 0.4
-    reprob: float = 0.25  # random erasing probability
+    color_jitter: float = ranged(0.4, ge=0)
+    reprob: float = fraction(0.25)  # random erasing probability
     remode: EraseMode = EraseMode.pixel
-    recount: int = 1
-    repeated_aug: int = 3  # copies of each image per epoch, each to a different rank; 1 = off
-    scale: tuple[float, float] = (0.08, 1.0)
+    recount: int = ranged(1, ge=1)
+    # copies of each image per epoch, each to a different rank; 1 = off
+    repeated_aug: int = ranged(3, ge=1, hint="the copies of each image; 1 turns repeated augmentation off")
+    scale: tuple[float, float] = ranged((0.08, 1.0), gt=0, le=1, hint="the crop's fraction of the image's area")
     no_aug: bool = False  # resize + center crop only: a deterministic pipeline for equivalence tests
     crop: CropMode = CropMode.rrc  # rrc: random-resized crop (scale above); simple: DeiT III's simple random crop
     three_augment: bool = False  # DeiT III's 3-Augment instead of an auto-augment policy (augment=three_augment)
-    hflip: float = 0.5
+    hflip: float = fraction(0.5)
     interpolation: str = "bicubic"
 
 
@@ -105,12 +153,12 @@ class AugmentConfig:
 class MixConfig:
     """Mixup/CutMix (Beta alphas, not probabilities) and label smoothing."""
 
-    mixup_alpha: float = 0.8
-    cutmix_alpha: float = 1.0
-    prob: float = 1.0
-    switch_prob: float = 0.5
+    mixup_alpha: float = ranged(0.8, ge=0, hint=BETA)
+    cutmix_alpha: float = ranged(1.0, ge=0, hint=BETA)
+    prob: float = fraction(1.0)
+    switch_prob: float = fraction(0.5)
     mode: MixMode = MixMode.batch
-    label_smoothing: float = 0.1
+    label_smoothing: float = fraction(0.1)
     criterion: Criterion = Criterion.ce  # bce: binary cross-entropy on the mixed targets (DeiT III)
 
 
@@ -134,8 +182,8 @@ class DistillConfig:
     """Distillation from a teacher (DeiT section 5)."""
 
     type: DistillKind = DistillKind.none
-    alpha: float = 0.0  # weight of the teacher term
-    tau: float = 1.0  # temperature of the soft kinds
+    alpha: float = fraction(0.0)  # weight of the teacher term
+    tau: float = ranged(1.0, gt=0)  # temperature of the soft kinds
     # elements: the released code's sum / (B K); batch: per image, sum / B
     kl_normalization: KLNormalization = KLNormalization.elements
     # headline top-1 of a distilled model: prob = mean of softmaxes (paper); logit = mean of logits (code)
@@ -151,20 +199,22 @@ class OptimizerConfig:
     """Optimizer and learning-rate schedule; lr is per 512 images and scales with the global batch."""
 
     name: str = "adamw"
-    lr: float = 5e-4
-    lr_base_batch: int = 512
-    weight_decay: float = 0.05
-    momentum: float = 0.9  # SGD only
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    lr: float = ranged(5e-4, gt=0)
+    lr_base_batch: int = ranged(512, ge=1)
+    weight_decay: float = ranged(0.05, ge=0)
+    momentum: float = ranged(0.9, ge=0, lt=1, hint="SGD's momentum; 0 is plain SGD")  # SGD only
+    betas: tuple[float, float] = ranged((0.9, 0.999), ge=0, lt=1, hint="Adam's decay rates of the gradient's moments")
+    eps: float = ranged(1e-8, gt=0)
     sched: str = "cosine"
-    warmup_epochs: float = 5.0
-    warmup_lr: float = 1e-6
-    min_lr: float = 1e-5
-    clip_grad: float | None = None
+    warmup_epochs: float = ranged(5.0, ge=0)
+    warmup_lr: float = ranged(1e-6, ge=0)
+    min_lr: float = ranged(1e-5, ge=0)
+    clip_grad: float | None = ranged(None, gt=0, hint="the largest gradient norm (a negative one would reverse "
+                                     "every step); null turns clipping off")
     # Sharpness-aware minimization (Foret et al. 2021): the radius rho of the weight perturbation; 0 = off. Wraps
     # the optimizer above (adamw or sgd); deit_ablate/sam.py
-    sam_rho: float = 0.0
+    sam_rho: float = ranged(0.0, ge=0, hint="SAM's radius; 0 turns SAM off (Chen, Hsieh & Gong 2022 use 0.05-0.25 "
+                                               "for ViT-B/16, 0.2 with AdamW)")
 
 
 @dataclass
@@ -172,24 +222,27 @@ class SharpnessConfig:
     """How sharpness is measured on a trained model (Chen, Hsieh & Gong 2022); an evaluation, not the experiment."""
 
     at_end: bool = False  # measure it after the last epoch too (`python -m deit_ablate.sharpness` on any run)
-    images: int = 1024  # training images measured on: the first N of a seeded permutation of the train split
-    batch_size: int = 64  # images per forward/double-backward pass (memory only: the figures do not depend on it)
-    iters: int = 20  # most power iterations for lambda_max (Hessian-vector products over all N images each)
-    tol: float = 1e-3  # stop when lambda_max changes by less than this fraction between two iterations
+    # training images measured on: the first N of a seeded permutation of the train split
+    images: int = ranged(1024, ge=1)
+    # images per forward/double-backward pass (memory only: the figures do not depend on it)
+    batch_size: int = ranged(64, ge=1)
+    # most power iterations for lambda_max (Hessian-vector products over all N images each)
+    iters: int = ranged(20, ge=1)
+    tol: float = ranged(1e-3, gt=0.0)  # stop when lambda_max changes by less than this fraction between two iterations
     # Gaussian weight noise N(0, sigma^2) on every parameter: Chen, Hsieh & Gong 2022 (Table 1) perturb with
     # N(0, 0.01), read here as the standard deviation
-    sigma: float = 0.01
-    draws: int = 5  # noise draws the noisy loss is averaged over
-    seed: int = 0  # picks the images, the power iteration's start vector and the noise
+    sigma: float = ranged(0.01, ge=0.0)
+    draws: int = ranged(5, ge=1)  # noise draws the noisy loss is averaged over
+    seed: int = ranged(0, ge=0)  # picks the images, the power iteration's start vector and the noise
 
 
 @dataclass
 class ResolutionConfig:
     """Train and eval image size; eval resizes to size / crop_pct then center-crops."""
 
-    train_size: int = 224
-    eval_size: int = 224
-    crop_pct: float = 0.875
+    train_size: int = ranged(224, ge=1, hint="the side of a training image in pixels")
+    eval_size: int = ranged(224, ge=1, hint="the side of an eval image in pixels")
+    crop_pct: float = ranged(0.875, gt=0, le=1, hint="eval resizes to eval_size / crop_pct")
 
 
 @dataclass
@@ -201,21 +254,24 @@ class FinetuneConfig:
 
     init_checkpoint: str | None = None  # None: the same run's pre-training checkpoint (its EMA weights if kept)
     optimizer: str = "adamw"  # AdamW for every row but sgd_finetune (Table 8: the sgd row is SGD pre-training only)
-    global_batch: int | None = None  # None: train.global_batch; the paper preset sets 512 (32 x 16 GPUs)
-    micro_batch: int = 32  # the released command's 32 images per GPU: the unit of every per-batch draw
-    lr: float = 5e-6  # per lr_base_batch images, like optimizer.lr
-    weight_decay: float = 1e-8
-    epochs: int = 30
-    warmup_epochs: float = 5.0  # main.py's --warmup-epochs default
-    warmup_lr: float = 1e-6  # main.py's --warmup-lr default
-    min_lr: float = 5e-6  # absolute, like optimizer.min_lr (DeiT scales only the peak lr)
+    global_batch: int | None = ranged(None, ge=1)  # None: train.global_batch; the paper preset sets 512 (32 x 16 GPUs)
+    micro_batch: int = ranged(32, ge=1)  # the released command's 32 images per GPU: the unit of every per-batch draw
+    lr: float = ranged(5e-6, gt=0)  # per lr_base_batch images, like optimizer.lr
+    weight_decay: float = ranged(1e-8, ge=0)
+    epochs: int = ranged(30, ge=1)
+    warmup_epochs: float = ranged(5.0, ge=0)  # main.py's --warmup-epochs default
+    warmup_lr: float = ranged(1e-6, ge=0)  # main.py's --warmup-lr default
+    min_lr: float = ranged(5e-6, ge=0)  # absolute, like optimizer.min_lr (DeiT scales only the peak lr)
     # The released code fine-tunes with the model in eval mode (engine.train_one_epoch(set_training_mode=False)):
     # no stochastic depth, no dropout in this stage. True trains it in train mode.
     train_mode: bool = False
-    layer_decay: float | None = None  # layer-wise lr decay zeta: block k at zeta^(L-k) of the lr (None: off)
+    # layer-wise lr decay zeta: block k at zeta^(L-k) of the lr (None: off)
+    layer_decay: float | None = ranged(None, gt=0, le=1, hint="the ratio zeta between one layer's lr and the "
+                                       "next (1 = no decay; BEiT uses 0.65 for base models, 0.75 for large), or "
+                                       "null for off")
     # The size this row pre-trains at when it is not the preset's (DeiT III's low-resolution pre-training): a
     # fine-tune's config then tells apart pre-trainings that differ only in size (None: the preset's).
-    pretrain_size: int | None = None
+    pretrain_size: int | None = ranged(None, ge=1)
 
 
 @dataclass
@@ -230,34 +286,34 @@ class TransferConfig:
     source_stage: Stage = Stage.finetune  # the run transferred: finetune (Table 7's DeiT-B⚗↑384) or pretrain
     init_checkpoint: str | None = None  # None: the source run's last checkpoint (its EMA weights if kept)
     optimizer: str = "sgd"
-    global_batch: int = 768
-    micro_batch: int | None = None  # None: train.micro_batch (issue #45 names no per-GPU batch)
-    lr: float = 0.01  # per lr_base_batch images, like optimizer.lr
-    weight_decay: float = 1e-4
-    epochs: int = 1000
-    warmup_epochs: float = 5.0
-    warmup_lr: float = 1e-6  # main.py's --warmup-lr default
-    min_lr: float = 1e-5  # main.py's --min-lr default
-    drop_path: float = 0.0  # stochastic depth removed (issue #45)
-    reprob: float = 0.0  # random erasing removed (issue #45)
+    global_batch: int = ranged(768, ge=1)
+    micro_batch: int | None = ranged(None, ge=1)  # None: train.micro_batch (issue #45 names no per-GPU batch)
+    lr: float = ranged(0.01, gt=0)  # per lr_base_batch images, like optimizer.lr
+    weight_decay: float = ranged(1e-4, ge=0)
+    epochs: int = ranged(1000, ge=1)
+    warmup_epochs: float = ranged(5.0, ge=0)
+    warmup_lr: float = ranged(1e-6, ge=0)  # main.py's --warmup-lr default
+    min_lr: float = ranged(1e-5, ge=0)  # main.py's --min-lr default
+    drop_path: float = fraction(0.0)  # stochastic depth removed (issue #45)
+    reprob: float = fraction(0.0)  # random erasing removed (issue #45)
 
 
 @dataclass
 class TrainConfig:
     """Length, batch and precision of a run."""
 
-    epochs: int = 300
-    global_batch: int = 1024
+    epochs: int = ranged(300, ge=1)
+    global_batch: int = ranged(1024, ge=1)
     # The unit of every per-batch computation (one Mixup/CutMix draw, one SAM perturbation, one BatchNorm batch, one
     # sampler slot): the paper's 8 GPUs x 128. The global batch is global_batch / micro_batch virtual slots.
-    micro_batch: int = 128
-    max_steps: int | None = None  # stop after this many optimizer steps (smoke tests: another experiment)
+    micro_batch: int = ranged(128, ge=1)
+    max_steps: int | None = ranged(None, ge=1)  # stop after this many optimizer steps (smoke tests: another experiment)
     ema: bool = False
-    ema_decay: float = 0.99996
+    ema_decay: float = fraction(0.99996)
     # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32, or fp16 (autocast + a loss scaler, as the
     # released DeiT code trained)
     amp: Precision = Precision.auto
-    eval_max_batches: int | None = None
+    eval_max_batches: int | None = ranged(None, ge=1)
 
 
 @dataclass
@@ -275,17 +331,21 @@ class RuntimeConfig:
     relaunching resumes the same run (same folder, same wandb run)."""
 
     device: str = "auto"
-    cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
-    num_workers: int | None = None  # data-loading workers; None: the cores available to this process
-    worker_nice: int = 19  # added to the workers' niceness: they yield the CPU to the training step (0-19)
+    # torch intra-op threads on CPU; None: torch's default (one per core)
+    cpu_threads: int | None = ranged(None, ge=1, hint="or null for torch's default (one thread per core)")
+    num_workers: int | None = ranged(None, ge=0)  # data-loading workers; None: the cores available to this process
+    # added to the workers' niceness: they yield the CPU to the training step (0-19)
+    worker_nice: int = ranged(19, ge=0, le=19, hint="it is added to the loader workers' niceness, and only root may "
+                                                    "raise a priority; use 0 to leave it as it is")
     compile: bool = False  # torch.compile the model (opt-in; falls back to eager where it cannot)
     # images one forward/backward pass may hold: a device runs its micro-batches one at a time (accumulating), and
     # a micro-batch larger than this is refused unless splitting it computes exactly the same (validate.py)
-    max_batch_per_device: int = 128
-    eval_batch: int = 256
-    log_interval: int = 10
-    checkpoint_every_steps: int = 0  # also save a resumable checkpoint every N steps (0: off)
-    checkpoint_every_minutes: float = 10.0  # ... and every M minutes (0: off), so preemption loses little
+    max_batch_per_device: int = ranged(128, ge=1)
+    eval_batch: int = ranged(256, ge=1)
+    log_interval: int = ranged(10, ge=1)
+    checkpoint_every_steps: int = ranged(0, ge=0)  # also save a resumable checkpoint every N steps (0: off)
+    # ... and every M minutes (0: off), so preemption loses little
+    checkpoint_every_minutes: float = ranged(10.0, ge=0.0)
     # where the Table 7 transfer rows find their datasets, each under the row's name (conf/transfer/: cifar10/,
     # flowers/, ...); data.root overrides it for one run. Where data lies is not which data it is (the fingerprint).
     data_dir: str = "data"
@@ -303,7 +363,7 @@ class Config:
 
     preset: str = "demo"
     stage: Stage = Stage.pretrain
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
@@ -331,6 +391,18 @@ def preset_teacher(preset: str) -> dict[str, Any]:
     """The teacher block a run of `preset` has when nothing names a teacher: the schema's, with the preset's own on
     top (conf/preset/<preset>.yaml: the demo's CNN). What a run that does not distil holds in its identity."""
     return json.loads(_preset_teacher(str(preset)))  # a fresh copy: callers edit it
+
+
+def schema_ranges(node: type = Config, prefix: str = "") -> list[tuple[str, Range]]:
+    """(dotted key, range) of every numeric key of the schema, in the schema's order."""
+    hints = get_type_hints(node)
+    found: list[tuple[str, Range]] = []
+    for item in fields(node):
+        if is_dataclass(hints[item.name]):
+            found += schema_ranges(hints[item.name], f"{prefix}{item.name}.")
+        elif "range" in item.metadata:
+            found.append((prefix + item.name, item.metadata["range"]))
+    return found
 
 
 def compose_run_config(overrides: list[str]) -> DictConfig:

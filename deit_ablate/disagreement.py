@@ -21,11 +21,13 @@ from deit_ablate.aggregate.disagree import (
     markdown_matrix,
     markdown_reference,
     matrix_csv,
+    missing_roles,
     paper_pairs,
     reference_rows,
     unique_labels,
 )
 from deit_ablate.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
+from deit_ablate.commands import command
 from deit_ablate.errors import ConfigError
 from deit_ablate.rundir import RunDir, find_run, runs_root
 
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deit_ablate.disagreement", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", nargs="+", metavar="RUN", help="finished run folders (or names under outputs/runs)")
     parser.add_argument("--label", action="append", default=None,
-                        help="a run's label in the matrix, one per RUN in order (default: its model name)")
+                        help="a run's label in the matrix, one per RUN in order (default: its study row, "
+                             "e.g. teachers=regnety_4gf)")
     parser.add_argument("--out", default=None, help="a folder for the CSV, JSON, markdown and heatmap PNG")
     return parser
 
@@ -60,9 +63,10 @@ def report(run_refs: list[str], labels: list[str] | None, out: str | None) -> st
     matrix = disagreement_matrix(values)
     table = paper_pairs()
     reference = reference_rows(runs, table)
+    why = missing_roles(runs)
     images = int(runs[0].index.size)
     text = (f"Disagreement between models over {images} eval images (percent of images predicted differently)\n\n"
-            f"{markdown_matrix(names, matrix)}\n\n{markdown_reference(reference, table)}\n")
+            f"{markdown_matrix(names, matrix)}\n\n{markdown_reference(reference, table, why)}\n")
     if out is not None:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
@@ -70,14 +74,15 @@ def report(run_refs: list[str], labels: list[str] | None, out: str | None) -> st
         write_text_atomic(folder / "disagreement.csv", matrix_csv(names, matrix))
         write_json_atomic(folder / "disagreement.json", {
             "images": images, "labels": list(names), "runs": [r.run.name for r in runs],
-            "percent": matrix.round(4).tolist(), "paper_table4": reference})
+            "percent": matrix.round(4).tolist(), "paper_table4": reference, "paper_missing": why})
         from deit_ablate.aggregate.plot import figure_png
 
-        write_bytes_atomic(folder / "disagreement.png", figure_png(heatmap(names, matrix, reference, images)))
+        write_bytes_atomic(folder / "disagreement.png", figure_png(heatmap(names, matrix, reference, images, why)))
         text += f"\nwritten: {folder}/disagreement.{{md,csv,json,png}}\n"
     return text
 
 
+@command("python -m deit_ablate.disagreement")
 def main(argv: list[str] | None = None) -> int:
     """Print (and write) the matrix; 0 on success, 2 with one line on stderr for bad input."""
     args = build_parser().parse_args(argv)

@@ -13,6 +13,7 @@ from timm.models import model_entrypoint
 from timm.models.deit import VisionTransformerDistilled
 from torch import nn
 
+from deit_ablate.architecture import describe_architecture  # noqa: F401 (its name here, as before)
 from deit_ablate.deeper import OPTIONS, apply_options, split_options
 from deit_ablate.errors import ConfigError
 from deit_ablate.losses import TOKEN_KINDS
@@ -164,17 +165,6 @@ def architecture(model: torch.nn.Module, name: str) -> dict[str, Any]:
         arch["heads"] = int(blocks[0].attn.num_heads)
     arch["params"] = sum(p.numel() for p in model.parameters())
     return arch
-
-
-def describe_architecture(arch: dict[str, Any]) -> str:
-    """`deit_tiny_patch16_224 (patch 2, width 64, depth 4, heads 2, 0.21 M params)`; a CNN: its parameters."""
-    parts = []
-    if "width" in arch:
-        class_attn = f" + {arch['class_attn_depth']} class-attention" if "class_attn_depth" in arch else ""
-        parts += [f"patch {arch['patch_size']}", f"width {arch['width']}", f"depth {arch['depth']}{class_attn}",
-                  f"heads {arch['heads']}"]
-    parts.append(f"{arch['params'] / 1e6:.2f} M params")
-    return f"{arch['name']} ({', '.join(parts)})"
 
 
 def set_training_mode(model: torch.nn.Module, train: bool) -> None:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 import timm
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.optim import list_optimizers
 
 from deit_ablate.config import (
@@ -22,6 +22,7 @@ from deit_ablate.config import (
     Stage,
     TeacherView,
     TrackingMode,
+    schema_ranges,
 )
 from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
@@ -33,16 +34,6 @@ from deit_ablate.teacher import check_distill_config
 from deit_ablate.tracking import check_tracking
 from deit_ablate.transfer import check_transfer_config
 
-# Keys that must be at least a bound (None, where the schema allows it, means a default and is not checked).
-AT_LEAST = {"optimizer.lr": (0.0, False), "finetune.lr": (0.0, False), "train.epochs": (1, True),
-            "finetune.epochs": (1, True), "runtime.eval_batch": (1, True), "runtime.max_batch_per_device": (1, True),
-            "runtime.log_interval": (1, True), "train.max_steps": (1, True), "runtime.num_workers": (0, True),
-            "data.num_classes": (1, True), "optimizer.weight_decay": (0.0, True), "optimizer.warmup_lr": (0.0, True),
-            "optimizer.min_lr": (0.0, True), "optimizer.warmup_epochs": (0.0, True), "optimizer.eps": (0.0, False),
-            "distill.tau": (0.0, False),
-            "runtime.checkpoint_every_steps": (0, True), "runtime.checkpoint_every_minutes": (0.0, True),
-            "sharpness.images": (1, True), "sharpness.batch_size": (1, True), "sharpness.iters": (1, True),
-            "sharpness.tol": (0.0, False), "sharpness.sigma": (0.0, True), "sharpness.draws": (1, True)}
 # wandb project and entity names: also folder names, so nothing that could leave the folder or need quoting.
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # timm's auto-augment policy strings (timm.data.auto_augment): the keys each kind takes and their number form.
@@ -57,9 +48,6 @@ RAND_TRANSFORM_SETS = ("weights", "3aw", "3a")
 AUGMENT_FORMS = ("rand-m<magnitude>[-n<ops>][-p<prob>][-mstd<std>][-mmax<max>][-inc<0|1>][-t<weights|3aw|3a>] "
                  "(DeiT: rand-m9-mstd0.5-inc1), one of " + "|".join(AUTOAUGMENT_POLICIES) + " with an optional "
                  "-mstd<std> (AutoAugment), augmix[-m<m>][-w<w>][-d<d>][-a<a>][-b<0|1>][-mstd<std>], or null (off)")
-PROBABILITIES = ("augment.reprob", "augment.hflip", "mix.prob", "mix.switch_prob", "mix.label_smoothing",
-                 "model.drop_path", "model.dropout", "distill.alpha")
-
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -173,12 +161,22 @@ def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
 
 
 def check_ranges(cfg: DictConfig) -> None:
-    """Numbers that must be positive, or at least 0 or 1, before a run can mean anything."""
-    for key, (bound, inclusive) in AT_LEAST.items():
-        value = _get(cfg, key)
-        if value is not None and (value < bound if inclusive else value <= bound):
-            relation = f">= {bound}" if inclusive else f"> {bound}"
-            raise ConfigError(f"{key}={value} must be {relation}.")
+    """Every numeric key of the schema within the range its field declares (config.ranged), each item of a list
+    key too; null, where the schema allows it, is not checked."""
+    for key, bounds in schema_ranges():
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        listed = isinstance(value, ListConfig | list | tuple)
+        items = list(value) if listed else [value]
+        bad = next((item for item in items if not bounds.holds(item)), None)
+        if bad is None:
+            continue
+        shown = f"[{', '.join(map(str, items))}]" if listed else str(value)
+        finite = "" if math.isfinite(bad) else "a finite number "
+        each = f" each ({bad} is not)" if listed else ""
+        hint = f": {bounds.hint}" if bounds.hint else ""
+        raise ConfigError(f"{key}={shown} must be {finite}{bounds}{each}{hint}.")
 
 
 def check_names(cfg: DictConfig) -> None:
@@ -285,14 +283,6 @@ def check_pretrain_size(cfg: DictConfig) -> None:
                           "(conf/deit3/res_128.yaml shows how), or finetune.pretrain_size=null.")
 
 
-def check_sam(cfg: DictConfig) -> None:
-    """optimizer.sam_rho: SAM's radius, a finite number >= 0 (0 = off)."""
-    rho = cfg.optimizer.sam_rho
-    if not math.isfinite(rho) or rho < 0:
-        raise ConfigError(f"optimizer.sam_rho={rho}: SAM's radius must be a finite number >= 0 (0 turns SAM off; "
-                          "Chen, Hsieh & Gong 2022 use 0.05-0.25 for ViT-B/16, 0.2 with AdamW).")
-
-
 def check_three_augment_and_crop(cfg: DictConfig) -> None:
     """augment.three_augment and augment.crop=simple (DeiT III): built on the pil backend's crop and policy only."""
     aug, data = cfg.augment, cfg.data
@@ -326,7 +316,7 @@ def check_criterion(cfg: DictConfig) -> None:
 
 
 def check_layer_decay(cfg: DictConfig) -> None:
-    """finetune.layer_decay: a ratio zeta in (0, 1], on a model whose layers are `blocks` (a ViT)."""
+    """finetune.layer_decay (a ratio in (0, 1]: check_ranges) on a model whose layers are `blocks` (a ViT)."""
     import torch
 
     from deit_ablate.models import build_model
@@ -334,9 +324,6 @@ def check_layer_decay(cfg: DictConfig) -> None:
     zeta = cfg.finetune.layer_decay
     if zeta is None:
         return
-    if not 0 < zeta <= 1:
-        raise ConfigError(f"finetune.layer_decay={zeta}: the ratio zeta between one layer's lr and the next must lie "
-                          "in (0, 1] (1 = no decay; BEiT uses 0.65 for base models, 0.75 for large), or null for off.")
     name = student_model_name(cfg)
     with torch.device("meta"):  # the architecture only
         model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=name)
@@ -366,31 +353,14 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_known_keys(cfg)
     check_ranges(cfg)
     check_names(cfg)
-    check_sam(cfg)
     check_criterion(cfg)
     check_auto_augment(cfg.augment.auto_augment)
     check_three_augment_and_crop(cfg)
-    for key in PROBABILITIES:
-        value = _get(cfg, key)
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{key}={value} must lie between 0 and 1.")
-    if cfg.mix.mixup_alpha < 0 or cfg.mix.cutmix_alpha < 0:
-        raise ConfigError("mix.mixup_alpha and mix.cutmix_alpha are Beta parameters and must be >= 0 "
-                          "(0 turns one off).")
-    if not 0 <= cfg.runtime.worker_nice <= 19:
-        raise ConfigError(f"runtime.worker_nice={cfg.runtime.worker_nice} is outside 0-19: it is added to the loader "
-                          "workers' niceness, and only root may raise a priority. Use 0 to leave it as it is.")
-    if cfg.runtime.cpu_threads is not None and cfg.runtime.cpu_threads < 1:
-        raise ConfigError(f"runtime.cpu_threads={cfg.runtime.cpu_threads} must be >= 1, or null for torch's default "
-                          "(one thread per core).")
     if cfg.data.fast_jpeg and cfg.augment.no_aug:
         raise ConfigError("data.fast_jpeg speeds up the random-resized crop, which augment.no_aug=true turns off. "
                           "Set data.fast_jpeg=false.")
     if cfg.data.backend == DataBackend.dali:
         check_dali_config(cfg)
-    if cfg.augment.repeated_aug < 1:
-        raise ConfigError(f"augment.repeated_aug={cfg.augment.repeated_aug}: the number of copies must be >= 1 "
-                          "(1 turns repeated augmentation off).")
     for name in {cfg.model.name, cfg.model.distilled_name or cfg.model.name,
                  cfg.distill.teacher.model if cfg.distill.type != DistillKind.none else cfg.model.name}:
         if not timm.is_model(name):

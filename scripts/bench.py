@@ -29,6 +29,7 @@ from deit_ablate.bench import suite
 from deit_ablate.bench.env import describe
 from deit_ablate.bench.pipeline import cache_root
 from deit_ablate.bench.report import Report
+from deit_ablate.commands import command
 from deit_ablate.distributed import choose_device
 
 
@@ -73,6 +74,7 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> suite.Settings:
         workers=args.workers)
 
 
+@command("scripts/bench.py")
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen sections, print the table, write the JSON."""
     argv = sys.argv[1:] if argv is None else argv

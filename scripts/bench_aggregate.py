@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from deit_ablate.aggregate import cli  # noqa: E402
 from deit_ablate.aggregate.paper import paper_table  # noqa: E402
 from deit_ablate.aggregate.wandb_log import encode_log, read_log  # noqa: E402
+from deit_ablate.commands import command  # noqa: E402
 from deit_ablate.rundir import wandb_root  # noqa: E402
 
 TEMPLATE_ID = "tmpl00000000"  # clones use ids of the same length: b00000000001, ...
@@ -145,6 +146,7 @@ def clone(spec: list[dict], out: Path, steps: int, epochs: int) -> Path:
     return log
 
 
+@command("scripts/bench_aggregate.py")
 def main() -> int:
     """Make the runs, then time the aggregator on them."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

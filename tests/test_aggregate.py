@@ -726,7 +726,7 @@ def test_what_was_run_names_each_setting_and_lists_values_that_differ() -> None:
 
     same = build_table([_described("a", 0), _described("b", 1), _described("f", 0, stage="finetune")])
     got = dict(facts(same))
-    assert got["data"] == "builtin (digest 4a7852e1, 10 classes)"
+    assert got["data"] == "builtin: 10 synthetic shape classes (digest 4a7852e1, 10 classes)"
     assert got["model"] == "deit_tiny_patch16_224 (patch_size=8, depth=1)"
     assert got["epochs"] == "pre-train 2; fine-tune 3" and got["resolution"] == "pre-train 32 px; fine-tune 48 px"
     assert got["preset"] == "demo" and got["commit"] == "not recorded"
@@ -734,7 +734,8 @@ def test_what_was_run_names_each_setting_and_lists_values_that_differ() -> None:
     got = dict(facts(mixed))
     assert got["model"] == ("differs: deit_tiny_patch16_224 (patch_size=8, depth=1) (1 run) | "
                             "deit_tiny_patch16_224 (patch_size=8, depth=2) (1 run)")
-    assert got["data"].startswith("differs: builtin (digest 4a7852e1, 10 classes) (1 run) | builtin (digest ffffffff")
+    shapes = "builtin: 10 synthetic shape classes (digest"
+    assert got["data"].startswith(f"differs: {shapes} 4a7852e1, 10 classes) (1 run) | {shapes} ffffffff")
     text = render(mixed, "markdown")
     assert "model: differs: deit_tiny_patch16_224 (patch_size=8, depth=1) (1 run)" in text
 

@@ -43,5 +43,5 @@ def test_workers_run_at_lower_priority_than_the_training_process():
 
 @pytest.mark.parametrize("value", [-1, 20])
 def test_a_niceness_outside_0_to_19_is_a_config_error(value):
-    with pytest.raises(ConfigError, match=f"runtime.worker_nice={value} is outside 0-19"):
+    with pytest.raises(ConfigError, match=rf"runtime.worker_nice={value} must be in \[0, 19\]: it is added"):
         validate_config(compose_config([f"runtime.worker_nice={value}"]))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from deit_ablate.architecture import describe_architecture
+
 from .cells import Table
 from .paper import STAGE_NAMES
 from .reader import RunInfo
@@ -36,8 +38,25 @@ def run_commit(run: RunInfo) -> str:
     return ""
 
 
+def builtin_text(run: RunInfo) -> str:
+    """What the built-in data is: `10 synthetic shape classes (shapes), drawn at 40 px, 30 train / 10 val images per
+    class`; '' for other data."""
+    if _get(run.config, "data.name") != "builtin":
+        return ""
+    drawn = _get(run.config, "data.builtin")
+    drawn = drawn if isinstance(drawn, dict) else {}
+    classes = _get(run.config, "data.num_classes") or 10
+    text = f"{classes} synthetic shape classes"
+    text += f" ({drawn['classes']})" if drawn.get("classes") else ""
+    text += f", drawn at {drawn['image_size']} px" if drawn.get("image_size") else ""
+    if drawn.get("train_per_class") and drawn.get("val_per_class"):
+        text += f", {drawn['train_per_class']} train / {drawn['val_per_class']} val images per class"
+    return text
+
+
 def data_text(run: RunInfo) -> str:
-    """`builtin (digest 4a7852e1, 10 classes)`: the data's name, the short form of its fingerprint, its classes."""
+    """`builtin: 10 synthetic shape classes ... (digest 4a7852e1, 10 classes)`: the data's name (and what the built-in
+    data is), the short form of its fingerprint, its classes."""
     config = run.config
     fingerprint = _get(config, "data_fingerprint")
     fingerprint = fingerprint if isinstance(fingerprint, dict) else {}
@@ -48,7 +67,18 @@ def data_text(run: RunInfo) -> str:
     parts = [f"digest {str(digest)[:8]}" if digest else "no fingerprint"]
     if classes is not None:
         parts.append(f"{classes} classes")
-    return f"{format_value(name)} ({', '.join(parts)})"
+    what = builtin_text(run)
+    return f"{format_value(name)}{': ' + what if what else ''} ({', '.join(parts)})"
+
+
+def built_text(run: RunInfo) -> str:
+    """The model as the run built it (`vit_base_patch16_224 (patch 8, width 32, depth 1, heads 2, 0.02 M params)`),
+    else its configured timm name; '' when neither is recorded."""
+    arch = run.summary.get("architecture")
+    if isinstance(arch, dict) and "params" in arch and "name" in arch:
+        return describe_architecture(arch)
+    name = _get(run.config, "model.name")
+    return format_value(name) if name is not None else ""
 
 
 def model_text(run: RunInfo) -> str:
@@ -140,15 +170,21 @@ def _short(runs: list[RunInfo], key: str, form: str) -> str:
 
 
 def headline(table: Table) -> str:
-    """The study's title and what our runs are: `Table 8: ... (ours: deit_tiny_patch16_224 on builtin, demo preset)`."""
+    """The study's title and what our runs are, the model as built with its parameters: `Table 8: ... (the paper's
+    models; ours: deit_tiny_patch16_224 (patch 8, ..., 1.21 M params) on builtin (10 synthetic shape classes) at
+    32 px, demo preset)`."""
     runs = [run for _, run in _runs(table)]
     if not runs:
         return f"{study_title(table)} (no runs counted)"
-    model = _short(runs, "model.name", "{}")
+    model = " / ".join(dict.fromkeys(text for r in runs if (text := built_text(r))))
     data = _short(runs, "data.name", "on {}")
+    shapes = " / ".join(dict.fromkeys(text.split(" (")[0] for r in runs if (text := builtin_text(r))))
+    data += f" ({shapes})" if data and shapes else ""
+    data += _short(runs, "resolution.train_size", " at {} px") if data else ""
     preset = _short(runs, "preset", "{} preset")
     what = ", ".join(p for p in (" ".join(p for p in (model, data) if p), preset) if p)
-    return f"{study_title(table)} (ours: {what or 'settings not recorded'})"
+    paper = "the paper's models; " if table.paper else ""
+    return f"{study_title(table)} ({paper}ours: {what or 'settings not recorded'})"
 
 
 def page_title(table: Table) -> str:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deit_ablate.atomic import write_figure_atomic, write_text_atomic
+from deit_ablate.commands import command
 from deit_ablate.errors import no_access
 from deit_ablate.studies import studies as all_studies
 
@@ -355,18 +357,19 @@ def write_outputs(table: Table, args: argparse.Namespace) -> list[str]:
     done = []
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text, encoding="utf-8")
+        write_text_atomic(args.out, text)
         done.append(f"table written to {args.out}")
     else:
         sys.stdout.write(text)
     for name, path in (("plot", args.plot), ("curves", args.curves)):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            figs[name].savefig(path, format="png")
+            write_figure_atomic(path, figs[name])
             done.append(f"{name} written to {path}")
     return done
 
 
+@command("deit-aggregate")
 def main(argv: list[str] | None = None) -> int:
     """Run the aggregator; returns the process exit status."""
     args = build_parser().parse_args(argv)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_figure_atomic
 from ..rundir import METRICS, RunDir
 from .about import footer, headline
 from .cells import Table
@@ -194,5 +195,5 @@ def plot_curves(table: Table, path: str | Path | None, jobs: int | None = None) 
     if path is not None:
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png")
+        write_figure_atomic(out, fig)
     return fig

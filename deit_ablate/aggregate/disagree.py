@@ -12,17 +12,19 @@ from __future__ import annotations
 import csv
 import io
 import json
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from deit_ablate.errors import ConfigError
 from deit_ablate.predictions import HEAD_NAMES, HEADS, INDEX, LABELS
 from deit_ablate.rundir import DATA, PREDICTIONS, RunDir
-from deit_ablate.studies import CONF_DIR
+from deit_ablate.studies import CONF_DIR, default_choices, preset_choices, studies
 
 PAPER_FILE = CONF_DIR / "distill" / "disagreement.json"
 
@@ -53,6 +55,25 @@ def _missing(run: RunDir) -> ConfigError:
                        "final checkpoint, only evaluates, and writes both), or train it again.")
 
 
+def row_label(run: RunDir) -> str | None:
+    """The study row the run is, from its Hydra choices (`teachers=regnety_4gf`; a run of no study's own row: the
+    group options it changes from the recipe's, `model=cnn_demo`, else the default row, `ablation=baseline`); None
+    where the run recorded no choices."""
+    try:
+        choices = yaml.safe_load(run.hydra_settings.read_text(encoding="utf-8"))["hydra"]["runtime"]["choices"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    rows = [f"{s.name}={choices[s.name]}" for s in studies() if s.default is None and choices.get(s.name)]
+    if rows:
+        return ", ".join(rows)
+    defaults = {**default_choices(), **preset_choices().get(str(choices.get("preset")), {})}
+    changed = [f"{g}={v}" for g, v in choices.items() if g in defaults and v is not None and str(v) != defaults[g]]
+    if changed:
+        return ", ".join(changed)
+    main = next((s for s in studies() if s.default is not None and choices.get(s.name)), None)
+    return f"{main.name}={choices[main.name]}" if main else None
+
+
 def load_predictions(run: RunDir, label: str | None = None) -> RunPredictions:
     """The run's predictions.npz; a ConfigError naming the run and the fix when it has none."""
     held = run.read_predictions()
@@ -62,7 +83,8 @@ def load_predictions(run: RunDir, label: str | None = None) -> RunPredictions:
     teacher = (run.read_result() or {}).get("teacher") or {}
     teacher_run = Path(str(teacher["run"])).name if teacher.get("run") else None
     heads = {head: arrays[head].astype(np.int64) for head in HEADS if head in arrays}
-    return RunPredictions(run=run, label=label or str(record.get("model_name") or run.name), heads=heads,
+    label = label or row_label(run) or str(record.get("model_name") or run.name)
+    return RunPredictions(run=run, label=label, heads=heads,
                           labels=arrays[LABELS].astype(np.int64), index=arrays[INDEX].astype(np.int64),
                           record=record, teacher_run=teacher_run)
 
@@ -121,6 +143,23 @@ def roles(runs: Sequence[RunPredictions]) -> dict[str, RunPredictions]:
     return found
 
 
+ROLES = {"distilled": "a distilled run (one with a distillation token: class, distillation and fused heads)",
+         "teacher": "its teacher run (the run its result names as teacher)",
+         "plain": "a run without distillation"}
+
+
+def missing_roles(runs: Sequence[RunPredictions]) -> str:
+    """Why the paper's pairs have no value of ours ('' when every role is filled): the parts of Table 4 none of
+    these runs plays, and what to give."""
+    parts = roles(runs)
+    missing = [text for role, text in ROLES.items() if role not in parts]
+    if not missing:
+        return ""
+    return ("Ours is — where these runs hold no such pair: Table 4 compares " + "; ".join(ROLES.values()) +
+            f". No run here (or more than one) is {'; '.join(missing)}. Give one run of each (e.g. a "
+            "distill=hard_token run, its teacher and a run without distillation) to fill it.")
+
+
 def reference_rows(runs: Sequence[RunPredictions], table: dict[str, Any]) -> list[dict[str, Any]]:
     """The paper's pairs, each with ours (the same pair among `runs`) where the runs' roles can be told."""
     parts = roles(runs)
@@ -147,12 +186,12 @@ def markdown_matrix(labels: Sequence[str], matrix: np.ndarray) -> str:
     return "\n".join(lines)
 
 
-def markdown_reference(rows: Sequence[dict[str, Any]], table: dict[str, Any]) -> str:
-    """The paper's Table 4 values beside ours, as a markdown table with its source."""
+def markdown_reference(rows: Sequence[dict[str, Any]], table: dict[str, Any], why: str = "") -> str:
+    """The paper's Table 4 values beside ours, as a markdown table with its source (and `why` ours is missing)."""
     lines = [f"{table['title']} (DeiT-B on ImageNet; {table['citation']})", "",
              "| pair | paper (%) | ours (%) |", "|---|---:|---:|"]
     lines += [f"| {r['pair']} | {r['paper']:.1f} | {_percent(r['ours'])} |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + (["", why] if why else []))
 
 
 def matrix_csv(labels: Sequence[str], matrix: np.ndarray) -> str:
@@ -164,8 +203,10 @@ def matrix_csv(labels: Sequence[str], matrix: np.ndarray) -> str:
     return buf.getvalue()
 
 
-def heatmap(labels: Sequence[str], matrix: np.ndarray, rows: Sequence[dict[str, Any]], images: int) -> Any:
-    """The matrix as a matplotlib Figure (a cell's percent written in it), the paper's values beside it."""
+def heatmap(labels: Sequence[str], matrix: np.ndarray, rows: Sequence[dict[str, Any]], images: int,
+            why: str = "") -> Any:
+    """The matrix as a matplotlib Figure (a cell's percent written in it), the paper's values beside it (and `why`
+    ours is missing)."""
     from matplotlib.figure import Figure
 
     side = 0.55 * len(labels)  # inches: the matrix, then room for labels (left, below), colour bar and the paper
@@ -184,6 +225,7 @@ def heatmap(labels: Sequence[str], matrix: np.ndarray, rows: Sequence[dict[str, 
     fig.colorbar(image, cax=bar).set_label("% of images predicted differently", fontsize=7)
     ax.set_title(f"Disagreement over {images} eval images", fontsize=9)
     reference = "\n".join(f"{r['pair']}:\n  paper {r['paper']:.1f}%, ours {_percent(r['ours'])}" for r in rows)
+    reference += "\n\n" + textwrap.fill(why, 60) if why else ""
     fig.text((width - 3.5) / width, (margin + side) / height, "DeiT Table 4 (DeiT-B, ImageNet)\n\n" + reference,
              fontsize=6.5, ha="left", va="top")
     return fig

@@ -30,6 +30,7 @@ table.about { font-size: 0.85em; margin: 0.6em 0 1.2em; }
 table.about th, table.about td { text-align: left; white-space: normal; border-bottom: 1px solid #eee; }
 footer { font-size: 0.8em; color: #555; margin-top: 2em; border-top: 1px solid #ddd; padding-top: 0.5em; }
 img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
+div.wide { overflow-x: auto; max-width: 100%; }
 """
 
 
@@ -73,9 +74,9 @@ def to_html(table: Table, digits: int = 2, images: list[tuple[str, bytes]] | Non
         f"<h1>{escape(headline(table))}</h1>",
         f"<p>{escape(_caption(table, markdown=False))}</p>",
         *_about_html(table),
-        f"<table><thead><tr>{heads}</tr></thead><tbody>",
+        f'<div class="wide"><table><thead><tr>{heads}</tr></thead><tbody>',  # wider than the page: it scrolls
         *_row_html(table, digits),
-        "</tbody></table>",
+        "</tbody></table></div>",
         *(f'<p class="note">{escape(note)}</p>' for note in _footnotes(table)),
     ]
     for name, data in images or []:

@@ -13,6 +13,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from deit_ablate.atomic import write_figure_atomic
+
 from .about import footer, headline
 from .cells import Cell, Row, Table
 from .paper import STAGE_NAMES
@@ -43,7 +45,7 @@ def plot_deltas(table: Table, path: str | Path, title: str | None = None) -> Pat
     """Draw Δ to the baseline for every row but the baseline itself; write a PNG."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    draw_deltas(table, title).savefig(out, format="png")
+    write_figure_atomic(out, draw_deltas(table, title))
     return out
 
 

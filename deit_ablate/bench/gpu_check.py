@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from deit_ablate.atomic import write_text_atomic
+from deit_ablate.commands import command as entry_point
+
 # The issue's targets for one H200 (docs/PERFORMANCE.md): train step and the DALI pipeline, images/s.
 TARGETS = {"train_step_eager_images_per_s": 3000.0, "pipeline_dali_images_per_s": 4000.0}
 NO_GPU_EXIT = 3
@@ -225,6 +228,7 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@entry_point("scripts/gpu_check.sh")
 def main(argv: list[str] | None = None) -> int:
     """Check for a GPU, run every measurement, write the JSON, print the table."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                                       if isinstance(v, dict)), default=0.0) if device.type == "cuda" else None
     report["seconds"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str))
+    write_text_atomic(args.out, json.dumps(report, indent=2, default=str))
     print(table(report), flush=True)
     print(f"wrote {args.out}", flush=True)
     return 0

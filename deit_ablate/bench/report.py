@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deit_ablate.atomic import write_text_atomic
+
 
 @dataclass
 class Figure:
@@ -85,7 +87,7 @@ class Report:
 
     def write(self, path: str | Path) -> None:
         """Write the JSON file."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
+        write_text_atomic(path, json.dumps(self.to_json(), indent=2, default=str) + "\n")
 
     def table(self) -> str:
         """A fixed-width table of the figures, then one of the comparisons."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from deit_ablate.commands import command
 from deit_ablate.errors import ConfigError
 from deit_ablate.rundir import RunDir, find_run, runs_root, wandb_root
 from deit_ablate.sharpness.measure import SharpnessSettings, figures_text, measure_weights, summary_values
@@ -146,6 +147,7 @@ def settings_of(args: argparse.Namespace) -> SharpnessSettings:
     return settings
 
 
+@command("python -m deit_ablate.sharpness")
 def main(argv: list[str] | None = None) -> int:
     """Measure, print, record; 0 on success, 2 with one line on stderr for bad input."""
     args = build_parser().parse_args(argv)

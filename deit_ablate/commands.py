@@ -1,0 +1,78 @@
+"""What every command-line entry point does around its work: the config schema and resolvers registered (a run's
+saved config holds `${at_scale:...}` and the like, which only they resolve), Hydra overrides checked with the quoting
+that fixes them, and Ctrl-C ended with one line and exit status 130, never a traceback (every file the commands write
+is replaced atomically, so an interrupted write leaves the previous file as it was).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+
+Main = TypeVar("Main", bound=Callable[..., int | None])
+
+
+def prepare_configs() -> None:
+    """Register the schema and the resolvers: every entry point passes through here before it composes or loads a
+    config."""
+    from deit_ablate.config import register_configs
+    from deit_ablate.resolvers import register_resolvers
+
+    register_configs()
+    register_resolvers()
+
+
+def interrupted(name: str) -> int:
+    """Say in one line that `name` stopped on Ctrl-C; the exit status to end with."""
+    print(f"\n{name}: stopped by Ctrl-C; files it had not finished writing keep their previous version",
+          file=sys.stderr)
+    return INTERRUPTED
+
+
+def command(name: str) -> Callable[[Main], Main]:
+    """Wrap an entry point's `main`: configs prepared first, and a Ctrl-C ends it with one line and status 130."""
+
+    def wrap(main: Main) -> Main:
+        @functools.wraps(main)
+        def run(*args, **kwargs) -> int | None:
+            try:
+                prepare_configs()
+                return main(*args, **kwargs)
+            except KeyboardInterrupt:
+                return interrupted(name)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+def quoted(override: str) -> str:
+    """`key=value` as the shell must be given it for Hydra to read the value as one string."""
+    key, _, value = override.partition("=")
+    if '"' in value and "'" not in value:
+        return f"\"{key}='{value}'\""
+    return f"'{key}=\"{value}\"'"
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Each Hydra override on the command line parses by Hydra's grammar; else one paragraph naming the override and
+    the quoting that fixes it, and exit status 2 (Hydra itself says only `mismatched input '='`)."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    parser = OverridesParser.create()
+    for override in args.overrides:
+        try:
+            parser.parse_override(override)
+        except HydraException as error:
+            problem = str(error).splitlines()[0]
+            print(f"\nerror: the override {override} is not one Hydra can read ({problem}). A value holding '=', a "
+                  "space, a comma, brackets, braces, parentheses or quotes must be quoted for Hydra, inside the "
+                  f"shell's own quotes: {quoted(override)}\n", file=sys.stderr)
+            sys.exit(2)

@@ -1,0 +1,166 @@
+"""The command-line entry points as a user runs them, in subprocesses without this suite's set-up: Hydra overrides
+Hydra cannot read (issue 39 point 8), Ctrl-C while a command writes (point 7), and every command on a finished run of
+every study it applies to (point 10: nothing registers the resolvers for them but the commands themselves)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, compose_config, run_train
+from test_aggregate import WRITER, _done, _run
+
+PAUSE = REPO / "tests" / "pause_at_write"
+AGGREGATE = [sys.executable, str(REPO / "scripts" / "aggregate.py")]
+
+
+def clean_env(cache: Path, **extra: str) -> dict[str, str]:
+    """The environment of a user's shell: this checkout importable, nothing of the suite's."""
+    return {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYTHONPATH": str(REPO),
+            "DEIT_ABLATE_CACHE": str(cache), "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "WANDB_MODE": "offline",
+            **extra}
+
+
+def test_an_unquoted_equals_sign_names_the_override_and_its_quoting(tmp_path, data_cache):
+    proc = run_train(["distill.teacher.checkpoint=/runs/a=b/t.pt"], tmp_path, data_cache, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "the override distill.teacher.checkpoint=/runs/a=b/t.pt" in lines[0]
+    assert lines[0].endswith("""'distill.teacher.checkpoint="/runs/a=b/t.pt"'""")
+    assert list(tmp_path.iterdir()) == []
+    # the quoting it gives, as the shell hands it over, reads the path whole
+    cfg = compose_config(['distill.teacher.checkpoint="/runs/a=b/t.pt"'])
+    assert cfg.distill.teacher.checkpoint == "/runs/a=b/t.pt"
+
+
+def interrupt_while_writing(command: list[str], name: str, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Start `command`, pause it as it opens a file named like `name` for writing, send SIGINT, let it go on; its
+    exit status and stderr."""
+    pause = cwd / "pause"
+    pause.mkdir(exist_ok=True)
+    env = {**env, "PYTHONPATH": f"{PAUSE}{os.pathsep}{env['PYTHONPATH']}", "DEIT_PAUSE_WRITE": name,
+           "DEIT_PAUSE_DIR": str(pause)}
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (pause / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    (pause / "go").touch()
+    _, stderr = proc.communicate(timeout=60)
+    return proc.returncode, stderr
+
+
+def assert_stopped_quietly(status: int, stderr: str, name: str) -> None:
+    """Exit status 130 and one line naming the command, no traceback."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert status == 130 and "Traceback" not in stderr, stderr
+    assert lines[-1] == f"{name}: stopped by Ctrl-C; files it had not finished writing keep their previous version"
+
+
+def test_ctrl_c_while_the_aggregator_writes_its_plot_keeps_the_previous_one(tmp_path, data_cache):
+    spec = [{**run, "dir": str(tmp_path)} for run in (_run("base-p0", "baseline", "pretrain", 0, _done(50.0)),
+                                                       _run("sgd-p0", "sgd", "pretrain", 0, _done(40.0)))]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = clean_env(data_cache)
+    subprocess.run([sys.executable, "-c", WRITER, str(tmp_path / "spec.json")], check=True, env=env, timeout=120)
+    out = tmp_path / "out"
+    command = [*AGGREGATE, str(tmp_path / "wandb"), "--plot", str(out / "plot.png"), "--out", str(out / "t.md"), "-q"]
+    subprocess.run(command, check=True, env=env, cwd=tmp_path, timeout=120, capture_output=True)
+    before = (out / "plot.png").read_bytes()
+    assert before.startswith(b"\x89PNG")
+
+    assert_stopped_quietly(*interrupt_while_writing(command, "plot.png", tmp_path, env), "deit-aggregate")
+    assert (out / "plot.png").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["plot.png", "t.md"]  # no temp file left
+
+
+# --- every command on a finished run of every study (slow: one tiny run per study, about a minute) ------------------
+# The rows' runs, in the order their commands run: the teachers row trains its teacher first (-m), the transfer row
+# needs its pre-training and fine-tune. The headline row keeps its own demo width and heads (TINY's would make it the
+# baseline's run).
+SHORT_STAGES = ["finetune.epochs=1", "finetune.global_batch=32", "transfer.epochs=1", "transfer.global_batch=32"]
+STUDY_COMMANDS = {
+    "ablation": [TINY],
+    "cait": [[*TINY, "cait=depth12"]],
+    "deit3": [[*TINY, "deit3=baseline"]],
+    "headline": [[a for a in TINY if a.split("=")[0] not in ("model.kwargs.embed_dim", "model.kwargs.num_heads")]
+                 + ["headline=deit_ti"]],
+    "sam": [[*TINY, "sam=baseline"]],
+    "teachers": [["-m", *TINY, "teachers=regnety_4gf"]],
+    "transfer": [[*TINY, *SHORT_STAGES, row] for row in ("stage=pretrain", "stage=finetune", "transfer=builtin_b")],
+}
+
+
+@pytest.fixture(scope="module")
+def study_runs(tmp_path_factory, data_cache) -> tuple[Path, dict[str, Path]]:
+    """One folder holding a finished run of a row of every study; the folder and each study's run."""
+    cwd = tmp_path_factory.mktemp("studies")
+    runs_dir = cwd / "outputs" / "runs"
+    found = {}
+    for study, commands in STUDY_COMMANDS.items():
+        before = set(runs_dir.glob("*")) if runs_dir.exists() else set()
+        for args in commands:
+            run_train(args, cwd, data_cache)
+        new = [p for p in set(runs_dir.glob("*")) - before if p.is_dir()]
+        (found[study],) = [p for p in new if p.name.startswith(f"{study}=")] or new
+    return cwd, found
+
+
+def test_every_study_has_a_run_here():
+    from deit_ablate.studies import study_names
+
+    assert sorted(STUDY_COMMANDS) == sorted(study_names())
+
+
+def _command(name: str, study: str, run: Path, cwd: Path) -> list[str]:
+    if name == "sharpness":
+        return [sys.executable, "-m", "deit_ablate.sharpness", str(run), "--images", "16", "--batch-size", "16",
+                "--iters", "2", "--draws", "1", *([] if study == "sam" else ["--no-wandb"])]
+    if name == "disagreement":
+        teacher = json.loads((run / "result.json").read_text()).get("teacher") or {}
+        others = [str(run.parent / Path(teacher["run"]).name)] if teacher.get("run") else []
+        return [sys.executable, "-m", "deit_ablate.disagreement", str(run), *others, "--out", str(cwd / study)]
+    return [*AGGREGATE, str(cwd / "outputs"), "--rows", study, "--format", "html", "--out",
+            str(cwd / study / "report.html"), "--plot", str(cwd / study / "plot.png")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("study", sorted(STUDY_COMMANDS))
+@pytest.mark.parametrize("name", ["sharpness", "disagreement", "aggregate"])
+def test_each_command_works_on_a_run_of_each_study_from_a_clean_shell(study_runs, data_cache, study, name):
+    cwd, runs = study_runs
+    (cwd / study).mkdir(exist_ok=True)
+    proc = subprocess.run(_command(name, study, runs[study], cwd), cwd=cwd, env=clean_env(data_cache),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if name == "sharpness":
+        assert "lambda_max" in json.dumps(json.loads((runs[study] / "result.json").read_text())["sharpness"])
+    elif name == "disagreement":
+        assert (cwd / study / "disagreement.png").read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert "<h1>" in (cwd / study / "report.html").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sharpness", "disagreement"])
+def test_ctrl_c_while_a_command_writes_keeps_its_previous_file(study_runs, data_cache, tmp_path, name):
+    cwd, runs = study_runs
+    target = runs["sam"] / "result.json" if name == "sharpness" else cwd / "sam" / "disagreement.png"
+    command = _command(name, "sam", runs["sam"], cwd)
+    if not target.exists():
+        (cwd / "sam").mkdir(exist_ok=True)
+        subprocess.run(command, cwd=cwd, env=clean_env(data_cache), check=True, capture_output=True, timeout=300)
+    before = target.read_bytes()
+    command = [part for part in command if part != "--no-wandb"] + (["--no-wandb"] if name == "sharpness" else [])
+    status, stderr = interrupt_while_writing(command, target.name, tmp_path, clean_env(data_cache))
+    assert_stopped_quietly(status, stderr, f"python -m deit_ablate.{name}")
+    assert target.read_bytes() == before
+    assert not [p for p in target.parent.iterdir() if p.name.endswith(".tmp")]
