@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jpegs", type=int, default=1024, help="JPEGs in the pipeline set")
     parser.add_argument("--e2e-steps", type=int, default=30, help="optimizer steps per end-to-end run")
     parser.add_argument("--e2e-epochs", type=int, default=4, help="epochs of each whole run in e2e_run (default 4)")
+    parser.add_argument("--e2e-micro-batch", type=int, help="our side's train.micro_batch in e2e and e2e_run (default: "
+                        "the demo's 32, 4 micro-batches a step; 128: one per step, the computation timm's makes)")
     parser.add_argument("--workers", type=int, help="loader workers (default: the cores of this process)")
     return parser.parse_args(argv)
 
@@ -71,7 +73,7 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> suite.Settings:
         model=args.model or ("deit_base" if gpu else "vit_demo"), size=args.size or (224 if gpu else 32),
         batch=32 if quick and args.batch == 128 else args.batch, compile=args.compile, jpeg_count=args.jpegs,
         e2e_steps=args.e2e_steps, e2e_batch=32 if quick else 128, e2e_epochs=args.e2e_epochs,
-        workers=args.workers)
+        e2e_micro_batch=args.e2e_micro_batch, workers=args.workers)
 
 
 @command("scripts/bench.py")

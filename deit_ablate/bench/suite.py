@@ -36,6 +36,7 @@ class Settings:
     e2e_warmup: int = 5
     e2e_batch: int = 128
     e2e_epochs: int = 4  # whole runs of the e2e_run section
+    e2e_micro_batch: int | None = None  # our side's train.micro_batch (None: the demo's 32; 128: timm's one batch)
     workers: int | None = None  # None: our default (the cores of the process)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -293,6 +294,8 @@ def e2e_overrides(s: Settings, workers: int, repeated_aug: bool) -> list[str]:
         overrides += [f"train.global_batch={s.e2e_batch}", f"train.micro_batch={s.e2e_batch}",
                       f"runtime.max_batch_per_device={s.e2e_batch}",
                       "finetune.min_lr=1e-6"]
+    if s.e2e_micro_batch is not None:
+        overrides.append(f"train.micro_batch={s.e2e_micro_batch}")
     return overrides
 
 
