@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -79,6 +80,16 @@ def _open_temp(path: Path, temp: Path | None) -> tuple[IO[bytes], Path]:
     return os.fdopen(fd, "wb"), name
 
 
+def _is_stream(path: Path) -> bool:
+    """Whether `path` is an existing device, pipe or socket: there is no file to replace (as root, a rename onto
+    /dev/null would replace the device with a regular file)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
 def _size(path: Path | None) -> int | None:
     try:
         return path.stat().st_size if path is not None else None
@@ -94,6 +105,10 @@ def atomic_write(path: str | os.PathLike, write: Writer, *, keep_previous: str |
     does not exist (a hard link, atomic on local disks, NFS and Lustre), else FileExistsError; an OSError where the
     file system has no hard links."""
     path = Path(path)
+    if _is_stream(path):  # /dev/null, a pipe, a terminal: written through, never replaced by a file
+        with open(path, "wb") as handle:
+            write(handle)
+        return
     tmp: Path | None = None
     try:
         handle, tmp = _open_temp(path, Path(temp) if temp is not None else None)

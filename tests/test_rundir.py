@@ -85,6 +85,23 @@ def test_an_exclusive_write_never_replaces_and_leaves_no_temp_file(tmp_path):
     assert target.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["run.lock"]
 
 
+def test_a_pipe_or_device_is_written_through_never_replaced(tmp_path):
+    # `--out /dev/null` as root: a rename onto it would replace the device with a regular file (a FIFO stands in)
+    import os
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    atomic.write_text_atomic(fifo, "table")
+    reader.join(timeout=10)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and received == [b"table"]
+    assert list(tmp_path.iterdir()) == [fifo]  # no temp file beside it
+
+
 def test_a_folder_is_made_whole_or_not_at_all(tmp_path):
     target = tmp_path / "set"
 
