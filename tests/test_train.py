@@ -101,6 +101,15 @@ def test_odd_batch_with_mixup_is_a_clear_error(tmp_path, data_cache):
     assert not list(tmp_path.glob("outputs/wandb/offline-run-*")) and not list(tmp_path.glob("outputs/runs/*"))
 
 
+def test_a_device_that_cannot_hold_a_micro_batch_is_refused_in_one_line_before_anything_is_written(tmp_path,
+                                                                                                  data_cache):
+    proc = run_train(TINY + ["runtime.max_batch_per_device=4"], tmp_path, data_cache, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr
+    assert "runtime.max_batch_per_device=4" in lines[0] and "train.micro_batch=8" in lines[0]
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.*"))
+
+
 def test_unknown_model_name_is_a_clear_error(tmp_path, data_cache):
     proc = run_train(TINY + ["model.name=deit_tinny_patch16_224"], tmp_path, data_cache, check=False)
     assert proc.returncode == 2 and "timm has no model named 'deit_tinny_patch16_224'" in proc.stderr
