@@ -103,14 +103,6 @@ class RunStreams:
         """A torch CPU generator seeded for `stream` at `epoch`."""
         return torch.Generator().manual_seed(self.seed_of(stream, epoch))
 
-    def sample_seed(self, stream: Stream, epoch: int, position: int) -> int:
-        """The seed of the sample at `position` of `epoch`'s dealt order, for `stream` (augment or erasing)."""
-        return mix_seed(self.seed_of(stream, epoch), position)
-
-    def chunk_seed(self, stream: Stream, epoch: int, step: int, slot: int) -> int:
-        """The seed of slot `slot`'s micro-batch at `step` of `epoch`, for `stream` (mix or drop)."""
-        return mix_seed(mix_seed(self.seed_of(stream, epoch), step), slot)
-
     def seed_init(self) -> None:
         """Seed the process for building the model: every rank builds the same initial weights."""
         seed = self.seed_of(Stream.INIT)
@@ -129,11 +121,11 @@ class EpochStreams:
                       for stream in (Stream.AUGMENT, Stream.ERASING, Stream.MIX, Stream.DROP)}
 
     def sample_seed(self, stream: Stream, position: int) -> int:
-        """RunStreams.sample_seed at this epoch."""
+        """The seed of the sample at `position` of the epoch's dealt order, for `stream` (augment or erasing)."""
         return mix_seed(self.bases[stream], position)
 
     def chunk_seed(self, stream: Stream, step: int, slot: int) -> int:
-        """RunStreams.chunk_seed at this epoch."""
+        """The seed of slot `slot`'s micro-batch at `step` of the epoch, for `stream` (mix or drop)."""
         return mix_seed(mix_seed(self.bases[stream], step), slot)
 
     def seed_chunk(self, step: int, slot: int) -> None:

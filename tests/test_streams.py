@@ -206,7 +206,7 @@ def test_a_micro_batch_draws_by_epoch_step_and_slot_alone():
 def test_random_erasing_draws_per_sample_whatever_the_batch():
     _, batch_step = build_train_pipeline(compose_config(["augment.reprob=1.0"]))
     images = torch.randint(0, 256, (6, 8, 8, 3), dtype=torch.uint8)
-    seeds = [RunStreams(STREAM_SEED).sample_seed(Stream.ERASING, 0, position) for position in range(6)]
+    seeds = [EpochStreams(RunStreams(STREAM_SEED), 0).sample_seed(Stream.ERASING, position) for position in range(6)]
     whole = batch_step(images, seeds=seeds)
     halves = torch.cat([batch_step(images[:3], seeds=seeds[:3]), batch_step(images[3:], seeds=seeds[3:])])
     assert torch.equal(whole, halves)  # an image's erasing depends on its seed only
@@ -218,10 +218,11 @@ def test_every_stream_seed_is_distinct_and_only_dalis_depends_on_the_rank():
         seeds = {RunStreams(STREAM_SEED, rank).seed_of(stream, 0) for rank in range(8)}
         assert len(seeds) == (8 if stream in PER_RANK else 1), stream
     # no two purposes, epochs or positions share a seed (seed + rank would: seed 1 rank 0 = seed 0 rank 1)
-    every = [RunStreams(seed).sample_seed(stream, epoch, position) for seed in (0, 1) for epoch in range(3)
-             for position in range(64) for stream in (Stream.AUGMENT, Stream.ERASING)]
-    every += [RunStreams(seed).chunk_seed(stream, epoch, step, slot) for seed in (0, 1) for epoch in range(3)
-              for step in range(8) for slot in range(8) for stream in (Stream.MIX, Stream.DROP)]
+    epochs = [EpochStreams(RunStreams(seed), epoch) for seed in (0, 1) for epoch in range(3)]
+    every = [seeds.sample_seed(stream, position) for seeds in epochs for position in range(64)
+             for stream in (Stream.AUGMENT, Stream.ERASING)]
+    every += [seeds.chunk_seed(stream, step, slot) for seeds in epochs for step in range(8) for slot in range(8)
+              for stream in (Stream.MIX, Stream.DROP)]
     assert len(set(every)) == len(every)
 
 
