@@ -451,7 +451,7 @@ def test_a_demo_row_with_class_attention_trains_under_ddp_and_the_aggregator_fin
     present = [r["key"] for r in table["rows"] if r["cells"]["pretrain"]["n"]]
     assert present == ["depth12_rezero", "ca_10_2"]  # Table 1 before Table 2, as in the paper
     # Among other runs (a Table 8 run here), Table 8 by default; `--paper cait` picks the study's runs.
-    one_step_run.copy_into(tmp_path)  # TINY + train.max_steps=1, trained once per session
+    one_step_run.copy_into(tmp_path)  # TINY + train.max_steps=1 train.micro_batch=16, trained once per session
     assert cli.main([wandb_dir, "--format", "json", "--out", str(out), "-q"]) == 0
     assert json.loads(out.read_text())["paper"]["table"] == "table8"
     assert cli.main([wandb_dir, "--paper", "cait", "--format", "json", "--out", str(out)]) == 0

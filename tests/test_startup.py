@@ -14,7 +14,7 @@ import pytest
 from deit_ablate.rundir import HYDRA, HYDRA_CONFIG, MULTIRUN, RUNS, wandb_root
 from tests.conftest import TINY, compose_config, run_train
 
-ONE_STEP = TINY + ["train.max_steps=1"]
+ONE_STEP = TINY + ["train.max_steps=1", "train.micro_batch=16"]  # the one_step_run fixture's run
 DUMMY_KEY = "0123456789abcdef" * 2 + "01234567"  # 40 characters, the length of a wandb API key
 
 

@@ -33,10 +33,10 @@ def install(out_path: str) -> None:
             mixup_seconds[0] += time.perf_counter() - start
 
     @functools.wraps(original_step)
-    def timed_step(self, images, targets):
+    def timed_step(self, images, targets, *args, **kwargs):
         mixup_seconds[0] = 0.0
         enter = time.time()
-        loss = original_step(self, images, targets)
+        loss = original_step(self, images, targets, *args, **kwargs)
         synchronize(self.info.device)  # attribute GPU time to the step that queued it
         out.write(json.dumps({"enter": enter, "exit": time.time(), "mixup_s": mixup_seconds[0],
                               "batch": int(images.shape[0])}) + "\n")
