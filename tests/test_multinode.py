@@ -119,7 +119,7 @@ def test_two_nodes_make_the_first_update_of_16_ranks_on_one_and_only_rank_0_writ
     for rank in range(16):  # one process group of 16 over both nodes, each rank in its own node's namespace
         node, local = NODES[rank // 8], rank % 8
         assert f"[dist] rank {rank} of 16 (local rank {local} on {node}) joined the process group (gloo, cpu)" in logs
-    assert "global batch 32 = 16 x 2 per rank" in logs, proc.stdout[-2000:]
+    assert "global batch 32 = 16 micro-batches of 2 (virtual slots), 1 per rank and step" in logs, proc.stdout[-2000:]
     _assert_on_both_nodes(tmp_path)
     _assert_same_update(_first_update(tmp_path), one_node_update)
 

@@ -51,7 +51,8 @@ def test_sweep_runs_8_rank_jobs_and_chains_the_finetune_after_its_pretraining(tm
     for rank in range(8):  # every job formed one Gloo group of world size 8
         assert len(re.findall(rf"\[dist\] rank {rank} of 8 \(local rank {rank} on \S+\) joined the process group "
                               r"\(gloo, cpu\)", logs)) == 2
-    assert logs.count("global batch 32 = 8 x 4 per rank") == 2  # printed by rank 0 only
+    # printed by rank 0 only
+    assert logs.count("global batch 32 = 8 micro-batches of 4 (virtual slots), 1 per rank and step") == 2
     runs = read_offline(wandb_root(tmp_path / "outputs"))
     assert len(runs) == 2 and {r.config["stage"] for r in runs} == {"pretrain", "finetune"}  # rank 0 only
     assert all(r.summary["world_size"] == 8 for r in runs)
