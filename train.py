@@ -6,7 +6,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from deit_ablate.commands import check_overrides, prepare_configs
+from deit_ablate.commands import check_overrides, prepare_configs, show_stage_config
 from deit_ablate.errors import ConfigError, RunError, no_access
 from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
 
@@ -84,6 +84,8 @@ def exit_now(status: int) -> None:
 if __name__ == "__main__":
     check_group_options(sys.argv[1:])
     check_overrides(sys.argv[1:])
+    if show_stage_config(sys.argv[1:]):  # a fine-tune or transfer as it runs, not as composed
+        exit_now(0)
     sys.argv += one_writer_overrides(int(os.environ.get("RANK", "0")))  # under torchrun: rank 0 saves .hydra/
     try:
         main()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
 from deit_ablate.config import DistillKind, Precision, Stage, TeacherView
@@ -28,6 +28,7 @@ from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, compile_in_place
 from deit_ablate.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
 from deit_ablate.plan import RunPlan
+from deit_ablate.stage_config import stage_config
 from deit_ablate.stages import (
     StageRecipe,
     classifier_names,
@@ -174,18 +175,16 @@ def transfer_source(plan: RunPlan, module: torch.nn.Module) -> dict[str, Any] | 
 
 
 def stage_model_config(cfg: DictConfig) -> DictConfig:
-    """The model block this stage builds: a transfer's stochastic depth is transfer.drop_path (issue #45 removes
-    it), every other stage's model.drop_path."""
-    if cfg.stage != Stage.transfer:
-        return cfg.model
-    return OmegaConf.merge(cfg.model, {"drop_path": cfg.transfer.drop_path})
+    """The model block this stage builds (stage_config.py: a transfer's stochastic depth is transfer.drop_path, which
+    issue #45 removes; a fine-tune's override set may change any model key)."""
+    return stage_config(cfg).model
 
 
 def stage_optimizer(cfg: DictConfig, recipe: StageRecipe, module: torch.nn.Module, info: DistInfo
                     ) -> torch.optim.Optimizer:
     """This stage's optimizer at its batch-scaled lr; a fine-tune with finetune.layer_decay gets one lr scale per
     layer, logged."""
-    lr = scaled_lr(recipe.lr, recipe.global_batch, cfg.optimizer.lr_base_batch)
+    lr = scaled_lr(recipe.lr, recipe.global_batch, recipe.lr_base_batch)
     layer_decay = cfg.finetune.layer_decay if cfg.stage == Stage.finetune else None  # checked: validate.py
     optimizer = build_optimizer(module, recipe.optimizer, lr, recipe.weight_decay, cfg.optimizer.momentum,
                                 tuple(cfg.optimizer.betas), cfg.optimizer.eps, layer_decay=layer_decay)

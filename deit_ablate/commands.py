@@ -76,3 +76,45 @@ def check_overrides(argv: list[str]) -> None:
                   "space, a comma, brackets, braces, parentheses or quotes must be quoted for Hydra, inside the "
                   f"shell's own quotes: {quoted(override)}\n", file=sys.stderr)
             sys.exit(2)
+
+
+def show_stage_config(argv: list[str]) -> bool:
+    """`python train.py <overrides> stage=finetune --cfg job` (or `all`, with `--package`, `--resolve`): print the
+    config the stage runs (stage_config.py), where Hydra would print the composed one, and say True; False for
+    what Hydra prints as the run runs it (a pre-training, `--cfg hydra`, a sweep, another config)."""
+    from hydra._internal.utils import get_args_parser
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    from deit_ablate.config import compose_run_config
+    from deit_ablate.errors import ConfigError
+    from deit_ablate.stage_config import stage_config
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.cfg not in ("job", "all") or args.multirun or args.config_name or args.config_dir or args.config_path:
+        return False
+    prepare_configs()
+    cfg = compose_run_config(args.overrides)
+    if str(cfg.stage) == "pretrain":
+        return False
+    try:
+        shown = stage_config(cfg)
+    except ConfigError as error:
+        print(f"\nerror: {error}\n", file=sys.stderr)
+        sys.exit(2)
+    if args.cfg == "job":
+        with read_write(shown), open_dict(shown):
+            del shown["hydra"]
+    package = None if args.package in (None, "_global_") else args.package
+    if package is not None:
+        shown = OmegaConf.select(shown, package)
+        if shown is None:
+            print(f"package '{package}' not found in config", file=sys.stderr)
+            sys.exit(1)
+        print(f"# @package {package}")
+    if not OmegaConf.is_config(shown):
+        print(shown)
+        return True
+    if args.resolve:
+        shown = OmegaConf.create(OmegaConf.to_container(shown, resolve=True))
+    sys.stdout.write(OmegaConf.to_yaml(shown))
+    return True

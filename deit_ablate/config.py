@@ -257,6 +257,9 @@ class FinetuneConfig:
     global_batch: int | None = ranged(None, ge=1)  # None: train.global_batch; the paper preset sets 512 (32 x 16 GPUs)
     micro_batch: int = ranged(32, ge=1)  # the released command's 32 images per GPU: the unit of every per-batch draw
     lr: float = ranged(5e-6, gt=0)  # per lr_base_batch images, like optimizer.lr
+    # the fine-tune's own lr rule: lr is said per this many images (main.py's 512 for every stage), whatever the
+    # pre-training's optimizer.lr_base_batch (the original ViT recipe's 4096)
+    lr_base_batch: int = ranged(512, ge=1)
     weight_decay: float = ranged(1e-8, ge=0)
     epochs: int = ranged(30, ge=1)
     warmup_epochs: float = ranged(5.0, ge=0)  # main.py's --warmup-epochs default
@@ -272,6 +275,9 @@ class FinetuneConfig:
     # The size this row pre-trains at when it is not the preset's (DeiT III's low-resolution pre-training): a
     # fine-tune's config then tells apart pre-trainings that differ only in size (None: the preset's).
     pretrain_size: int | None = ranged(None, ge=1)
+    # Any other key of the run as this stage runs it, nested as in the config (`mix: {criterion: ce}`): applied over
+    # the pre-training's values (stage_config.py). DeiT III's fine-tune changes its loss, augmentation and drop path.
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -288,14 +294,17 @@ class TransferConfig:
     optimizer: str = "sgd"
     global_batch: int = ranged(768, ge=1)
     micro_batch: int | None = ranged(None, ge=1)  # None: train.micro_batch (issue #45 names no per-GPU batch)
-    lr: float = ranged(0.01, gt=0)  # per lr_base_batch images, like optimizer.lr
+    # Issue #45's "lr 0.01" read as main.py reads --lr: per 512 images (0.015 at batch 768), an lr rule of its own
+    lr: float = ranged(0.01, gt=0)
+    lr_base_batch: int = ranged(512, ge=1)
     weight_decay: float = ranged(1e-4, ge=0)
-    epochs: int = ranged(1000, ge=1)
+    epochs: int = ranged(1000, ge=1)  # CaiT's transfers (section 4.3) too; conf/transfer/inat*.yaml: its 360
     warmup_epochs: float = ranged(5.0, ge=0)
     warmup_lr: float = ranged(1e-6, ge=0)  # main.py's --warmup-lr default
     min_lr: float = ranged(1e-5, ge=0)  # main.py's --min-lr default
     drop_path: float = fraction(0.0)  # stochastic depth removed (issue #45)
     reprob: float = fraction(0.0)  # random erasing removed (issue #45)
+    overrides: dict[str, Any] = field(default_factory=dict)  # any other key, as FinetuneConfig.overrides
 
 
 @dataclass

@@ -34,10 +34,12 @@ from deit_ablate.keys import (
     NOT_IDENTITY,
     TEACHER_KEYS,
     TRANSFER_ONLY,
+    inherited_lr_rules,
     is_default_leaf,
     legacy_keys,
     unused_teacher,
 )
+from deit_ablate.stage_config import is_applied
 from deit_ablate.studies import study_names
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
@@ -94,6 +96,8 @@ def _leaf(tree: dict[str, Any], dotted: str) -> Any:
 def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The resolved experiment part of `cfg` as plain data (top-level keys in `drop` left out too); with Hydra's
     group `choices`, also the legacy keys every digest carries (keys.legacy_keys: Table 8's row)."""
+    if is_applied(cfg):
+        raise ValueError("a run's identity is its composed config, not the config its stage runs (stage_config)")
     out: dict[str, Any] = {}
     for key in cfg:
         if key in NOT_EXPERIMENT or key in drop:
@@ -105,7 +109,7 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
     distill = out.get("distill")
     if isinstance(distill, dict) and unused_teacher(TEACHER_KEYS, distill.get("type")):
         distill["teacher"] = preset_teacher(out.get("preset", "demo"))  # as if the run were given no teacher
-    for dotted in NOT_IDENTITY:
+    for dotted in (*NOT_IDENTITY, *inherited_lr_rules(lambda key: _leaf(out, key))):
         _pop(out, dotted)
     for dotted in ADDED_KEYS:  # runs from before a key keep their identity while it holds its default
         if is_default_leaf(dotted, _leaf(out, dotted)):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 # Top-level nodes that are not the experiment: how it runs, and Hydra's own settings.
@@ -28,7 +30,15 @@ ADDED_KEYS: dict[str, object] = {
     "train.micro_batch": 128,
     "finetune.micro_batch": 32,
     "transfer.micro_batch": None,  # a teacher trained in the same sweep (Table 2); its weights' digest stands for it
+    # a later stage's override set (stage_config.py): none is the stage as it ran before sets existed
+    "finetune.overrides": {},
+    "transfer.overrides": {},
 }
+# A later stage's own lr rule, added when it stopped following the pre-training's: left out while it equals
+# optimizer.lr_base_batch (what every stage read before), so earlier runs keep their identity; any other value is
+# another run, as its lr is another.
+STAGE_LR_RULES = ("finetune.lr_base_batch", "transfer.lr_base_batch")
+PRETRAIN_LR_RULE = "optimizer.lr_base_batch"
 # The transfer recipe (DeiT Table 7), which only the transfer stage reads: runs of the other stages leave it out of
 # their identity and their settings (logs from before it have none).
 TRANSFER_ONLY = "transfer"
@@ -74,8 +84,18 @@ def legacy_keys(choices: dict[str, Any]) -> dict[str, str]:
 
 
 def is_default_leaf(dotted: str, value: Any) -> bool:
-    """Whether a leaf holds a default that the identity leaves out (`data.backend=pil`), as if it were unset."""
-    return dotted in ADDED_KEYS and value == ADDED_KEYS[dotted]
+    """Whether a leaf holds a default that the identity leaves out (`data.backend=pil`), as if it were unset (an
+    empty mapping also as the JSON text a flattened config holds)."""
+    if dotted not in ADDED_KEYS:
+        return False
+    default = ADDED_KEYS[dotted]
+    return value == default or (isinstance(default, dict) and value == json.dumps(default))
+
+
+def inherited_lr_rules(get: Callable[[str], Any]) -> list[str]:
+    """The stage lr rules (STAGE_LR_RULES) that equal the pre-training's, by `get` (dotted key -> value or None):
+    what the identity and the aggregator's settings leave out."""
+    return [key for key in STAGE_LR_RULES if get(key) is not None and get(key) == get(PRETRAIN_LR_RULE)]
 
 
 def is_teacher_key(dotted: str) -> bool:

@@ -113,7 +113,7 @@ def log_again_if_lost(plan: RunPlan, what_happened: str) -> None:
     if runtime.tracking.mode == TrackingMode.disabled or wandb_logs(runtime.output_root, identity.run_id):
         return
     summary = wandb_summary(run_dir.read_summary())  # a measured sharpness as its three figures
-    Tracker(plan.settings, identity, plan.data, enabled=True, run_dir=run_dir.path, write_csv=False).replay(
+    Tracker(plan.declared, identity, plan.data, enabled=True, run_dir=run_dir.path, write_csv=False).replay(
         read_epoch_rows(run_dir.metrics), summary)
     log.warning(f"[run] the wandb log of {identity.name} (id {identity.run_id}) under "
                 f"{wandb_root(runtime.output_root)} {what_happened}: logged its result and epochs again from "
@@ -128,7 +128,7 @@ def record_without_training(plan: RunPlan, upstream: str, is_main: bool = True) 
                       else f"pre-training ended as {upstream}; not fine-tuned")}
     if not is_main:
         return final
-    tracker = Tracker(plan.settings, plan.identity, plan.data, enabled=True, run_dir=plan.run_dir.path)
+    tracker = Tracker(plan.declared, plan.identity, plan.data, enabled=True, run_dir=plan.run_dir.path)
     tracker.summary(final)
     tracker.finish()
     record_identity(plan)

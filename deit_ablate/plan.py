@@ -28,6 +28,7 @@ from deit_ablate.identity import (
 from deit_ablate.models import student_model_name
 from deit_ablate.resolvers import folder_identity
 from deit_ablate.rundir import RunDir
+from deit_ablate.stage_config import stage_config
 from deit_ablate.stages import (
     StageRecipe,
     check_layer_scale_run,
@@ -46,7 +47,8 @@ from deit_ablate.validate import BatchPlan, plan_batch
 class RunPlan:
     """One run, resolved: what it is (identity, data), where it lives (its folder) and how it trains."""
 
-    settings: DictConfig  # the composed config, checked against the schema (config.py) and read-only
+    settings: DictConfig  # the config the stage runs (stage_config.py), checked against the schema, read-only
+    declared: DictConfig  # the composed config, which names the run (its identity) and is what wandb logs
     overrides: tuple[str, ...]  # the launch's task overrides, which name the run and the runs it starts from
     identity: RunIdentity  # folder name, wandb id and group, experiment digest, teacher weights
     run_dir: RunDir
@@ -100,11 +102,13 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     is a ConfigError, raised the same on every rank. The config was checked before Hydra made the
     run's folder (preflight.py, the sweeper), once per launch; this checks what only the run sees: the data there,
     the teacher's weights, the world size's split of the batch."""
-    OmegaConf.set_readonly(cfg, True)
+    declared = cfg
+    OmegaConf.set_readonly(declared, True)
+    cfg = stage_config(declared)  # composed once: every piece below reads the stage's config
     run_dir = run_dir or RunDir(current_run_dir())
     overrides = task_overrides() if overrides is None else overrides
     choices = composed_choices(cfg) if "hydra" in cfg else task_choices()
-    named = folder_identity(cfg, run_dir.name, overrides, choices)  # the folder Hydra made, or found
+    named = folder_identity(declared, run_dir.name, overrides, choices)  # the folder Hydra made, or found
     data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
     teacher_run = teacher_run_dir(cfg, overrides)  # composes the chained teacher run's config: once
     teacher = agree(info, lambda: run_teacher(cfg, teacher_run, overrides))
@@ -117,7 +121,8 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     layer_scale = layer_scale_run_dir(cfg, overrides)
     if layer_scale is not None and not cfg.runtime.dry_run:  # the dry run says it waits for it (launch_plan)
         check_layer_scale_run(cfg, layer_scale, data.get("digest"), overrides)
-    return RunPlan(settings=cfg, overrides=tuple(overrides), identity=identity, run_dir=run_dir, data=data,
+    return RunPlan(settings=cfg, declared=declared, overrides=tuple(overrides), identity=identity, run_dir=run_dir,
+                   data=data,
                    batch=plan_batch(cfg, info.world_size), recipe=stage_recipe(cfg, upstream),
                    model_name=student_model_name(cfg), upstream=upstream, teacher_run=teacher_run, teacher=teacher,
                    layer_scale_source=layer_scale)

@@ -115,7 +115,7 @@ def _train(plan: RunPlan, info: DistInfo) -> dict[str, Any]:
     set_cpu_threads(plan.settings.runtime.cpu_threads, info.device)
     pieces = build_pieces(plan, info)  # every input error is raised by now, before anything is logged
     progress, state = _resume(plan, info, pieces)
-    tracker = Tracker(plan.settings, plan.identity, plan.data, enabled=info.is_main, run_dir=plan.run_dir.path)
+    tracker = Tracker(plan.declared, plan.identity, plan.data, enabled=info.is_main, run_dir=plan.run_dir.path)
     if info.is_main:
         record_identity(plan)
     pieces.trainer.on_log = tracker.log

@@ -20,6 +20,7 @@ from deit_ablate.identity import pretrain_overrides, swap_overrides, task_overri
 from deit_ablate.models import resize_pos_embed_state
 from deit_ablate.resolvers import run_dir_of
 from deit_ablate.rundir import LAST, RUNS, RunDir
+from deit_ablate.stage_config import STAGE_BLOCKS, stage_config
 from deit_ablate.studies import study_names
 from deit_ablate.transfer import SOURCE_ROLE, source_overrides, source_run_dir
 
@@ -36,6 +37,7 @@ class StageRecipe:
     warmup_epochs: float
     warmup_lr: float
     min_lr: float
+    lr_base_batch: int = 512  # lr is per this many images: the stage's own rule
     train_mode: bool = True  # False: the model stays in eval mode while it trains (DeiT's fine-tune)
     init_checkpoint: Path | None = None
 
@@ -46,23 +48,21 @@ def stage_distils(cfg: DictConfig) -> bool:
     return cfg.distill.type != DistillKind.none and cfg.stage != Stage.transfer
 
 
+def _stage_key(cfg: DictConfig, key: str) -> str:
+    """The key that sets the run's `train.<key>` in this stage: its block's, when that one is set."""
+    block = STAGE_BLOCKS.get(str(cfg.stage))
+    return f"{block}.{key}" if block is not None and cfg[block].get(key) is not None else f"train.{key}"
+
+
 def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
     """This stage's global batch and the key that sets it (finetune.global_batch, else train.global_batch)."""
-    if cfg.stage == Stage.finetune and cfg.finetune.global_batch is not None:
-        return cfg.finetune.global_batch, "finetune.global_batch"
-    if cfg.stage == Stage.transfer:
-        return cfg.transfer.global_batch, "transfer.global_batch"
-    return cfg.train.global_batch, "train.global_batch"
+    return stage_config(cfg).train.global_batch, _stage_key(cfg, "global_batch")
 
 
 def stage_micro_batch(cfg: DictConfig) -> tuple[int, str]:
     """This stage's micro-batch and the key that sets it (finetune.micro_batch in a fine-tune, transfer.micro_batch
     in a transfer unless it is unset, else train.micro_batch)."""
-    if cfg.stage == Stage.finetune:
-        return cfg.finetune.micro_batch, "finetune.micro_batch"
-    if cfg.stage == Stage.transfer and cfg.transfer.micro_batch is not None:
-        return cfg.transfer.micro_batch, "transfer.micro_batch"
-    return cfg.train.micro_batch, "train.micro_batch"
+    return stage_config(cfg).train.micro_batch, _stage_key(cfg, "micro_batch")
 
 
 def upstream_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
@@ -113,14 +113,15 @@ def _not_finished(cfg: DictConfig, upstream: RunDir) -> str:
 
 
 def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe:
-    """Pre-training uses `optimizer`/`train`; fine-tuning the `finetune` block (Table 8, second column), a transfer
-    the `transfer` block (Table 7, facebookresearch/deit issue #45), each starting from its init_checkpoint, else
-    from the last checkpoint of the run it starts from, `upstream`."""
-    global_batch, _ = stage_global_batch(cfg)
+    """The stage's `optimizer` and `train` as it runs them (stage_config.py: a fine-tune's are the `finetune` block's,
+    Table 8's second column; a transfer's the `transfer` block's, Table 7 and facebookresearch/deit issue #45), a
+    later stage starting from its init_checkpoint, else from the last checkpoint of the run it starts from,
+    `upstream`."""
+    applied = stage_config(cfg)
+    opt, train = applied.optimizer, applied.train
     if cfg.stage == Stage.pretrain:
-        opt = cfg.optimizer
-        return StageRecipe(global_batch, opt.name, opt.lr, opt.weight_decay, cfg.train.epochs, opt.warmup_epochs,
-                           opt.warmup_lr, opt.min_lr)
+        return StageRecipe(train.global_batch, opt.name, opt.lr, opt.weight_decay, train.epochs, opt.warmup_epochs,
+                           opt.warmup_lr, opt.min_lr, opt.lr_base_batch)
     block = cfg.transfer if cfg.stage == Stage.transfer else cfg.finetune
     if block.init_checkpoint:
         init = Path(block.init_checkpoint).expanduser()
@@ -128,8 +129,8 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
         init = (upstream or upstream_run_dir(cfg)).last_checkpoint
     # a transfer trains in train mode, like a pre-training; a fine-tune as finetune.train_mode says
     train_mode = cfg.stage == Stage.transfer or block.train_mode
-    return StageRecipe(global_batch, block.optimizer, block.lr, block.weight_decay, block.epochs, block.warmup_epochs,
-                       block.warmup_lr, block.min_lr, train_mode=train_mode, init_checkpoint=init)
+    return StageRecipe(train.global_batch, opt.name, opt.lr, opt.weight_decay, train.epochs, opt.warmup_epochs,
+                       opt.warmup_lr, opt.min_lr, opt.lr_base_batch, train_mode=train_mode, init_checkpoint=init)
 
 
 def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:

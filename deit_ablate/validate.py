@@ -29,6 +29,7 @@ from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
 from deit_ablate.models import student_model_name
 from deit_ablate.rundir import check_output_root
+from deit_ablate.stage_config import check_stage_overrides, stage_config
 from deit_ablate.stages import layer_scale_row, stage_global_batch, stage_micro_batch
 from deit_ablate.teacher import check_distill_config
 from deit_ablate.tracking import check_tracking
@@ -91,9 +92,9 @@ def per_batch_computations(cfg: DictConfig) -> list[str]:
         found.append("Mixup/CutMix draws one lambda and box per micro-batch")
     if cfg.stage == Stage.pretrain and cfg.optimizer.sam_rho > 0:
         found.append("SAM perturbs each micro-batch by its own gradient (m-sharpness)")
+    cfg = stage_config(cfg)
     train_mode = cfg.finetune.train_mode if cfg.stage == Stage.finetune else True
-    drop_path = cfg.transfer.drop_path if cfg.stage == Stage.transfer else cfg.model.drop_path
-    if train_mode and (drop_path > 0 or cfg.model.dropout > 0):
+    if train_mode and (cfg.model.drop_path > 0 or cfg.model.dropout > 0):
         found.append("drop path and dropout draw their masks per micro-batch")
     if train_mode and has_batch_norm(cfg):
         found.append("BatchNorm normalises over the micro-batch")
@@ -349,8 +350,11 @@ def check_teacher_view(cfg: DictConfig) -> None:
 
 
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
-    """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run."""
+    """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run: the config
+    the run's stage runs (stage_config.py), every stage's override set checked."""
     check_known_keys(cfg)
+    check_stage_overrides(cfg)
+    cfg = stage_config(cfg)
     check_ranges(cfg)
     check_names(cfg)
     check_criterion(cfg)

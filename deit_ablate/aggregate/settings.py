@@ -11,7 +11,14 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from deit_ablate.keys import LEGACY_CHOICE_KEYS, is_default_leaf, is_execution_key, unused_by_stage, unused_teacher
+from deit_ablate.keys import (
+    LEGACY_CHOICE_KEYS,
+    inherited_lr_rules,
+    is_default_leaf,
+    is_execution_key,
+    unused_by_stage,
+    unused_teacher,
+)
 from deit_ablate.studies import default_choices, preset_choices
 
 from .paper import default_table, paper_table
@@ -58,8 +65,10 @@ def experiment_settings(config: dict[str, Any]) -> dict[str, Any]:
     the transfer recipe outside the transfer stage, nor a teacher in a run that does not distil)."""
     stage = config.get("stage", "pretrain")
     distill_type = (config.get("distill") or {}).get("type")
-    return {k: v for k, v in flatten(config).items()
-            if not _ignored(k, v) and not unused_by_stage(k, stage) and not unused_teacher(k, distill_type)}
+    flat = flatten(config)
+    inherited = inherited_lr_rules(flat.get)
+    return {k: v for k, v in flat.items() if not _ignored(k, v) and k not in inherited
+            and not unused_by_stage(k, stage) and not unused_teacher(k, distill_type)}
 
 
 def signature(settings: dict[str, Any]) -> tuple[tuple[str, str], ...]:

@@ -11,12 +11,13 @@ from deit_ablate.config import CropMode, DataBackend
 from deit_ablate.data.batch import BatchNormalize, split_for_batches
 from deit_ablate.data.fast_jpeg import fast_train_transform
 from deit_ablate.data.three_augment import THREE_AUGMENT_POLICY, with_simple_crop
+from deit_ablate.stage_config import stage_config
 
 
 def stage_reprob(cfg: DictConfig) -> float:
-    """Random erasing's probability in this stage: transfer.reprob in a transfer (issue #45 removes it), else
-    augment.reprob."""
-    return float(cfg.transfer.reprob if str(cfg.stage) == "transfer" else cfg.augment.reprob)
+    """Random erasing's probability in this stage (stage_config.py: transfer.reprob in a transfer, which issue #45
+    removes; a fine-tune's override set may change it)."""
+    return float(stage_config(cfg).augment.reprob)
 
 
 def build_train_transform(cfg: DictConfig) -> Callable:
