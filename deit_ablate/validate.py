@@ -216,8 +216,9 @@ def check_auto_augment(policy: str | None) -> None:
                           f"Expected {AUGMENT_FORMS}.")
 
 
-# Free-form nodes: extra timm arguments, passed through as given.
-FREE_FORM = ("model.kwargs", "distill.teacher.kwargs")
+# Free-form nodes: extra timm arguments, passed through as given; a stage's override set (checked against the
+# whole config: stage_config.check_stage_overrides).
+FREE_FORM = ("model.kwargs", "distill.teacher.kwargs", "finetune.overrides", "transfer.overrides")
 
 
 def check_known_keys(cfg: DictConfig) -> None:

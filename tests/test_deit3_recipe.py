@@ -52,10 +52,11 @@ def test_deit3_composes_at_paper_scale_with_vit_b_values():
     assert (model.drop_path, model.dropout) == (0.2, 0.0)
     assert model.kwargs.init_values == 1e-4 and model.kwargs.drop_path_schedule == "uniform"
     assert cfg.resolution.crop_pct == 1.0  # --eval-crop-ratio 1.0
-    # the ViT-B fine-tune: --opt adamw --lr 1e-5 at 8 x 64, --weight-decay 0.1 --epochs 20, train mode
+    # the ViT-B fine-tune: --opt adamw --lr 1e-5 --unscale-lr at 16 x 32, --weight-decay 0.1 --epochs 20, train mode
+    # (its loss and augmentation: tests/test_stage_recipes.py)
     ft = cfg.finetune
     assert (ft.optimizer, ft.global_batch, ft.weight_decay, ft.epochs, ft.warmup_epochs) == ("adamw", 512, 0.1, 20, 5)
-    assert ft.lr * ft.global_batch / opt.lr_base_batch == pytest.approx(1e-5)
+    assert ft.lr * ft.global_batch / ft.lr_base_batch == pytest.approx(1e-5)
     assert ft.train_mode is True and ft.min_lr == 1e-5
 
 

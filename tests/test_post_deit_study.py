@@ -21,14 +21,17 @@ from tests.test_ablation import _composed, _flat
 
 STUDY = "deit3"
 RA = {"augment.auto_augment": "rand-m9-mstd0.5-inc1", "augment.three_augment": False}
+FT_224 = {"finetune.micro_batch": 64, "finetune.overrides.model.drop_path": 0.2}
+FT_224_DEMO = {"finetune.overrides.model.drop_path": 0.1}
 # Each row: the row it extends and what it changes there, at paper and demo scale, in (pre-training, fine-tune).
 ROWS: dict[str, tuple[str, dict, dict, dict, dict]] = {
     "randaugment": ("baseline", RA, RA, RA, RA),
     "epochs_300": ("baseline", *[{"train.epochs": 300}] * 2, *[{"train.epochs": 4}] * 2),
     "epochs_300_ce": ("epochs_300", *[{"mix.criterion": "ce"}] * 4),
-    # 224 throughout: the fine-tune at 224 (demo: 32), not the preset's 384 (48)
-    "res_224": ("baseline", {}, {"resolution.train_size": 224, "resolution.eval_size": 224},
-                {}, {"resolution.train_size": 32, "resolution.eval_size": 32}),
+    # 224 throughout: the fine-tune at 224 (demo: 32), not the preset's 384 (48), as DeiT III's 224 fine-tune (its
+    # micro-batch and drop path: the finetune block, in both stages' config)
+    "res_224": ("baseline", {**FT_224}, {"resolution.train_size": 224, "resolution.eval_size": 224, **FT_224},
+                {**FT_224_DEMO}, {"resolution.train_size": 32, "resolution.eval_size": 32, **FT_224_DEMO}),
     # low-resolution pre-training, then the same fine-tune as res_224; the fine-tune names the pre-training's size
     "res_128": ("res_224", {"resolution.train_size": 128, "resolution.eval_size": 128, "finetune.pretrain_size": 128},
                 {"finetune.pretrain_size": 128},
@@ -108,7 +111,7 @@ def test_the_fine_tune_is_deit3s_released_fine_tune_command():
     """AdamW, lr 1e-5 at the fine-tune's batch of 512, weight decay 0.1, 20 epochs (5 warm-up), train mode."""
     cfg = _row("baseline", "paper", "finetune")
     assert cfg["finetune.optimizer"] == "adamw" and cfg["finetune.global_batch"] == 512
-    assert scaled_lr(cfg["finetune.lr"], 512, cfg["optimizer.lr_base_batch"]) == pytest.approx(1e-5)
+    assert scaled_lr(cfg["finetune.lr"], 512, cfg["finetune.lr_base_batch"]) == pytest.approx(1e-5)  # its own rule
     assert cfg["finetune.min_lr"] == 1e-5 and cfg["finetune.weight_decay"] == 0.1
     assert cfg["finetune.epochs"] == 20 and cfg["finetune.warmup_epochs"] == 5 and cfg["finetune.train_mode"]
     assert cfg["resolution.train_size"] == 384  # the baseline's second stage is the preset's
