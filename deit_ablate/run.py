@@ -44,6 +44,7 @@ from deit_ablate.predictions import INDEX, compact, gather_in_order
 from deit_ablate.report import print_summary, summarize, wandb_summary
 from deit_ablate.rundir import DATA, RunDir
 from deit_ablate.sharpness import figures_text, measure_weights
+from deit_ablate.stage_config import stage_changes
 from deit_ablate.stages import upstream_status
 from deit_ablate.stopping import StopSignals
 from deit_ablate.streams import STREAMS_VERSION, RunStreams
@@ -198,6 +199,9 @@ def _start_line(plan: RunPlan, info: DistInfo, pieces: Pieces, tracker: Tracker)
                  f"{pieces.loaders.steps_per_epoch} steps/epoch, {recipe.epochs} epochs, "
                  f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}"
                  + (f", {torch.get_num_threads()} torch thread(s)" if info.device.type == "cpu" else ""))
+        changes = stage_changes(plan.declared, cfg)
+        if changes:
+            log.info(f"[run] the {cfg.stage} runs its pre-training's config with: {', '.join(changes)}")
     facts = {"nodes": placement(info), "model_name": plan.model_name, "architecture": arch}  # host -> ranks
     tracker.summary({"world_size": info.world_size, "per_device_batch": batch.per_rank_batch,
                      "micro_batch": batch.micro_batch, "accum_steps": batch.accum_steps, "slots": batch.slots,

@@ -132,3 +132,13 @@ def stage_config(cfg: DictConfig) -> DictConfig:
     applied = _apply(copy.deepcopy(cfg), block)
     applied._set_flag(_APPLIED, True)
     return applied
+
+
+def stage_changes(declared: DictConfig, applied: DictConfig) -> list[str]:
+    """What the stage runs differently from its composed config, `key old -> new` per leaf (empty for a
+    pre-training), for the run's log."""
+    if applied is declared:
+        return []
+    before, after = (leaves({key: OmegaConf.to_container(cfg[key], resolve=True, enum_to_str=True)
+                             for key in OVERRIDABLE}) for cfg in (declared, applied))
+    return [f"{key} {before.get(key)} -> {value}" for key, value in after.items() if before.get(key) != value]
