@@ -11,6 +11,7 @@ import pytest
 from deit_ablate.aggregate.paper import paper_table
 from deit_ablate.config import DistillKind
 from deit_ablate.models import student_model_name
+from deit_ablate.stage_config import stage_config
 from deit_ablate.stages import teacher_run_overrides
 from deit_ablate.studies import studies
 from tests.conftest import CONF, compose_config, identity_of, one_class_imagefolder, run_train
@@ -18,7 +19,8 @@ from tests.conftest import CONF, compose_config, identity_of, one_class_imagefol
 STUDY = "headline"
 # The seeds' numbers (deit-blog-post "7. Results", the chapter's distillation table): top-1 at 224 and ↑384.
 TABLE5 = {"deit_ti": (72.2, None), "deit_s": (None, None), "deit_b": (81.8, 83.1), "deit_ti_distilled": (74.5, None),
-          "deit_s_distilled": (None, None), "deit_b_distilled": (83.4, 84.5), "deit_b_distilled_1000ep": (84.2, 85.2)}
+          "deit_s_distilled": (None, None), "deit_b_distilled": (83.4, 84.5), "deit_b_distilled_1000ep": (84.2, 85.2),
+          "deit_b_distilled_1000ep_crop_1_0": (None, 85.42)}
 # Each row at paper scale: the model trained (timm name, with the width and heads the row gives), distilled, epochs.
 MODELS = {"deit_ti": ("deit_tiny_patch16_224", 192, 3), "deit_s": ("deit_small_patch16_224", 384, 6),
           "deit_b": ("deit_base_patch16_224", None, None)}
@@ -44,7 +46,7 @@ def test_each_row_trains_its_model_at_paper_scale(row):
     assert (cfg.model.kwargs.get("embed_dim"), cfg.model.kwargs.get("num_heads")) == (width, heads)
     assert cfg.distill.type == (DistillKind.hard_token if distilled else DistillKind.none)
     assert cfg.distill.teacher.chain == ("regnety_160" if distilled else None)
-    assert cfg.train.epochs == (1000 if row.endswith("1000ep") else 300)
+    assert cfg.train.epochs == (1000 if "1000ep" in row else 300)
 
 
 def test_the_rows_share_runs_with_the_other_studies():
@@ -54,6 +56,15 @@ def test_the_rows_share_runs_with_the_other_studies():
     assert (identity_of([*paper, f"{STUDY}=deit_b_distilled"]).digest
             == identity_of([*paper, "teachers=regnety_16gf"]).digest)
     assert identity_of([*paper, f"{STUDY}=deit_ti"]).digest != identity_of(paper).digest
+
+
+def test_the_crop_row_is_the_1000_epoch_run_evaluated_at_crop_1():
+    """CaiT section 4.5.3: DeiT-B⚗↑384 at crop ratio 1.0 (85.42). One pre-training; only the fine-tune differs."""
+    paper, row = ["preset=paper"], f"{STUDY}=deit_b_distilled_1000ep_crop_1_0"
+    assert identity_of([*paper, row]).digest == identity_of([*paper, f"{STUDY}=deit_b_distilled_1000ep"]).digest
+    fine_tune = stage_config(compose_config([*paper, row, "stage=finetune"]))
+    assert (fine_tune.resolution.crop_pct, fine_tune.resolution.eval_size, fine_tune.train.epochs) == (1.0, 384, 30)
+    assert compose_config([*paper, row]).resolution.crop_pct == 0.875  # the pre-training's evaluation is DeiT's
 
 
 def test_a_distilled_rows_teacher_run_is_the_plain_regnet_run():
