@@ -25,12 +25,14 @@ from deit_ablate.sharpness.measure import SharpnessSettings, figures_text, measu
 
 
 def load_run_config(run: RunDir) -> DictConfig:
-    """The run's saved config over the schema's defaults (keys added after the run keep their defaults)."""
+    """The run's saved config over the schema's defaults (keys added after the run keep their defaults), as its stage
+    ran it (stage_config.py: a fine-tune's own model, data and loss)."""
     from deit_ablate.config import Config
+    from deit_ablate.stage_config import stage_config
 
     schema = OmegaConf.structured(Config)
     OmegaConf.set_struct(schema, False)  # keys the schema has dropped since (the legacy `ablation`) are kept
-    return OmegaConf.merge(schema, OmegaConf.load(run.hydra_config))
+    return stage_config(OmegaConf.merge(schema, OmegaConf.load(run.hydra_config)))
 
 
 def finished_run(reference: str) -> RunDir:
