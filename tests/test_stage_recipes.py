@@ -206,3 +206,18 @@ def test_a_fine_tune_trains_with_its_override_set_and_says_so(tmp_path, data_cac
 def test_stage_changes_of_a_pretraining_are_none():
     cfg = compose_config([])
     assert stage_changes(cfg, stage_config(cfg)) == []
+
+
+@pytest.mark.parametrize("preset", ["demo", "paper"])
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_the_deit3_option_and_the_studys_baseline_are_one_recipe(preset, stage):
+    """deit3=baseline is recipe=deit3 on ViT-B: at demo scale they once differed (lr 3e-3 against 1e-3 at batch 128,
+    drop path 0.05 against 0.1)."""
+    option, row = (_applied([choice, f"preset={preset}", f"stage={stage}", "model=vit_base"])
+                   for choice in ("recipe=deit3", "deit3=baseline"))
+    for node in ("optimizer", "train", "model", "augment", "mix", "resolution", "finetune"):
+        assert option[node] == row[node], node
+
+
+def test_the_deit_transfer_reads_issue_45s_lr_per_512_images():
+    assert _built_lr(["transfer=cifar10"]) == pytest.approx(0.015)  # 0.01 x 768 / 512
