@@ -64,7 +64,7 @@ def test_the_registry_finds_the_studies_in_the_config_folders():
     assert (deit3.table, deit3.baseline, deit3.default, len(deit3.rows)) == ("deit3", "baseline", None, 14)
     assert (transfer.table, transfer.default, transfer.rows[:2], len(transfer.rows)) == ("table7", None,
                                                                                          ("cifar10", "cifar100"), 7)
-    assert (headline.table, headline.baseline, headline.default, len(headline.rows)) == ("table5", "deit_b", None, 7)
+    assert (headline.table, headline.baseline, headline.default, len(headline.rows)) == ("table5", "deit_b", None, 8)
     assert (teacher.table, teacher.baseline, teacher.default, len(teacher.rows)) == ("table2", "regnety_16gf", None, 4)
     assert studies.defaults_list() == [{"ablation": "baseline"}, {"cait": None}, {"deit3": None},
                                        {"headline": None}, {"sam": None}, {"teachers": None}, {"transfer": None}]
