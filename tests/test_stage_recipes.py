@@ -192,6 +192,7 @@ def test_transfer_schedules_are_caits_per_dataset():
     assert compose_config(["data=cifar10"]).data.mean[0] == 0.4914  # training from scratch keeps CIFAR's
 
 
+@pytest.mark.slow  # a whole fine-tune process (~10 s); .ci/run runs it
 def test_a_fine_tune_trains_with_its_override_set_and_says_so(tmp_path, data_cache, tiny_run):
     """End to end: the fine-tune of TINY's pre-training with a set of its own; its log names each change, and
     wandb holds the composed config (the set in it)."""
