@@ -92,8 +92,13 @@ def show_stage_config(argv: list[str]) -> bool:
     args, _ = get_args_parser().parse_known_args(argv)
     if args.cfg not in ("job", "all") or args.multirun or args.config_name or args.config_dir or args.config_path:
         return False
+    from hydra.errors import HydraException
+
     prepare_configs()
-    cfg = compose_run_config(args.overrides)
+    try:
+        cfg = compose_run_config(args.overrides)
+    except HydraException:
+        return False  # Hydra composes it again and says what is wrong, as for any launch
     if str(cfg.stage) == "pretrain":
         return False
     try:
