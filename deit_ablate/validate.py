@@ -87,12 +87,12 @@ def _get(cfg: DictConfig, dotted: str):
 def per_batch_computations(cfg: DictConfig) -> list[str]:
     """What this stage computes per micro-batch (so splitting one over passes would change it): Mixup/CutMix,
     SAM, drop path or dropout in train mode, BatchNorm."""
+    cfg = stage_config(cfg)
     found = []
     if cfg.mix.mixup_alpha > 0 or cfg.mix.cutmix_alpha > 0:
         found.append("Mixup/CutMix draws one lambda and box per micro-batch")
     if cfg.stage == Stage.pretrain and cfg.optimizer.sam_rho > 0:
         found.append("SAM perturbs each micro-batch by its own gradient (m-sharpness)")
-    cfg = stage_config(cfg)
     train_mode = cfg.finetune.train_mode if cfg.stage == Stage.finetune else True
     if train_mode and (cfg.model.drop_path > 0 or cfg.model.dropout > 0):
         found.append("drop path and dropout draw their masks per micro-batch")

@@ -222,3 +222,12 @@ def test_the_deit3_option_and_the_studys_baseline_are_one_recipe(preset, stage):
 
 def test_the_deit_transfer_reads_issue_45s_lr_per_512_images():
     assert _built_lr(["transfer=cifar10"]) == pytest.approx(0.015)  # 0.01 x 768 / 512
+
+
+def test_per_batch_computations_are_the_stages_own():
+    """A fine-tune that mixes where its pre-training did not: Mixup/CutMix is per micro-batch in that stage."""
+    from deit_ablate.validate import per_batch_computations
+
+    cfg = compose_config(["mix=none", "stage=finetune", "++finetune.overrides.mix.mixup_alpha=0.8"])
+    assert any("Mixup/CutMix" in item for item in per_batch_computations(cfg))
+    assert not any("Mixup/CutMix" in item for item in per_batch_computations(compose_config(["mix=none"])))
