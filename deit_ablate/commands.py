@@ -83,6 +83,7 @@ def show_stage_config(argv: list[str]) -> bool:
     config the stage runs (stage_config.py), where Hydra would print the composed one, and say True; False for
     what Hydra prints as the run runs it (a pre-training, `--cfg hydra`, a sweep, another config)."""
     from hydra._internal.utils import get_args_parser
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf, open_dict, read_write
 
     from deit_ablate.config import compose_run_config
@@ -92,8 +93,6 @@ def show_stage_config(argv: list[str]) -> bool:
     args, _ = get_args_parser().parse_known_args(argv)
     if args.cfg not in ("job", "all") or args.multirun or args.config_name or args.config_dir or args.config_path:
         return False
-    from hydra.errors import HydraException
-
     prepare_configs()
     try:
         cfg = compose_run_config(args.overrides)

@@ -98,6 +98,17 @@ def inherited_lr_rules(get: Callable[[str], Any]) -> list[str]:
     return [key for key in STAGE_LR_RULES if get(key) is not None and get(key) == get(PRETRAIN_LR_RULE)]
 
 
+def leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as `{dotted key: value}`; an empty mapping is a leaf."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def is_teacher_key(dotted: str) -> bool:
     """Whether a dotted key names the teacher of a distillation (`distill.teacher.checkpoint`)."""
     return dotted == TEACHER_KEYS or dotted.startswith(TEACHER_KEYS + ".")

@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from deit_ablate.config import Stage
 from deit_ablate.errors import ConfigError
+from deit_ablate.keys import leaves
 
 # The block of each stage after pre-training.
 STAGE_BLOCKS = {str(Stage.finetune): "finetune", str(Stage.transfer): "transfer"}
@@ -44,17 +45,6 @@ NAMED_KEYS = {
 # nor how the run executes (runtime) or is measured (sharpness).
 OVERRIDABLE = ("model", "data", "augment", "mix", "distill", "optimizer", "resolution", "train")
 _APPLIED = "deit_stage_applied"  # an OmegaConf flag on a config stage_config returned
-
-
-def leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested mapping as `{dotted key: value}`; an empty mapping is a leaf."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def is_applied(cfg: DictConfig) -> bool:

@@ -16,6 +16,7 @@ from deit_ablate.keys import (
     inherited_lr_rules,
     is_default_leaf,
     is_execution_key,
+    leaves,
     unused_by_stage,
     unused_teacher,
 )
@@ -48,16 +49,8 @@ def _ignored(key: str, value: Any) -> bool:
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested config as `{dotted key: leaf}`; lists become JSON text so that values compare and hash."""
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, dotted + "."))
-        elif isinstance(value, (list, dict)):
-            out[dotted] = json.dumps(value, sort_keys=True)
-        else:
-            out[dotted] = value
-    return out
+    return {dotted: json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
+            for dotted, value in leaves(config, prefix).items()}
 
 
 def experiment_settings(config: dict[str, Any]) -> dict[str, Any]:
