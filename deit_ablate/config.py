@@ -36,6 +36,7 @@ DataBackend = Choice("DataBackend", {name: name for name in ("pil", "dali")})  #
 CropMode = Choice("CropMode", {name: name for name in ("rrc", "simple")})  # random-resized crop, or DeiT III's simple
 Criterion = Choice("Criterion", {name: name for name in ("ce", "bce")})  # soft-target cross-entropy, or DeiT III's BCE
 TeacherView = Choice("TeacherView", {name: name for name in ("same", "fixed")})  # Beyer et al. 2022
+HeadKind = Choice("HeadKind", {name: name for name in ("linear", "mlp_tanh")})  # model.head (models.py)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,10 @@ class ModelConfig:
     # and soft_token, as DeiT's Table 3 trains DeiT-B for the class-token rows and DeiT-B⚗ for the token rows
     distilled_name: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra timm create_model arguments
+    # The classifier: `linear` (DeiT's), or `mlp_tanh`, the original ViT's pre-training head (Dosovitskiy et al.
+    # 2021, section 3.1): a pre-logits layer, Linear d->d then tanh, before it; timm's ViTs without distillation
+    # token only. A transfer builds a linear head whatever this says (ViT's fine-tuning; assemble.stage_model_config)
+    head: HeadKind = HeadKind.linear
 
 
 @dataclass

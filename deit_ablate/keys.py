@@ -33,6 +33,7 @@ ADDED_KEYS: dict[str, object] = {
     # a later stage's override set (stage_config.py): none is the stage as it ran before sets existed
     "finetune.overrides": {},
     "transfer.overrides": {},
+    "model.head": "linear",  # DeiT's single linear classifier; the original ViT's MLP head (mlp_tanh) is another run
 }
 # A later stage's own lr rule, added when it stopped following the pre-training's: left out while it equals
 # optimizer.lr_base_batch (what every stage read before), so earlier runs keep their identity; any other value is

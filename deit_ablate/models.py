@@ -14,7 +14,8 @@ from timm.models.deit import VisionTransformerDistilled
 from torch import nn
 
 from deit_ablate.architecture import describe_architecture  # noqa: F401 (its name here, as before)
-from deit_ablate.deeper import OPTIONS, apply_options, split_options
+from deit_ablate.config import HeadKind
+from deit_ablate.deeper import OPTIONS, _init_linear, apply_options, split_options
 from deit_ablate.errors import ConfigError
 from deit_ablate.losses import TOKEN_KINDS
 
@@ -93,6 +94,39 @@ def check_register_tokens(name: str, kwargs: dict[str, Any]) -> None:
                           "stage reads patches only and takes no registers. Set one of them to 0.")
 
 
+class MlpHead(nn.Module):
+    """The original ViT's pre-training head (Dosovitskiy et al. 2021, section 3.1): a pre-logits layer, Linear d->d
+    then tanh, before the linear classifier: logits = fc(tanh(pre_logits(x))), x the pooled (class token) feature.
+
+    Both layers start as timm initialises a ViT's linear layers (truncated normal, std 0.02; biases 0). It sits in
+    the model's `head`, so a transfer's load_backbone drops the pre-logits layer with the classifier."""
+
+    def __init__(self, dim: int, num_classes: int) -> None:
+        super().__init__()
+        self.pre_logits = nn.Linear(dim, dim)
+        self.act = nn.Tanh()
+        self.fc = nn.Linear(dim, num_classes)
+        self.apply(_init_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.act(self.pre_logits(x)))
+
+
+def check_head(head: str, name: str) -> None:
+    """`model.head`: the MLP head (mlp_tanh) only on timm's ViT without a distillation token."""
+    if head == HeadKind.linear or model_family(name) == "vit":
+        return
+    if is_vision_transformer(name) and has_distillation_token(name):
+        why = (f"{name} is a DeiT with a distillation token, whose class and distillation heads DeiT trains as "
+               "single linear layers (distill=hard_token and soft_token train this twin)")
+    else:
+        why = f"{name} is not timm's ViT"
+    raise ConfigError(f"model.head={head} is the original ViT's MLP head (a pre-logits layer, Linear then tanh, before "
+                      f"the classifier), built for timm's ViT without a distillation token, and {why}. Set "
+                      "model.head=linear, or train such a ViT (model=vit_base, model=deit_base, model=vit_demo with "
+                      "distill=none, hard or soft).")
+
+
 def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: str | None = None) -> torch.nn.Module:
     """A freshly initialised timm model (`name`, else model.name); never loads weights from a hub."""
     name = name or model_cfg.name
@@ -118,6 +152,10 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
     )
     if register_tokens(kwargs) and isinstance(model, VisionTransformerDistilled):
         model = with_registers(model)
+    head = model_cfg.get("head", HeadKind.linear)
+    check_head(head, name)
+    if head == HeadKind.mlp_tanh:
+        model.head = MlpHead(model.head.in_features, num_classes)
     if options == OPTIONS:
         return model
     return apply_options(model, options, model_cfg.drop_path, kwargs.get("init_values"))

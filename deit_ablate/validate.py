@@ -243,11 +243,12 @@ def check_known_keys(cfg: DictConfig) -> None:
 
 
 def check_model_options(cfg: DictConfig) -> None:
-    """The options of deit_ablate.deeper and the register tokens in model.kwargs: known values, on a model that
-    takes them."""
+    """The options of deit_ablate.deeper, the register tokens in model.kwargs and model.head: known values, on a
+    model that takes them."""
     from deit_ablate.deeper import split_options
-    from deit_ablate.models import check_register_tokens, model_family
+    from deit_ablate.models import check_head, check_register_tokens, model_family
 
+    check_head(cfg.model.head, student_model_name(cfg))
     kwargs = dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True))
     check_register_tokens(student_model_name(cfg), kwargs)
     split_options(kwargs, model_family(student_model_name(cfg)))
