@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -116,6 +117,35 @@ def straight_and_resumed(two_epochs: list[str], cwd: Path, cache: Path,
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     return (a, b, first_half), straight_proc
+
+
+# Writes offline runs with the real wandb library: two epochs of history each, then the run's summary.
+WRITER = r"""
+import json, os, sys
+os.environ["WANDB_SILENT"] = "true"
+import wandb
+settings = wandb.Settings(x_disable_stats=True, x_disable_meta=True, x_disable_machine_info=True,
+                          console="off", save_code=False, disable_git=True, x_save_requirements=False)
+for r in json.load(open(sys.argv[1])):
+    run = wandb.init(project="deit-ablate-test", dir=r["dir"], mode="offline", id=r["id"], name=r["id"],
+                     group=r["group"], tags=r["tags"], config=r["config"], resume="allow", settings=settings)
+    for epoch in range(2):
+        run.log({"train/loss": 2.0 - epoch, "train/lr": 1e-3, "train/img_per_s": 100.0})
+        run.log({"epoch": epoch, "val/top1": 10.0 * epoch, "val/top5": 20.0 * epoch, "val/loss": 1.0})
+    run.summary.update(r["summary"])
+    run.finish()
+"""
+
+
+def write_offline_runs(runs: list[dict], tmp: Path) -> None:
+    """Write `runs` (each `{id, root, group, tags, config, summary}`) as offline wandb runs under tmp/<root>/wandb,
+    in one subprocess (no W&B server)."""
+    spec = [{**r, "dir": str(tmp / r["root"])} for r in runs]
+    for d in {s["dir"] for s in spec}:
+        Path(d).mkdir(parents=True, exist_ok=True)
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    subprocess.run([sys.executable, "-c", WRITER, str(tmp / "spec.json")], check=True, env=env, timeout=120)
 
 
 # --- end-to-end runs shared by the tests of a session ---------------------------------------------------------------

@@ -12,7 +12,6 @@ import csv
 import io
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -30,22 +29,7 @@ from deit_ablate.aggregate.render import render
 from deit_ablate.aggregate.select import dedup, row_keys
 from deit_ablate.aggregate.table import build_table, row_spec
 from deit_ablate.aggregate.wandb_log import encode_log, read_log
-
-WRITER = r"""
-import json, os, sys
-os.environ["WANDB_SILENT"] = "true"
-import wandb
-settings = wandb.Settings(x_disable_stats=True, x_disable_meta=True, x_disable_machine_info=True,
-                          console="off", save_code=False, disable_git=True, x_save_requirements=False)
-for r in json.load(open(sys.argv[1])):
-    run = wandb.init(project="deit-ablate-test", dir=r["dir"], mode="offline", id=r["id"], name=r["id"],
-                     group=r["group"], tags=r["tags"], config=r["config"], resume="allow", settings=settings)
-    for epoch in range(2):
-        run.log({"train/loss": 2.0 - epoch, "train/lr": 1e-3, "train/img_per_s": 100.0})
-        run.log({"epoch": epoch, "val/top1": 10.0 * epoch, "val/top5": 20.0 * epoch, "val/loss": 1.0})
-    run.summary.update(r["summary"])
-    run.finish()
-"""
+from tests.conftest import write_offline_runs
 
 NAN = float("nan")
 SQRT2, SQRT_HALF = math.sqrt(2.0), math.sqrt(0.5)
@@ -168,12 +152,7 @@ def _close(a, b) -> bool:
 def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Write the runs with wandb (offline) in a subprocess, then add a cut copy and a broken log."""
     tmp = tmp_path_factory.mktemp("agg")
-    spec = [{**r, "dir": str(tmp / r["root"])} for r in RUNS]
-    for d in {s["dir"] for s in spec}:
-        Path(d).mkdir(parents=True, exist_ok=True)
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
-    subprocess.run([sys.executable, "-c", WRITER, str(tmp / "spec.json")], check=True, env=env, timeout=120)
+    write_offline_runs(RUNS, tmp)
     wandb_dir = tmp / "main" / "wandb"
     source = next((tmp / "staging" / "wandb").glob("offline-run-*-nocut-p1"))
     copy = wandb_dir / source.name

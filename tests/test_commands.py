@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, compose_config, run_train
-from test_aggregate import WRITER, _done, _run
+from conftest import REPO, TINY, compose_config, run_train, write_offline_runs
+from test_aggregate import _done, _run
 
 PAUSE = REPO / "tests" / "pause_at_write"
 AGGREGATE = [sys.executable, str(REPO / "scripts" / "aggregate.py")]
@@ -66,13 +66,12 @@ def assert_stopped_quietly(status: int, stderr: str, name: str) -> None:
 
 
 def test_ctrl_c_while_the_aggregator_writes_its_plot_keeps_the_previous_one(tmp_path, data_cache):
-    spec = [{**run, "dir": str(tmp_path)} for run in (_run("base-p0", "baseline", "pretrain", 0, _done(50.0)),
-                                                       _run("sgd-p0", "sgd", "pretrain", 0, _done(40.0)))]
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    write_offline_runs([_run("base-p0", "baseline", "pretrain", 0, _done(50.0)),
+                        _run("sgd-p0", "sgd", "pretrain", 0, _done(40.0))], tmp_path)
     env = clean_env(data_cache)
-    subprocess.run([sys.executable, "-c", WRITER, str(tmp_path / "spec.json")], check=True, env=env, timeout=120)
     out = tmp_path / "out"
-    command = [*AGGREGATE, str(tmp_path / "wandb"), "--plot", str(out / "plot.png"), "--out", str(out / "t.md"), "-q"]
+    command = [*AGGREGATE, str(tmp_path / "main" / "wandb"), "--plot", str(out / "plot.png"), "--out",
+               str(out / "t.md"), "-q"]
     subprocess.run(command, check=True, env=env, cwd=tmp_path, timeout=120, capture_output=True)
     before = (out / "plot.png").read_bytes()
     assert before.startswith(b"\x89PNG")

@@ -25,7 +25,7 @@ from deit_ablate.studies import studies
 from deit_ablate.teacher import check_distill_config, file_weights_digest
 from hydra_plugins.deit_ablate_launcher.slurm import submission_order, upstream_jobs
 from hydra_plugins.deit_ablate_launcher.sweeper import chain_order
-from tests.conftest import CONF, TINY, identity_of, run_train
+from tests.conftest import CONF, TINY, identity_of, run_train, write_offline_runs
 
 # Table 2 as the seeds state it (deit-blog-post "6. Which Teacher?", the chapter for RegNetY-8GF): teacher top-1,
 # student at 224, student at ↑384 (None: not in the text).
@@ -111,9 +111,14 @@ def test_slurm_chains_teacher_then_student_then_finetune(tmp_path):
         upstream_jobs(configs[1:2], jobs[1:2], lambda job: _hydra_config(job).hydra.sweep.subdir)
 
 
+def _heads(fused: float) -> dict[str, float]:
+    """A distilled student's summary top-1s: the fused heads' (its headline top1), the class and distillation heads'."""
+    return {"top1": fused, "top1_fused": fused, "top1_cls": fused - 1.0, "top1_dist": fused - 0.5}
+
+
 def _student(rid: str, row: str, stage: str, top1: float, teacher: str, teacher_top1: float) -> RunInfo:
     config = {"preset": "demo", "stage": stage, "seed": 0, "ablation": "baseline", "choices": {"teachers": row}}
-    summary = {"status": "finished", "top1": top1, "teacher": {"run": teacher, "top1": teacher_top1}}
+    summary = {"status": "finished", **_heads(top1), "teacher": {"run": teacher, "top1": teacher_top1}}
     return RunInfo(run_id=rid, config=config, summary=summary)
 
 
@@ -124,11 +129,92 @@ def test_table2_view_shows_the_teachers_top1_beside_the_students():
     table = build_table(runs, rows="teachers", only_present=True)
     text = render(table, "markdown")
     assert "teacher ours | teacher paper |" in text
-    assert re.search(r"\| deit_b \| 40\.00 .*\| 81\.9 \|.*\| 83\.1 \|.*\| 35\.50 \| 81\.8 \|", text)
-    assert re.search(r"\| regnety_16gf \| 45\.00 .*\| 84\.2 \|.*\| 50\.25 \| 82\.9 \|", text)
+    # Table 2 reads the distillation head at 224 and the class head at ↑384 (Table 3's figures): ours is that head's
+    # figure (40 - 0.5, 42 - 1), named beside the paper's
+    assert re.search(r"\| deit_b \| 39\.50 \(n=1\) · distillation head .*\| 81\.9 · distillation head \|"
+                     r".*\| 41\.00 \(n=1\) · class head .*\| 83\.1 · class head \|.*\| 35\.50 \| 81\.8 \|", text)
+    assert re.search(r"\| regnety_16gf \| 44\.50 \(n=1\) · distillation head .*\| 83\.1 · distillation head \|"
+                     r".*\| 84\.2 · class head \|.*\| 50\.25 \| 82\.9 \|", text)
     record = next(r for r in to_json_dict(table)["rows"] if r["key"] == "deit_b")
     assert record["teacher_runs"] == ["model=vit_demo-1"] and record["teacher_paper"] == 81.8
     assert "teacher ours" not in render(build_table(runs, rows="stage", only_present=True), "markdown")
+
+
+def _offline(rid: str, study: str, row: str, stage: str, seed: int, fused: float) -> dict:
+    config = {"preset": "demo", "stage": stage, "seed": seed, "run_id": rid, "ablation": "baseline",
+              "distill": {"type": "hard_token"}, "choices": {study: row}}
+    summary = {"status": "finished", "top1_final": fused, **_heads(fused)}
+    return {"id": rid, "root": "main", "group": study, "tags": [stage], "config": config, "summary": summary}
+
+
+# DeiT-B⚗ from RegNetY-16GF at both stages, two seeds, logged once as Table 2's row and once as Table 5's (the same
+# experiment: headline=deit_b_distilled and teachers=regnety_16gf share a run folder); a DeiT-B teacher row beside.
+HEAD_RUNS = [
+    *(_offline(f"t2-{stage}{seed}", "teachers", "regnety_16gf", stage, seed, fused)
+      for stage, base in (("pretrain", 50.0), ("finetune", 60.0)) for seed, fused in ((0, base), (1, base + 2.0))),
+    *(_offline(f"t5-{stage}{seed}", "headline", "deit_b_distilled", stage, seed, fused)
+      for stage, base in (("pretrain", 50.0), ("finetune", 60.0)) for seed, fused in ((0, base), (1, base + 2.0))),
+    _offline("t2-deitb", "teachers", "deit_b", "pretrain", 0, 40.0),
+]
+
+
+@pytest.fixture(scope="module")
+def head_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """HEAD_RUNS written as offline wandb runs."""
+    tmp = tmp_path_factory.mktemp("heads")
+    write_offline_runs(HEAD_RUNS, tmp)
+    return tmp / "main" / "wandb"
+
+
+def _cells(head_runs: Path, capsys, *argv: str) -> dict[str, dict]:
+    assert cli.main([str(head_runs), *argv, "--format", "json"]) == 0
+    return {row["key"]: row["cells"] for row in json.loads(capsys.readouterr().out)["rows"]}
+
+
+def test_each_paper_number_is_shown_beside_the_same_heads_figure_of_the_same_runs(head_runs: Path, capsys):
+    # Table 2: RegNetY-16GF's 83.1 at 224 is the distillation head alone, 84.2 at ↑384 the class head alone
+    t2 = _cells(head_runs, capsys, "--group", "teachers", "--rows", "teachers")
+    pre, fine = t2["regnety_16gf"]["pretrain"], t2["regnety_16gf"]["finetune"]
+    assert (pre["mean"], pre["n"], pre["head"], pre["paper"], pre["paper_head"]) == (50.5, 2, "dist", 83.1, "dist")
+    assert (fine["mean"], fine["n"], fine["head"], fine["paper"], fine["paper_head"]) == (60.0, 2, "cls", 84.2, "cls")
+    deit_b = t2["deit_b"]["pretrain"]  # every row of Table 2 is read the same way, so its Δ compares one head
+    assert (deit_b["mean"], deit_b["head"], deit_b["paper_head"], deit_b["delta"]) == (39.5, "dist", "dist", -11.0)
+    # Table 5: the same experiment's fused heads, 83.4 / 84.5
+    t5 = _cells(head_runs, capsys, "--group", "headline", "--rows", "headline")
+    pre, fine = t5["deit_b_distilled"]["pretrain"], t5["deit_b_distilled"]["finetune"]
+    assert (pre["mean"], pre["head"], pre["paper"], fine["mean"], fine["head"], fine["paper"]) == (
+        51.0, "fused", 83.4, 61.0, "fused", 84.5)
+    # another --metric is read in every cell; the paper's head stays named
+    cls = _cells(head_runs, capsys, "--group", "teachers", "--rows", "teachers", "--metric", "cls")["regnety_16gf"]
+    assert (cls["pretrain"]["mean"], cls["pretrain"]["head"], cls["pretrain"]["paper_head"]) == (50.0, "cls", "dist")
+    ema = _cells(head_runs, capsys, "--group", "teachers", "--rows", "teachers", "--metric", "ema")["regnety_16gf"]
+    assert (ema["pretrain"]["state"], ema["pretrain"]["head"], ema["pretrain"]["paper_head"]) == ("n/a", None, "dist")
+
+
+def test_the_markdown_names_each_head_and_says_the_heads_are_an_inference(head_runs: Path, capsys):
+    assert cli.main([str(head_runs), "--group", "teachers", "--rows", "teachers"]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith("| regnety_16gf |"))
+    assert "| 50.50 ± 1.41 (n=2) · distillation head |" in row and "| 83.1 · distillation head |" in row
+    assert "| 60.00 ± 1.41 (n=2) · class head |" in row and "| 84.2 · class head |" in row
+    assert ("Heads: where the paper's number is one head's of a ⚗ model, ours beside it is the same head's figure "
+            "(pre-train, distillation head: deit_b, regnety_4gf, regnety_8gf, regnety_16gf; fine-tune, class head: "
+            "deit_b, regnety_4gf, regnety_16gf)") in text
+    assert "an inference from the numbers of Table 3" in text  # the table's heads note, in the footnotes
+    assert cli.main([str(head_runs), "--group", "headline", "--rows", "headline"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| deit_b_distilled |"))
+    assert "| 51.00 ± 1.41 (n=2) · fused heads |" in row and "| 83.4 · fused heads |" in row
+
+
+def test_a_bad_head_in_a_numbers_file_is_one_clear_error():
+    from deit_ablate.aggregate.paper import _heads
+
+    raw = {"group": "teachers", "heads": {"finetune": "cls"}}
+    assert _heads(raw, "table2", {"key": "x", "heads": {"pretrain": "dist"}}) == {"pretrain": "dist"}
+    assert _heads(raw, "table2", {"key": "x"}) == {"finetune": "cls"}  # the table's, where the row names none
+    with pytest.raises(ValueError, match=r"conf/teachers/numbers.json: table table2, row x: `heads` \{'pretrain': "
+                                         r"'distillation'\} is not a map of stage"):
+        _heads(raw, "table2", {"key": "x", "heads": {"pretrain": "distillation"}})
 
 
 @pytest.mark.slow

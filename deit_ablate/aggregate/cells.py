@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from .paper import PaperTable
+from .paper import HEADS, PaperTable
 from .reader import RunInfo
 from .stats import Interval
 
@@ -30,6 +30,14 @@ def metric_key(metric: str) -> str:
     return METRICS.get(metric, metric)
 
 
+def cell_metric(metric: str, paper_head: str | None) -> tuple[str, str | None]:
+    """The summary key a cell reads and the head its figure is: the paper number's head under the default
+    --metric (a ⚗ run's Table 2 cell reads its distillation head), the --metric's own head, else none named."""
+    if metric == "top1" and paper_head:
+        return METRICS[paper_head], paper_head
+    return metric_key(metric), metric if metric in HEADS else None
+
+
 @dataclass
 class Cell:
     """The runs of one row at one stage: finished values, and counts of the runs that gave none."""
@@ -47,6 +55,8 @@ class Cell:
     paper_std: float | None = None
     paper_delta: float | None = None
     paper_absent: str = ""  # what the paper column says where the paper's row has no number
+    head: str | None = None  # the ⚗ head our figure is (paper.HEADS), where the paper's or --metric names one
+    paper_head: str | None = None  # the head the paper's number is, where its numbers file names one
     sharpness: dict[str, list[float]] = field(default_factory=dict)  # figure -> the counted runs' values (sharp.py)
     paper_sharpness: dict[str, float] = field(default_factory=dict)  # figure -> the paper's value
     ci: Interval | None = None  # Welch's 95% interval of Δ over seeds (none: `ci.why`)

@@ -37,6 +37,7 @@ def fill_deltas(
                 cell.paper = prow.values.get(stage)
                 cell.paper_std = prow.stds.get(stage)
                 cell.paper_absent = ptable.absent if cell.paper is None else ""
+                cell.paper_head = prow.heads.get(stage)
                 if pbase is not None:
                     delta = _diff(cell.paper, pbase.values.get(stage))
                     cell.paper_delta = None if delta is None else round(delta, 6)

@@ -9,6 +9,8 @@ from deit_ablate.studies import default_tables, paper_tables
 
 STAGES = ("pretrain", "finetune", "transfer")
 STAGE_NAMES = {"pretrain": "pre-train", "finetune": "fine-tune", "transfer": "transfer"}
+# A ⚗ model's heads (losses.py's evaluation scores), as a numbers file names the one a paper number is
+HEADS = {"cls": "class head", "dist": "distillation head", "fused": "fused heads"}
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class PaperRow:
     note: str = ""
     baseline: str = ""  # the row this one differs from by its ingredient, where the table gives each row its own
     sharpness: dict[str, float] = field(default_factory=dict)  # lambda_max, train_loss, noisy_loss, where given
+    heads: dict[str, str] = field(default_factory=dict)  # stage -> the head its number is (HEADS); none: not named
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class PaperTable:
     rows: tuple[PaperRow, ...]
     citation: str
     absent: str = ""  # what the paper column says where the source has no number ("not in the text")
+    heads_note: str = ""  # where the heads its numbers are come from (an inference, where the text does not say)
 
     def row(self, key: str) -> PaperRow | None:
         """The row for a config value, if the paper has it."""
@@ -61,6 +65,9 @@ def paper_table(name: str, metric: str = "top1") -> PaperTable:
     raw = tables[name]
     rows = []
     for r in raw["rows"]:
+        heads = _heads(raw, name, r)
+        if metric in HEADS and metric in r.get("by_metric", {}):  # the row's number for that head alone
+            heads = {stage: metric for stage in STAGES}
         r = {**r, **r.get("by_metric", {}).get(metric, {})}
         rows.append(
             PaperRow(
@@ -71,6 +78,7 @@ def paper_table(name: str, metric: str = "top1") -> PaperTable:
                 note=r.get("note", ""),
                 baseline=r.get("baseline", ""),
                 sharpness={k: float(v) for k, v in (r.get("sharpness") or {}).items() if v is not None},
+                heads={stage: head for stage, head in heads.items() if r.get(stage) is not None},
             )
         )
     return PaperTable(
@@ -83,4 +91,16 @@ def paper_table(name: str, metric: str = "top1") -> PaperTable:
         rows=tuple(rows),
         citation=raw["citation"],
         absent=raw.get("absent", ""),
+        heads_note=raw.get("heads_note", ""),
     )
+
+
+def _heads(raw: dict, name: str, row: dict) -> dict[str, str]:
+    """The head each stage's number of a row is (the row's `heads`, else its table's); a ValueError naming the
+    numbers file where it is not a map of stage to head."""
+    heads = row.get("heads", raw.get("heads", {}))
+    if not isinstance(heads, dict) or any(s not in STAGES or h not in HEADS for s, h in heads.items()):
+        raise ValueError(f"conf/{raw['group']}/numbers.json: table {name}, row {row.get('key')}: `heads` {heads!r} "
+                         f"is not a map of stage ({', '.join(STAGES)}) to head ({', '.join(HEADS)}). Name each "
+                         "stage's head, e.g. {\"pretrain\": \"dist\"}, or leave `heads` out.")
+    return dict(heads)

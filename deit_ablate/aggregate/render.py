@@ -10,7 +10,7 @@ from typing import Any
 from . import sharp, teachers
 from .about import fact_lines, facts, headline
 from .cells import Cell, Row, Split, Table
-from .paper import STAGE_NAMES
+from .paper import HEADS, STAGE_NAMES
 
 FORMATS = ("markdown", "csv", "latex", "json")
 ZERO_MARK = "○"  # after a Δ whose 95% interval contains 0
@@ -27,6 +27,8 @@ CELL_FIELDS = (
     "paper",
     "paper_std",
     "paper_delta",
+    "head",
+    "paper_head",
     "ci_low",
     "ci_high",
     "ci_df",
@@ -64,6 +66,8 @@ def cell_record(cell: Cell) -> dict[str, Any]:
         "paper": cell.paper,
         "paper_std": cell.paper_std,
         "paper_delta": cell.paper_delta,
+        "head": cell.head,
+        "paper_head": cell.paper_head,
         "ci_low": ci.low if ci else None,
         "ci_high": ci.high if ci else None,
         "ci_df": ci.df if ci else None,
@@ -150,8 +154,9 @@ def _num(value: float | None, digits: int, sign: bool = False) -> str:
     return f"{value:.{digits}f}"
 
 
-def ours_text(cell: Cell, digits: int) -> str:
-    """`mean ± std (n=k)` with what else happened to the cell's runs, or the reason there is no number."""
+def ours_text(cell: Cell, digits: int, head: bool = False) -> str:
+    """`mean ± std (n=k)` with what else happened to the cell's runs, or the reason there is no number; with
+    `head`, `· <head>` after a number that is one ⚗ head's."""
     extra = [
         f"+{count} {what}"
         for count, what in (
@@ -168,7 +173,8 @@ def ours_text(cell: Cell, digits: int) -> str:
         text = _num(cell.mean, digits)
         if cell.std is not None:
             text += " ± " + _num(cell.std, digits)
-        return f"{text} (n={cell.n}{'; ' + ', '.join(extra) if extra else ''})"
+        text = f"{text} (n={cell.n}{'; ' + ', '.join(extra) if extra else ''})"
+        return f"{text} · {HEADS[cell.head]}" if head and cell.head else text
     if state == "missing":
         return "missing"
     counts = {
@@ -206,7 +212,8 @@ def paper_text(cell: Cell) -> str:
     """The paper's number for a cell, with its ± where it has one."""
     if cell.paper is None:
         return cell.paper_absent
-    return _num(cell.paper, 1) + (" ± " + _num(cell.paper_std, 1) if cell.paper_std is not None else "")
+    text = _num(cell.paper, 1) + (" ± " + _num(cell.paper_std, 1) if cell.paper_std is not None else "")
+    return f"{text} · {HEADS[cell.paper_head]}" if cell.paper_head else text
 
 
 def _headers(table: Table) -> list[str]:
@@ -236,7 +243,7 @@ def _cells(table: Table, row: Row, digits: int) -> list[str]:
     out = [_row_label(row)] + ([row.delta_to if row.delta_to != row.key else ""] if table.per_row_baselines else [])
     for stage in table.stages:
         cell = row.cells[stage]
-        out.append(ours_text(cell, digits))
+        out.append(ours_text(cell, digits, head=table.metric == "top1"))  # else the caption's --metric names it
         if table.baseline is not None:
             out.append(delta_text(cell, digits))
         if table.paper is not None:
@@ -265,6 +272,22 @@ def _caption(table: Table, markdown: bool = True) -> str:
     return text + "."
 
 
+def heads_text(table: Table) -> str:
+    """Which ⚗ head the paper's numbers are, where the numbers file names one ('' where none does)."""
+    rows: dict[tuple[str, str], list[str]] = {}  # (stage, head) -> row keys
+    for row in table.rows:
+        for stage in table.stages:
+            head = row.cells[stage].paper_head
+            if head:
+                rows.setdefault((stage, head), []).append(row.key)
+    if not rows:
+        return ""
+    which = "; ".join(f"{STAGE_NAMES[stage]}, {HEADS[head]}: {', '.join(keys)}" for (stage, head), keys in rows.items())
+    ours = "ours beside it is the same head's figure" if table.metric == "top1" else f"ours is --metric {table.metric}"
+    note = f" {table.paper.heads_note}" if table.paper is not None and table.paper.heads_note else ""
+    return f"Heads: where the paper's number is one head's of a ⚗ model, {ours} ({which}).{note}"
+
+
 def _footnotes(table: Table) -> list[str]:
     notes = []
     flagged = [r.key for r in table.rows if r.note == "did not train well"]
@@ -273,6 +296,9 @@ def _footnotes(table: Table) -> list[str]:
     other = [f"{r.key}: {r.note}" for r in table.rows if r.note and r.note != "did not train well"]
     if other:
         notes.append("Paper notes: " + "; ".join(other) + ".")
+    heads = heads_text(table)
+    if heads:
+        notes.append(heads)
     if table.splits:
         splits = "; ".join(split_text(s) for s in table.splits)
         notes.append(f"A cell holds runs that differ only in the seed. {splits}.")

@@ -8,7 +8,7 @@ from typing import Any
 
 from deit_ablate.studies import studies, study_names
 
-from .cells import Cell, Row, Split, Table, metric_key
+from .cells import Cell, Row, Split, Table, cell_metric, metric_key
 from .deltas import fill_deltas
 from .paper import STAGES, PaperTable, default_table, paper_table
 from .reader import RunInfo, metric_value
@@ -171,12 +171,14 @@ class _Filled:
     splits: list[Split] = field(default_factory=list)
     left_out: list[RunInfo] = field(default_factory=list)
 
-    def add(self, base: str, label: str, stage: str, runs: list[RunInfo], key: str) -> None:
-        """Put one setting's runs into the cell of `label` at `stage` (the latest run of a repeated seed counts)."""
+    def add(self, base: str, label: str, stage: str, runs: list[RunInfo], key: str, head: str | None) -> None:
+        """Put one setting's runs into the cell of `label` at `stage` (the latest run of a repeated seed counts),
+        each run's summary `key` (the figure of `head`, where one is named)."""
         labels = self.sub_rows.setdefault(base, [])
         if label not in labels:
             labels.append(label)
         cell = self.cells.setdefault(label, {s: Cell() for s in STAGES})[stage]
+        cell.head = head
         for run in sorted(runs, key=_start, reverse=True):
             value = metric_value(run, key)
             (self.counted if cell.add(run, value) else self.repeated).append((label, stage, run, value))
@@ -202,8 +204,10 @@ def _bucket(runs: list[RunInfo], spec: RowSpec) -> tuple[Buckets, dict[str, set[
     return buckets, sizes, other_stage
 
 
-def _fill(buckets: Buckets, baseline: str | None, key: str, match_baseline: bool) -> _Filled:
-    """Split every bucket into settings and fill the cells; the baseline row first, so others can match it."""
+def _fill(buckets: Buckets, baseline: str | None, metric: str, order_by: PaperTable | None,
+          match_baseline: bool) -> _Filled:
+    """Split every bucket into settings and fill the cells; the baseline row first, so others can match it. A
+    cell reads --metric's summary key, or the head the paper's number at that cell is (cells.cell_metric)."""
     filled = _Filled()
     for stage in STAGES:
         bases = sorted((b for s, b in buckets if s == stage), key=lambda b: (b != baseline, b))
@@ -218,8 +222,10 @@ def _fill(buckets: Buckets, baseline: str | None, key: str, match_baseline: bool
                 filled.splits.append(split)
                 kept = {id(r) for _, part in parts for r in part}
                 filled.left_out += [r for r in bucket if id(r) not in kept]
+            prow = order_by.row(base) if order_by else None
+            key, head = cell_metric(metric, prow.heads.get(stage) if prow else None)
             for label, part in parts:
-                filled.add(base, label, stage, part, key)
+                filled.add(base, label, stage, part, key, head)
     return filled
 
 
@@ -274,7 +280,7 @@ def build_table(
     if baseline is None:
         default = order_by.baseline if order_by else default_baseline(rows_key)
         baseline = default if default in order else None
-    filled = _fill(buckets, baseline, key, match_baseline)
+    filled = _fill(buckets, baseline, metric, order_by, match_baseline)
     table_rows = _table_rows(order, filled, order_by, only_present)
     stages = [
         s
