@@ -574,7 +574,7 @@ HALF = T_WELCH * math.sqrt(2.0)
 
 
 def test_t_quantile_matches_the_tables() -> None:
-    from deit_ablate.aggregate.stats import t_cdf, t_quantile
+    from deit_ablate.aggregate.stats import t_quantile, z_quantile
 
     tabulated = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042, 100: 1.984}
     for df, t in tabulated.items():
@@ -584,14 +584,17 @@ def test_t_quantile_matches_the_tables() -> None:
     assert t_quantile(0.025, 5) == pytest.approx(-2.571, abs=5e-4)  # symmetric
     assert t_quantile(0.975, 216 / 53) == pytest.approx(T_WELCH, abs=1e-5)  # Welch's fractional ν
     assert t_quantile(0.975, 1.5) == pytest.approx(6.016663, abs=1e-5)
-    # the cdf against a plain numerical integral of the t density (Simpson, 2000 panels) at a fractional ν
+    assert (z_quantile(0.975), z_quantile(0.8)) == pytest.approx((1.959964, 0.841621), abs=1e-6)
+    # the quantile against a plain numerical integral of the t density (Simpson, 2000 panels) at a fractional ν
     df, x = 2.5, 1.7
     density = lambda u: math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2)) * (  # noqa: E731
         1 + u * u / df
     ) ** (-(df + 1) / 2)
     h = x / 2000
     simpson = h / 3 * sum((1 if i in (0, 2000) else 4 if i % 2 else 2) * density(i * h) for i in range(2001))
-    assert t_cdf(x, df) == pytest.approx(0.5 + simpson, abs=1e-9)
+    assert t_quantile(0.5 + simpson, df) == pytest.approx(x, abs=1e-7)
+    with pytest.raises(ValueError, match="0 < p < 1 and df > 0"):
+        t_quantile(0.975, 0)
 
 
 def test_welch_interval_by_hand() -> None:
