@@ -16,7 +16,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from deit_ablate.aggregate.stats import LEVEL, t_quantile
 from deit_ablate.studies import study_names
 
-README = REPO / "README.md"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # the study-demo table is in docs/studies.md
 BEGIN, END = "<!-- study-demos -->", "<!-- /study-demos -->"
 THREADS = "runtime.cpu_threads=1"
 # Times the README stated without a measurement; on a loaded 2-core machine they were 2-5x short.
@@ -82,7 +82,8 @@ def bash_blocks(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def readme() -> str:
-    return README.read_text(encoding="utf-8")
+    """The README and the docs pages it links, as one text."""
+    return "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
 
 
 def test_every_study_has_a_demo_with_seeds_time_and_what_it_resolves(readme):
