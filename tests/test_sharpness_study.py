@@ -32,13 +32,17 @@ ROWS: dict[str, tuple[str | None, dict, dict]] = {
     "resnet152_rho_005": ("resnet152", *[{"optimizer.sam_rho": 0.05}] * 2),
     "mixer_rho_02": ("mixer", *[{"optimizer.sam_rho": 0.2}] * 2),
     "hybrid_rho_02": ("hybrid", *[{"optimizer.sam_rho": 0.2}] * 2),
+    # a tenth of ImageNet-1k: the baseline, augment and ViT-SAM rows with data.fraction = 0.1
+    **{f"tenth{tag}": (row, *[{"data.fraction": 0.1}] * 2)
+       for tag, row in (("", "baseline"), ("_augment", "augment"), ("_rho_02", "rho_02"))},
 }
 # Rows of another network: the baseline's recipe, their own model option (tests/test_sam_models.py builds them).
 NETWORKS = {"resnet152": "resnet152", "mixer": "mixer_b16", "hybrid": "vit_hybrid_r50_b16"}
 # The paper's numbers (top-1 at 224) and sharpness figures, as the chapter's SAM boxes quote Chen et al.
 TOP1 = {"baseline": 74.6, "rho_005": 77.5, "rho_01": 78.8, "rho_02": 79.9, "rho_025": 79.3, "sgd": 71.5,
         "sgd_rho_02": 79.1, "augment": 79.6, "augment_rho_02": 81.5, "epochs_600": None, "resnet152": 78.5,
-        "resnet152_rho_005": 79.3, "mixer": 66.4, "mixer_rho_02": 77.4, "hybrid": None, "hybrid_rho_02": None}
+        "resnet152_rho_005": 79.3, "mixer": 66.4, "mixer_rho_02": 77.4, "hybrid": None, "hybrid_rho_02": None,
+        "tenth": 32.8, "tenth_augment": 38.5, "tenth_rho_02": 46.1}
 SHARPNESS = {"baseline": {"lambda_max": 738.8, "train_loss": 0.65, "noisy_loss": 6.66},
              "rho_02": {"lambda_max": 20.9, "train_loss": 0.82},
              "augment": {"lambda_max": 1659.3, "noisy_loss": 1.23},
