@@ -167,6 +167,18 @@ def test_recipe_vit_original_applies_over_any_study_row_and_the_preset():
     assert _flat(_composed(["recipe=vit_original", "ablation=ema"]))["train.ema"] is True  # the row wins
 
 
+def test_the_aggregator_shows_each_rows_paper_number_and_its_delta_to_its_own_baseline():
+    from deit_ablate.aggregate.table import build_table
+
+    table = build_table([], rows=STUDY, paper=STUDY)  # the rows without runs: the paper's columns only
+    cells = {r.key: r.cells["pretrain"] for r in table.rows}
+    assert [r.key for r in table.rows] == list(TOP1) and {k: c.paper for k, c in cells.items()} == TOP1
+    deltas = {k: cells[k].paper_delta for k in ("mixer_rho_02", "tenth_augment", "tenth_rho_02", "hybrid_rho_02")}
+    assert deltas == {"mixer_rho_02": pytest.approx(11.0), "tenth_augment": pytest.approx(5.7),
+                      "tenth_rho_02": pytest.approx(13.3), "hybrid_rho_02": None}  # the hybrid's: in its note
+    assert "+2.7 points" in next(r for r in table.rows if r.key == "hybrid_rho_02").note
+
+
 @pytest.mark.slow
 def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     data = one_class_imagefolder(tmp_path / "imagenet")
@@ -182,3 +194,21 @@ def test_a_demo_row_trains_two_steps(tmp_path, data_cache):
     run_train([f"{STUDY}=rho_02", "train.max_steps=2"] + TINY, tmp_path, data_cache)
     results = [json.loads(p.read_text()) for p in runs_root(tmp_path / "outputs").glob(f"{STUDY}=rho_02*/{RESULT}")]
     assert [(r["status"], r["steps_done"]) for r in results] == [("finished", 2)]
+
+
+# The demo rows of the other networks and of a tenth (of 320 images per class: 32 kept), each 2 steps of a tiny
+# size (their widths, 1 block).
+TINY_NETWORKS = {"mixer_rho_02": ["model.kwargs.num_blocks=1", "model.kwargs.embed_dim=32"],
+                 "hybrid_rho_02": ["model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"],
+                 "tenth_rho_02": [o for o in TINY if o.startswith("model.")] + ["data.builtin.train_per_class=320"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", sorted(TINY_NETWORKS))
+def test_the_new_demo_rows_train_two_steps(row, tmp_path, data_cache):
+    tiny = [o for o in TINY if not o.startswith("model.")] + TINY_NETWORKS[row]
+    proc = run_train([f"{STUDY}={row}", "train.max_steps=2", *tiny], tmp_path, data_cache)
+    results = [json.loads(p.read_text()) for p in runs_root(tmp_path / "outputs").glob(f"{STUDY}={row}*/{RESULT}")]
+    assert [(r["status"], r["steps_done"]) for r in results] == [("finished", 2)]
+    if row.startswith("tenth"):
+        assert "training on 320 of the 3200 training images" in proc.stdout + proc.stderr
