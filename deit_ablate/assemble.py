@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
 from deit_ablate.config import DistillKind, Precision, Stage, TeacherView
-from deit_ablate.data.datasets import build_dataset, dataset_root
+from deit_ablate.data.datasets import build_dataset, dataset_root, training_split
 from deit_ablate.data.loader import (
     SeededSamples,
     ShardSampler,
@@ -93,7 +93,10 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
     barrier(info)
     root = dataset_root(cfg) if root is None else root
     train_transform, batch_transform = build_train_pipeline(cfg)
-    train_set = build_dataset(cfg, "train", train_transform, root)
+    train_set = training_split(cfg, train_transform, root)
+    if cfg.data.fraction < 1 and info.is_main:
+        log.info(f"[data] data.fraction={cfg.data.fraction}: training on {len(train_set)} of the "
+                 f"{len(train_set.dataset)} training images (a share of each class); evaluating on all of val/")
     if cfg.distill.type != DistillKind.none and cfg.distill.teacher_view == TeacherView.fixed:
         train_set = WithIndex(train_set)  # the loss looks up each image's cached teacher outputs by its index
     val_set = build_dataset(cfg, "val", build_eval_transform(cfg), root)

@@ -131,6 +131,9 @@ class DataConfig:
     mean: tuple[float, float, float] = fraction((0.485, 0.456, 0.406), "a channel's mean, pixels scaled to [0, 1]")
     std: tuple[float, float, float] = ranged((0.229, 0.224, 0.225), gt=0, hint="each channel is divided by it")
     builtin: BuiltinDataConfig = field(default_factory=BuiltinDataConfig)
+    # the share of each class's training images trained on: the first ceil(f * n) of a fixed permutation per class
+    # (data/datasets.py fraction_indices); the same images for every seed and layout; eval stays on all of val/
+    fraction: float = ranged(1.0, gt=0, le=1, hint="the share of each class's training images kept")
 
 
 @dataclass

@@ -24,6 +24,7 @@ ADDED_KEYS: dict[str, object] = {
     "distill.teacher_view": "same",
     "finetune.layer_decay": None,
     "finetune.pretrain_size": None,  # a row's own pre-training size, named in its fine-tune's identity
+    "data.fraction": 1.0,  # the whole training split; a share of it (a tenth of ImageNet) is another run
     "data.builtin.classes": "shapes",  # the built-in set's shapes; shapes_b (the demo's transfer data) is other data
     "distill.teacher.chain": None,
     # the recipe's micro-batch: the paper's 128 per GPU (pre-training) and 32 per GPU (the released fine-tune)

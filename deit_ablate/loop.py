@@ -57,10 +57,17 @@ class Progress:
     predicted_by: str = "model"  # whose they are: "model", or "ema" when the EMA's top-1 is the headline
 
 
+def _unwrapped(dataset):
+    """The dataset under its wrappers (teacher_cache.WithIndex, data.fraction's subset: each holds `.dataset`)."""
+    while hasattr(dataset, "dataset"):
+        dataset = dataset.dataset
+    return dataset
+
+
 def image_folders(pieces: Pieces) -> list[SkippingImageFolder]:
     """The run's datasets that watch for unreadable images."""
     sets = (pieces.loaders.train_set, pieces.loaders.val_loader.dataset)
-    sets = tuple(getattr(d, "dataset", d) for d in sets)  # teacher_cache.WithIndex wraps the training set
+    sets = tuple(_unwrapped(d) for d in sets)
     return [d for d in sets if isinstance(d, SkippingImageFolder)]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -9,8 +10,9 @@ import timm
 import torch
 from omegaconf import DictConfig, OmegaConf
 from timm.layers import resample_abs_pos_embed
-from timm.models import model_entrypoint
+from timm.models import build_model_with_cfg, model_entrypoint
 from timm.models.deit import VisionTransformerDistilled
+from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
 from deit_ablate.architecture import describe_architecture  # noqa: F401 (its name here, as before)
@@ -19,12 +21,32 @@ from deit_ablate.deeper import OPTIONS, _init_linear, apply_options, split_optio
 from deit_ablate.errors import ConfigError
 from deit_ablate.losses import TOKEN_KINDS
 
-_VIT_MODULES = ("vision_transformer", "deit", "cait")
+# vision_transformer_hybrid: timm's ViTs that read a ResNet's features (R50+ViT-B/16), a VisionTransformer too
+_VIT_MODULES = ("vision_transformer", "vision_transformer_hybrid", "deit", "cait")
+# MLP-Mixer (Tolstikhin et al. 2021, Table 1): timm's entry points fix patch size, depth and width by name
+_MIXER = re.compile(r"mixer_([sbl])(\d+)_224")
+_MIXER_SIZES = {"s": (8, 512), "b": (12, 768), "l": (24, 1024)}  # (num_blocks, embed_dim)
 
 
 def is_vision_transformer(name: str) -> bool:
     """Whether timm builds `name` as a ViT (takes img_size, has position embeddings)."""
     return model_entrypoint(name).__module__.rsplit(".", 1)[-1] in _VIT_MODULES
+
+
+def is_mixer(name: str) -> bool:
+    """Whether `name` is one of timm's MLP-Mixers (`mixer_b16_224`, ...)."""
+    return _MIXER.fullmatch(name) is not None
+
+
+def build_mixer(name: str, pretrained: bool = False, **kwargs: Any) -> torch.nn.Module:
+    """timm's Mixer `name` at the size its name says, or the one `kwargs` give (patch_size, num_blocks,
+    embed_dim: timm's entry points refuse them), never with weights (`pretrained` must stay False)."""
+    if pretrained:
+        raise ValueError("build_mixer builds fresh Mixers only")
+    size, patch = _MIXER.fullmatch(name).groups()
+    blocks, width = _MIXER_SIZES[size]
+    sizes = {"patch_size": int(patch), "num_blocks": blocks, "embed_dim": width, **kwargs}
+    return build_model_with_cfg(MlpMixer, name, pretrained=False, **sizes)
 
 
 def has_distillation_token(name: str) -> bool:
@@ -142,7 +164,10 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
         # drop_rate is a dropout before the head, which DeiT did not have.
         kwargs.update(pos_drop_rate=model_cfg.dropout, proj_drop_rate=model_cfg.dropout)
         head_drop = 0.0
-    model = timm.create_model(
+    if is_mixer(name):  # its patch grid sizes the token-mixing MLPs; --drop goes in its MLPs, as in a ViT's
+        kwargs.update(img_size=img_size, proj_drop_rate=model_cfg.dropout)
+        head_drop = 0.0
+    model = (build_mixer if is_mixer(name) else timm.create_model)(
         name,
         pretrained=False,
         num_classes=num_classes,

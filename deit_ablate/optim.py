@@ -23,9 +23,9 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int = 512) -> float
 
 
 def layer_id(name: str, depth: int) -> int:
-    """The layer of a ViT parameter for layer-wise lr decay: 0 for the patch embedding, prefix tokens and position
-    table, k + 1 for `blocks.k.`, depth + 1 for everything else (final norm, heads)."""
-    if name.startswith("patch_embed") or name in EMBEDDING_NAMES:
+    """The layer of a ViT parameter for layer-wise lr decay: 0 for the patch embedding (a Mixer's `stem`), prefix
+    tokens and position table, k + 1 for `blocks.k.`, depth + 1 for everything else (final norm, heads)."""
+    if name.startswith(("patch_embed", "stem.")) or name in EMBEDDING_NAMES:
         return 0
     block = _BLOCK.match(name)
     return int(block.group(1)) + 1 if block else depth + 1

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import Dataset
 
-from deit_ablate.data.datasets import build_dataset, dataset_root
+from deit_ablate.data.datasets import dataset_root, training_split
 from deit_ablate.data.loader import ShardSampler, build_loader
 from deit_ablate.data.transforms import build_eval_transform
 from deit_ablate.distributed import DistInfo, all_reduce_sum
@@ -56,7 +56,7 @@ def fixed_view_transform(cfg: DictConfig):
 
 def fixed_view_dataset(cfg: DictConfig) -> Dataset:
     """The training images, each in its fixed view (same files and order as the training set)."""
-    return build_dataset(cfg, "train", fixed_view_transform(cfg), dataset_root(cfg))
+    return training_split(cfg, fixed_view_transform(cfg), dataset_root(cfg))
 
 
 def teacher_table(teacher: nn.Module, dataset: Dataset, batch_size: int, cfg: DictConfig,

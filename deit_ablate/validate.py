@@ -27,7 +27,7 @@ from deit_ablate.config import (
 from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.errors import ConfigError
-from deit_ablate.models import student_model_name
+from deit_ablate.models import is_mixer, student_model_name
 from deit_ablate.rundir import check_output_root
 from deit_ablate.stage_config import check_stage_overrides, stage_config
 from deit_ablate.stages import layer_scale_row, stage_global_batch, stage_micro_batch
@@ -277,6 +277,19 @@ def check_image_sizes(cfg: DictConfig) -> None:
             f"eval_size / crop_pct), or pick a resolution option that sets both.")
 
 
+def check_mixer_size(cfg: DictConfig) -> None:
+    """A Mixer fine-tunes or transfers at the size it pre-trained at, named by finetune.pretrain_size: its
+    token-mixing MLPs are sized to its patch grid, with no position table to resample."""
+    name, size = student_model_name(cfg), cfg.resolution.train_size
+    if cfg.stage == Stage.pretrain or not is_mixer(name) or cfg.finetune.pretrain_size == size:
+        return
+    raise ConfigError(f"stage={cfg.stage} of {name} at resolution.train_size={size}, but finetune.pretrain_size="
+                      f"{cfg.finetune.pretrain_size}: a Mixer's token-mixing MLPs are sized to the patch grid of "
+                      "the size it pre-trained at (no position table to resample, as a ViT's), so a later stage "
+                      "must train at that size. Set resolution=<its size>px and finetune.pretrain_size=<its size> "
+                      "(224 for the sam study's mixer rows at paper scale, 32 at demo scale).")
+
+
 def check_pretrain_size(cfg: DictConfig) -> None:
     """finetune.pretrain_size, where set, is the size the pre-training stage trains at."""
     size = cfg.finetune.pretrain_size
@@ -377,6 +390,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_image_sizes(cfg)
     check_layer_decay(cfg)
     check_pretrain_size(cfg)
+    check_mixer_size(cfg)
     optimizers = {cfg.optimizer.name, cfg.finetune.optimizer, cfg.transfer.optimizer}
     for name in optimizers:
         if name not in list_optimizers():

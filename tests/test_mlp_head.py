@@ -49,6 +49,8 @@ def test_vit_original_pretrains_with_it_and_the_resnet_row_keeps_its_own_classif
     assert compose_config(["sam=baseline"]).model.head == "mlp_tanh"
     assert compose_config(["sam=resnet152"]).model.head == "linear"
     assert compose_config(["sam=resnet152_rho_005"]).model.head == "linear"
+    assert compose_config(["sam=mixer_rho_02"]).model.head == "linear"  # the Mixer's own classifier
+    assert compose_config(["sam=hybrid"]).model.head == "mlp_tanh"  # a ViT on ResNet features: ViT's head
     assert compose_config([]).model.head == "linear"
 
 

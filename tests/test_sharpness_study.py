@@ -30,15 +30,24 @@ ROWS: dict[str, tuple[str | None, dict, dict]] = {
     "augment_rho_02": ("augment", *[{"optimizer.sam_rho": 0.2}] * 2),
     "epochs_600": ("baseline", {"train.epochs": 600}, {"train.epochs": 20}),
     "resnet152_rho_005": ("resnet152", *[{"optimizer.sam_rho": 0.05}] * 2),
+    "mixer_rho_02": ("mixer", *[{"optimizer.sam_rho": 0.2}] * 2),
+    "hybrid_rho_02": ("hybrid", *[{"optimizer.sam_rho": 0.2}] * 2),
+    # a tenth of ImageNet-1k: the baseline, augment and ViT-SAM rows with data.fraction = 0.1
+    **{f"tenth{tag}": (row, *[{"data.fraction": 0.1}] * 2)
+       for tag, row in (("", "baseline"), ("_augment", "augment"), ("_rho_02", "rho_02"))},
 }
+# Rows of another network: the baseline's recipe, their own model option (tests/test_sam_models.py builds them).
+NETWORKS = {"resnet152": "resnet152", "mixer": "mixer_b16", "hybrid": "vit_hybrid_r50_b16"}
 # The paper's numbers (top-1 at 224) and sharpness figures, as the chapter's SAM boxes quote Chen et al.
 TOP1 = {"baseline": 74.6, "rho_005": 77.5, "rho_01": 78.8, "rho_02": 79.9, "rho_025": 79.3, "sgd": 71.5,
         "sgd_rho_02": 79.1, "augment": 79.6, "augment_rho_02": 81.5, "epochs_600": None, "resnet152": 78.5,
-        "resnet152_rho_005": 79.3}
+        "resnet152_rho_005": 79.3, "mixer": 66.4, "mixer_rho_02": 77.4, "hybrid": None, "hybrid_rho_02": None,
+        "tenth": 32.8, "tenth_augment": 38.5, "tenth_rho_02": 46.1}
 SHARPNESS = {"baseline": {"lambda_max": 738.8, "train_loss": 0.65, "noisy_loss": 6.66},
              "rho_02": {"lambda_max": 20.9, "train_loss": 0.82},
              "augment": {"lambda_max": 1659.3, "noisy_loss": 1.23},
-             "resnet152": {"lambda_max": 179.8, "train_loss": 0.86, "noisy_loss": 2.39}}
+             "resnet152": {"lambda_max": 179.8, "train_loss": 0.86, "noisy_loss": 2.39},
+             "mixer": {"lambda_max": 1644.4, "train_loss": 0.45, "noisy_loss": 7.78}}
 # Hydra's own keys and the row's choices differ between any two rows by construction.
 CHOICE_KEYS = ("hydra.",)
 
@@ -54,7 +63,7 @@ def _changes(row: dict, base: dict) -> dict:
 
 def test_every_row_has_an_option_and_a_paper_row_in_order_and_the_study_is_found():
     options = sorted(p.stem for p in (CONF / STUDY).glob("*.yaml"))
-    assert options == sorted([*ROWS, "resnet152"])
+    assert options == sorted([*ROWS, *NETWORKS])
     table = paper_tables()[STUDY]
     assert [r["key"] for r in table["rows"]] == list(TOP1)
     assert {r["key"]: r["pretrain"] for r in table["rows"]} == TOP1
@@ -68,6 +77,20 @@ def test_every_row_has_an_option_and_a_paper_row_in_order_and_the_study_is_found
         assert r.get("baseline", "baseline") in TOP1
     # the one row without a number says why (the text: 600 epochs "changes nothing")
     assert "no number" in next(r for r in table["rows"] if r["key"] == "epochs_600")["note"]
+    notes = {r["key"]: r.get("note", "") for r in table["rows"]}
+    # the hybrid's plain top-1 is not in the text, SAM's gain is: in its note, the schema having no delta field
+    assert "not in our texts" in notes["hybrid"] and "+2.7 points" in notes["hybrid_rho_02"]
+    assert "11.0" in notes["mixer_rho_02"]
+
+
+@pytest.mark.parametrize("preset", ["paper", "demo"])
+@pytest.mark.parametrize("row", ["mixer", "hybrid"])
+def test_a_network_row_is_the_baseline_with_its_own_model(row, preset):
+    changed = _changes(_row(row, preset), _row("baseline", preset))
+    model = _flat(compose_config([f"model={NETWORKS[row]}", f"preset={preset}"]))
+    assert changed and all(k.startswith("model.") for k in changed)
+    assert changed == {k: model[k] for k in changed}  # the model option's name and sizes
+    assert _row(row, preset)["model.dropout"] == 0.1  # the recipe's
 
 
 def test_the_baseline_at_paper_scale_is_the_original_vit_recipe():
@@ -144,6 +167,18 @@ def test_recipe_vit_original_applies_over_any_study_row_and_the_preset():
     assert _flat(_composed(["recipe=vit_original", "ablation=ema"]))["train.ema"] is True  # the row wins
 
 
+def test_the_aggregator_shows_each_rows_paper_number_and_its_delta_to_its_own_baseline():
+    from deit_ablate.aggregate.table import build_table
+
+    table = build_table([], rows=STUDY, paper=STUDY)  # the rows without runs: the paper's columns only
+    cells = {r.key: r.cells["pretrain"] for r in table.rows}
+    assert [r.key for r in table.rows] == list(TOP1) and {k: c.paper for k, c in cells.items()} == TOP1
+    deltas = {k: cells[k].paper_delta for k in ("mixer_rho_02", "tenth_augment", "tenth_rho_02", "hybrid_rho_02")}
+    assert deltas == {"mixer_rho_02": pytest.approx(11.0), "tenth_augment": pytest.approx(5.7),
+                      "tenth_rho_02": pytest.approx(13.3), "hybrid_rho_02": None}  # the hybrid's: in its note
+    assert "+2.7 points" in next(r for r in table.rows if r.key == "hybrid_rho_02").note
+
+
 @pytest.mark.slow
 def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     data = one_class_imagefolder(tmp_path / "imagenet")
@@ -159,3 +194,21 @@ def test_a_demo_row_trains_two_steps(tmp_path, data_cache):
     run_train([f"{STUDY}=rho_02", "train.max_steps=2"] + TINY, tmp_path, data_cache)
     results = [json.loads(p.read_text()) for p in runs_root(tmp_path / "outputs").glob(f"{STUDY}=rho_02*/{RESULT}")]
     assert [(r["status"], r["steps_done"]) for r in results] == [("finished", 2)]
+
+
+# The demo rows of the other networks and of a tenth (of 320 images per class: 32 kept), each 2 steps of a tiny
+# size (their widths, 1 block).
+TINY_NETWORKS = {"mixer_rho_02": ["model.kwargs.num_blocks=1", "model.kwargs.embed_dim=32"],
+                 "hybrid_rho_02": ["model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"],
+                 "tenth_rho_02": [o for o in TINY if o.startswith("model.")] + ["data.builtin.train_per_class=320"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", sorted(TINY_NETWORKS))
+def test_the_new_demo_rows_train_two_steps(row, tmp_path, data_cache):
+    tiny = [o for o in TINY if not o.startswith("model.")] + TINY_NETWORKS[row]
+    proc = run_train([f"{STUDY}={row}", "train.max_steps=2", *tiny], tmp_path, data_cache)
+    results = [json.loads(p.read_text()) for p in runs_root(tmp_path / "outputs").glob(f"{STUDY}={row}*/{RESULT}")]
+    assert [(r["status"], r["steps_done"]) for r in results] == [("finished", 2)]
+    if row.startswith("tenth"):
+        assert "training on 320 of the 3200 training images" in proc.stdout + proc.stderr

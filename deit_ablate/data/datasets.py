@@ -5,13 +5,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 from PIL import ImageFile
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from deit_ablate.config import DataName
 from deit_ablate.data.bad_images import GONE_HINT, SkippingImageFolder
@@ -138,6 +140,39 @@ def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path |
         raise ConfigError(f"data.num_classes={cfg.data.num_classes} but {root / split} holds {num_classes} "
                           f"classes ({_first(list(dataset.classes))}). Set data.num_classes={num_classes}.")
     return dataset
+
+
+def fraction_indices(targets: Sequence[int], fraction: float) -> list[int]:
+    """The images `data.fraction` keeps, in the split's order: of class c's n_c images (in the split's order), the
+    first ceil(fraction * n_c) of a permutation drawn from seed c. The seed is fixed, not the run's: every seed of a
+    row trains on the same subset (its spread is the training's, not the draw's), and a class's choice does not
+    depend on the other classes."""
+    by_class: dict[int, list[int]] = {}
+    for index, label in enumerate(targets):
+        by_class.setdefault(int(label), []).append(index)
+    kept = []
+    for label, indices in by_class.items():
+        order = torch.randperm(len(indices), generator=torch.Generator().manual_seed(label)).tolist()
+        kept += [indices[i] for i in order[:math.ceil(round(fraction * len(indices), 9))]]  # 0.3 * 10 is 3, not 4
+    return sorted(kept)
+
+
+class FractionSubset(Subset):
+    """The images of `dataset` that `fraction_indices` keeps, with its `classes`, `targets` and (an ImageFolder's,
+    which the DALI loader reads) `samples`."""
+
+    def __init__(self, dataset: Dataset, fraction: float) -> None:
+        super().__init__(dataset, fraction_indices(dataset.targets, fraction))
+        self.classes = dataset.classes
+        self.targets = [dataset.targets[i] for i in self.indices]
+        if hasattr(dataset, "samples"):
+            self.samples = [dataset.samples[i] for i in self.indices]
+
+
+def training_split(cfg: DictConfig, transform: Callable, root: Path | None = None) -> Dataset:
+    """The training images a run trains on: the configured dataset's train split, or the share data.fraction keeps."""
+    dataset = build_dataset(cfg, "train", transform, root)
+    return dataset if cfg.data.fraction == 1 else FractionSubset(dataset, cfg.data.fraction)
 
 
 def builtin_params(builtin: DictConfig) -> dict:

@@ -220,10 +220,10 @@ def fixed_images(cfg: Any, settings: SharpnessSettings, device: torch.device, wo
     drawn from `settings.seed`, through the eval transform, in batches of `settings.batch_size` on `device`."""
     from torch.utils.data import DataLoader, Subset
 
-    from deit_ablate.data.datasets import build_dataset, dataset_root
+    from deit_ablate.data.datasets import dataset_root, training_split
     from deit_ablate.data.transforms import build_eval_transform
 
-    dataset = build_dataset(cfg, "train", build_eval_transform(cfg), dataset_root(cfg))
+    dataset = training_split(cfg, build_eval_transform(cfg), dataset_root(cfg))  # the images the run trained on
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(settings.seed))
     chosen = Subset(dataset, order[: min(settings.images, len(dataset))].tolist())
     loader = DataLoader(chosen, batch_size=settings.batch_size, shuffle=False, num_workers=workers)
