@@ -24,6 +24,7 @@ RA = {"augment.auto_augment": "rand-m9-mstd0.5-inc1", "augment.three_augment": F
 FT_224 = {"finetune.micro_batch": 64, "finetune.overrides.model.drop_path": 0.2}
 FT_224_DEMO = {"finetune.overrides.model.drop_path": 0.1}
 # Each row: the row it extends and what it changes there, at paper and demo scale, in (pre-training, fine-tune).
+LONGER = (1200, 4800, 9600)  # Beyer et al.'s longer schedules, in epochs
 ROWS: dict[str, tuple[str, dict, dict, dict, dict]] = {
     "randaugment": ("baseline", RA, RA, RA, RA),
     "epochs_300": ("baseline", *[{"train.epochs": 300}] * 2, *[{"train.epochs": 4}] * 2),
@@ -43,13 +44,19 @@ ROWS: dict[str, tuple[str, dict, dict, dict, dict]] = {
     "teach_consistent": ("teach_fixed", *[{"distill.teacher_view": "same"}] * 4),
     # both of Beyer et al.'s ingredients against the fixed view, as their table compares them
     "teach_function_matching": ("teach_fixed", *[{"distill.teacher_view": "same", "mix.mixup_alpha": 1.0}] * 4),
+    # patience: the same two rows for longer, the demo at the paper's epochs / 30 (the 300-epoch rows' 10 demo epochs)
+    **{f"{row}_{n}": (row, *[{"train.epochs": n}] * 2, *[{"train.epochs": n // 30}] * 2)
+       for row in ("teach_fixed", "teach_function_matching") for n in LONGER},
 }
 # The chapter's numbers: (top-1 from scratch, after the fine-tune); None: not in the text.
 PAPER = {"baseline": (83.1, None), "randaugment": (82.7, None), "epochs_300": (82.2, None),
          "epochs_300_ce": (80.9, None), "res_224": (None, 84.6), "res_128": (None, 85.1),
          "registers_1": (None, None), "registers_4": (None, None), "layer_decay_065": (None, None),
          "layer_decay_075": (None, None), "layer_decay_08": (None, None), "teach_fixed": (77.8, None),
-         "teach_consistent": (None, None), "teach_function_matching": (80.3, None)}
+         "teach_fixed_1200": (78.1, None), "teach_fixed_4800": (77.6, None), "teach_fixed_9600": (77.0, None),
+         "teach_consistent": (None, None), "teach_function_matching": (80.3, None),
+         "teach_function_matching_1200": (81.5, None), "teach_function_matching_4800": (82.2, None),
+         "teach_function_matching_9600": (82.3, None)}
 
 
 def _row(row: str, preset: str, stage: str = "pretrain") -> dict:
