@@ -47,6 +47,9 @@ ROWS: dict[str, tuple[str, dict, dict, dict, dict]] = {
     # patience: the same two rows for longer, the demo at the paper's epochs / 30 (the 300-epoch rows' 10 demo epochs)
     **{f"{row}_{n}": (row, *[{"train.epochs": n}] * 2, *[{"train.epochs": n // 30}] * 2)
        for row in ("teach_fixed", "teach_function_matching") for n in LONGER},
+    # the label-only student: teach_fixed's without a teacher, its KL settings back to the schema's
+    "teach_labels": ("teach_fixed", *[{"distill.type": "none", "distill.alpha": 0.0, "distill.kl_normalization":
+                                       "elements", "distill.teacher_view": "same"}] * 4),
 }
 # The chapter's numbers: (top-1 from scratch, after the fine-tune); None: not in the text.
 PAPER = {"baseline": (83.1, None), "randaugment": (82.7, None), "epochs_300": (82.2, None),
@@ -56,7 +59,7 @@ PAPER = {"baseline": (83.1, None), "randaugment": (82.7, None), "epochs_300": (8
          "teach_fixed_1200": (78.1, None), "teach_fixed_4800": (77.6, None), "teach_fixed_9600": (77.0, None),
          "teach_consistent": (None, None), "teach_function_matching": (80.3, None),
          "teach_function_matching_1200": (81.5, None), "teach_function_matching_4800": (82.2, None),
-         "teach_function_matching_9600": (82.3, None)}
+         "teach_function_matching_9600": (82.3, None), "teach_labels": (78.2, None)}
 
 
 def _row(row: str, preset: str, stage: str = "pretrain") -> dict:
@@ -179,6 +182,10 @@ def test_teaching_rows_distil_a_resnet50_student_on_the_kl_term_alone(preset):
     assert fixed["mix.mixup_alpha"] == 0.0 and fixed["mix.cutmix_alpha"] == 0.0
     assert matching["distill.teacher_view"] == "same" and matching["mix.mixup_alpha"] == 1.0
     assert matching["mix.cutmix_alpha"] == 0.0 and matching["mix.prob"] == 1.0
+    labels = _row("teach_labels", preset)  # the same student and setup on the true labels: cross-entropy, unsmoothed
+    assert labels["distill.type"] == "none" and labels["mix.criterion"] == "ce" and labels["mix.label_smoothing"] == 0
+    assert {k: labels[k] for k in fixed if k.startswith(("model.", "train.", "augment.", "optimizer."))} == {
+        k: fixed[k] for k in fixed if k.startswith(("model.", "train.", "augment.", "optimizer."))}
     # Beta(1, 1) is uniform on [0, 1]: its density is 1 everywhere
     density = torch.distributions.Beta(1.0, 1.0).log_prob(torch.tensor([0.1, 0.5, 0.9])).exp()
     assert torch.allclose(density, torch.ones(3))
