@@ -47,6 +47,10 @@ ROWS: dict[str, tuple[str, dict, dict, dict, dict]] = {
     # patience: the same two rows for longer, the demo at the paper's epochs / 30 (the 300-epoch rows' 10 demo epochs)
     **{f"{row}_{n}": (row, *[{"train.epochs": n}] * 2, *[{"train.epochs": n // 30}] * 2)
        for row in ("teach_fixed", "teach_function_matching") for n in LONGER},
+    # the stronger teacher: the same one at 224 and 384 px (demo: 32 and 48), its logits averaged
+    "teach_function_matching_9600_224_384": ("teach_function_matching_9600", {"distill.teacher.sizes": [224, 384]},
+                                             {"distill.teacher.sizes": [224, 384]},
+                                             *[{"distill.teacher.sizes": [32, 48]}] * 2),
     # the label-only student: teach_fixed's without a teacher, its KL settings back to the schema's
     "teach_labels": ("teach_fixed", *[{"distill.type": "none", "distill.alpha": 0.0, "distill.kl_normalization":
                                        "elements", "distill.teacher_view": "same"}] * 4),
@@ -59,7 +63,8 @@ PAPER = {"baseline": (83.1, None), "randaugment": (82.7, None), "epochs_300": (8
          "teach_fixed_1200": (78.1, None), "teach_fixed_4800": (77.6, None), "teach_fixed_9600": (77.0, None),
          "teach_consistent": (None, None), "teach_function_matching": (80.3, None),
          "teach_function_matching_1200": (81.5, None), "teach_function_matching_4800": (82.2, None),
-         "teach_function_matching_9600": (82.3, None), "teach_labels": (78.2, None)}
+         "teach_function_matching_9600": (82.3, None), "teach_function_matching_9600_224_384": (82.8, None),
+         "teach_labels": (78.2, None)}
 
 
 def _row(row: str, preset: str, stage: str = "pretrain") -> dict:
