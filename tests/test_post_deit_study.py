@@ -6,17 +6,24 @@ stages, the baseline is DeiT III's released ViT-B recipe, and a paper-scale dry 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import timm
 import torch
 
+from deit_ablate.aggregate.reader import RunInfo
+from deit_ablate.aggregate.render import render, to_json_dict
+from deit_ablate.aggregate.table import build_table
+from deit_ablate.distributed import DistInfo
 from deit_ablate.errors import ConfigError
+from deit_ablate.lifecycle import dry_run_line
 from deit_ablate.optim import scaled_lr
-from deit_ablate.rundir import RESULT, runs_root
+from deit_ablate.plan import make_plan
+from deit_ablate.rundir import RESULT, RunDir, runs_root
 from deit_ablate.studies import CONF_DIR, paper_tables, studies
-from deit_ablate.validate import check_pretrain_size
-from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
+from deit_ablate.validate import check_pretrain_size, validate_config
+from tests.conftest import CONF, TINY, compose_config, identity_of, one_class_imagefolder, run_train
 from tests.test_ablation import _composed, _flat
 
 STUDY = "deit3"
@@ -196,12 +203,53 @@ def test_teaching_rows_distil_a_resnet50_student_on_the_kl_term_alone(preset):
     assert torch.allclose(density, torch.ones(3))
 
 
-@pytest.mark.slow  # ~20 s: 14 rows composed and checked in a subprocess
+# Beyer et al.'s rows beyond the 300-epoch pair: the longer schedules, the 224 + 384 teacher, the label-only student
+TEACH_LONG = [row for row in PAPER if row.startswith("teach_") and row[-1].isdigit() or row == "teach_labels"]
+
+
+@pytest.fixture(scope="module")
+def paper_inputs(tmp_path_factory) -> list[str]:
+    """A one-image ImageNet folder and a teacher file for paper-scale plans (a run folder in a real sweep)."""
+    root = tmp_path_factory.mktemp("paper")
+    torch.save(timm.create_model("resnet10t", num_classes=1).state_dict(), root / "teacher.pth")
+    return [*one_class_imagefolder(root / "imagenet"), f"distill.teacher.checkpoint={root / 'teacher.pth'}",
+            "distill.teacher.model=resnet10t", f"runtime.output_root={root / 'out'}"]
+
+
+@pytest.mark.parametrize("row", TEACH_LONG)
+def test_each_longer_teaching_row_plans_at_paper_scale(row, paper_inputs):
+    """What `python train.py deit3=<row> preset=paper runtime.dry_run=true` checks and prints, in this process."""
+    overrides = [f"{STUDY}={row}", "preset=paper", "runtime.dry_run=true", *paper_inputs]
+    cfg = _composed(overrides)
+    validate_config(cfg)
+    name = identity_of(overrides).name
+    line = dry_run_line(make_plan(cfg, DistInfo(), RunDir(runs_root(cfg.runtime.output_root) / name), overrides))
+    assert re.search(rf"^\[dry run\] \S*\b{STUDY}={row}[,-].* \(wandb id \w+\): train from step 0$", line), line
+    epochs = 300 if row == "teach_labels" else next(n for n in LONGER if f"_{n}" in row)
+    assert cfg.train.epochs == epochs
+
+
+def test_the_aggregator_shows_each_teaching_rows_paper_number_and_its_paper_delta():
+    def run(rid: str, row: str, top1: float) -> RunInfo:  # a finished demo run as its wandb log holds it
+        config = {"preset": "demo", "stage": "pretrain", "seed": 0, "ablation": "baseline", "choices": {STUDY: row}}
+        return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": top1})
+
+    table = build_table([run("a", "teach_fixed", 80.0), run("b", "teach_function_matching_9600", 82.0)], rows=STUDY)
+    records = {r["key"]: r for r in to_json_dict(table)["rows"]}
+    for row in TEACH_LONG:
+        base, cell = ROWS[row][0], records[row]["cells"]["pretrain"]
+        assert records[row]["delta_to"] == base and cell["paper"] == PAPER[row][0], row
+        assert cell["paper_delta"] == pytest.approx(PAPER[row][0] - PAPER[base][0]), row
+    text = render(table, "markdown")
+    assert re.search(r"\| teach_function_matching_9600_224_384 \| teach_function_matching_9600 \|.*"
+                     r"\| 82\.8 \| \+0\.5 \|", text)
+    assert re.search(r"\| teach_labels \| teach_fixed \|.*\| 78\.2 \| \+0\.4 \|", text)
+
+
+@pytest.mark.slow  # ~20 s: 22 rows composed and checked in a subprocess
 def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     root = tmp_path / "imagenet"
-    for split in ("train", "val"):
-        (root / split / "a").mkdir(parents=True)
-        (root / split / "a" / "x.ppm").write_bytes(b"P6 1 1 255\n\x00\x00\x00")
+    one_class_imagefolder(root)
     teacher = tmp_path / "teacher.pth"  # a teacher for the teach_* rows (a run folder in a real sweep)
     torch.save(timm.create_model("resnet10t", num_classes=1).state_dict(), teacher)
     teach = [f"distill.teacher.checkpoint={teacher}", "distill.teacher.model=resnet10t"]
@@ -210,6 +258,7 @@ def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
     names = sorted(line.split(f"{STUDY}=", 1)[1].split(",", 1)[0].split("-", 1)[0] for line in lines)
     assert names == sorted(PAPER) and all(line.endswith("train from step 0") for line in lines)
+    assert len(lines) == len(PAPER) == 22 and set(TEACH_LONG) < set(names)  # the longer teaching rows among them
     assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())
 
 
