@@ -5,6 +5,7 @@ stages, the baseline is DeiT III's released ViT-B recipe, and a paper-scale dry 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -17,6 +18,7 @@ from deit_ablate.aggregate.render import render, to_json_dict
 from deit_ablate.aggregate.table import build_table
 from deit_ablate.distributed import DistInfo
 from deit_ablate.errors import ConfigError
+from deit_ablate.identity import composed_choices, run_identity
 from deit_ablate.lifecycle import dry_run_line
 from deit_ablate.optim import scaled_lr
 from deit_ablate.plan import make_plan
@@ -74,6 +76,7 @@ PAPER = {"baseline": (83.1, None), "randaugment": (82.7, None), "epochs_300": (8
          "teach_labels": (78.2, None)}
 
 
+@functools.cache  # a row's base is composed once for all the rows that extend it
 def _row(row: str, preset: str, stage: str = "pretrain") -> dict:
     cfg = _flat(_composed([f"{STUDY}={row}", f"preset={preset}", f"stage={stage}"]))
     return {k: (v.value if hasattr(v, "value") else v) for k, v in cfg.items() if not k.startswith("hydra.")}
@@ -222,7 +225,7 @@ def test_each_longer_teaching_row_plans_at_paper_scale(row, paper_inputs):
     overrides = [f"{STUDY}={row}", "preset=paper", "runtime.dry_run=true", *paper_inputs]
     cfg = _composed(overrides)
     validate_config(cfg)
-    name = identity_of(overrides).name
+    name = run_identity(cfg, overrides, composed_choices(cfg)).name
     line = dry_run_line(make_plan(cfg, DistInfo(), RunDir(runs_root(cfg.runtime.output_root) / name), overrides))
     assert re.search(rf"^\[dry run\] \S*\b{STUDY}={row}[,-].* \(wandb id \w+\): train from step 0$", line), line
     epochs = 300 if row == "teach_labels" else next(n for n in LONGER if f"_{n}" in row)
