@@ -249,6 +249,7 @@ def check_distill_config(cfg) -> None:
     check_chain_keys(cfg)
     if not stage_distils(cfg):
         return
+    check_teacher_sizes(cfg)
     overrides = list(cfg.hydra.overrides.task) if "hydra" in cfg else None
     chained = teacher_run_dir(cfg, overrides)
     if chained is not None and teacher_run_state(chained) != "finished":
@@ -262,24 +263,26 @@ def check_distill_config(cfg) -> None:
     if not timm.is_model(source.model):
         raise ConfigError(f"distill.teacher.model={source.model} is not a timm model; set it to the teacher's "
                           "architecture.")
-    check_teacher_sizes(cfg, source)
+    check_resizable_teacher(cfg, source)
 
 
-def check_teacher_sizes(cfg, source: TeacherSource) -> None:
-    """distill.teacher.sizes: at least one size, each once, and a ViT teacher that takes sizes other than its own."""
+def check_teacher_sizes(cfg) -> None:
+    """distill.teacher.sizes, when set: at least one size, each once."""
     sizes = cfg.distill.teacher.sizes
-    if sizes is None:
-        return
-    sizes = list(sizes)
-    if not sizes or len(set(sizes)) != len(sizes):
-        raise ConfigError(f"distill.teacher.sizes={sizes} must list distinct sizes, at least one: the teacher's "
-                          "logits are averaged over the batch resized to each. Name each size once (e.g. "
+    if sizes is not None and (not sizes or len(set(sizes)) != len(sizes)):
+        raise ConfigError(f"distill.teacher.sizes={list(sizes)} must list distinct sizes, at least one: the "
+                          "teacher's logits are averaged over the batch resized to each. Name each size once (e.g. "
                           "distill.teacher.sizes=[224,384]), or set it to null for the batch as it is.")
-    if is_vision_transformer(source.model) and not source.kwargs.get("dynamic_img_size"):
-        raise ConfigError(f"distill.teacher.sizes={sizes} resizes the batch the teacher sees, but the ViT teacher "
-                          f"{source.model} is built for one size. Add distill.teacher.kwargs.dynamic_img_size=true "
-                          "(its position embeddings resampled to each size), or name the teacher's run folder in "
-                          "distill.teacher.checkpoint, which does so.")
+
+
+def check_resizable_teacher(cfg, source: TeacherSource) -> None:
+    """With distill.teacher.sizes, a ViT teacher built to take other sizes than its own."""
+    sizes = cfg.distill.teacher.sizes
+    if sizes and is_vision_transformer(source.model) and not source.kwargs.get("dynamic_img_size"):
+        raise ConfigError(f"distill.teacher.sizes={list(sizes)} resizes the batch the teacher sees, but the ViT "
+                          f"teacher {source.model} is built for one size. Add "
+                          "distill.teacher.kwargs.dynamic_img_size=true (its position embeddings resampled to each "
+                          "size), or name the teacher's run folder in distill.teacher.checkpoint, which does so.")
 
 
 def check_chain_keys(cfg) -> None:

@@ -28,7 +28,14 @@ from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler
 from deit_ablate.rundir import LAST, RunDir, runs_root
-from deit_ablate.teacher import MultiSizeTeacher, TeacherSource, check_teacher_sizes, run_teacher, teacher_forward
+from deit_ablate.teacher import (
+    MultiSizeTeacher,
+    TeacherSource,
+    check_resizable_teacher,
+    check_teacher_sizes,
+    run_teacher,
+    teacher_forward,
+)
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, fixed_view_transform, split_targets, teacher_table
 from deit_ablate.validate import check_ranges, check_teacher_view
 from tests import teaching_ddp_worker
@@ -292,6 +299,8 @@ def test_the_runs_teacher_sees_each_batch_at_the_sizes_it_names(teacher_checkpoi
 def test_teacher_sizes_that_cannot_work_are_refused(sizes, model, words):
     cfg = compose_config(["distill=soft", f"distill.teacher.sizes={sizes}"])
     with pytest.raises(ConfigError, match=words):
-        check_teacher_sizes(cfg, TeacherSource(model, {}, None))
+        check_teacher_sizes(cfg)
+        check_resizable_teacher(cfg, TeacherSource(model, {}, None))
+    check_resizable_teacher(cfg, TeacherSource(model, {"dynamic_img_size": True}, None))  # it takes any size
     with pytest.raises(ConfigError, match=r"distill.teacher.sizes=\[0, 224\] must be >= 1"):
         check_ranges(compose_config(["distill.teacher.sizes=[0,224]"]))
