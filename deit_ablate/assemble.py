@@ -217,7 +217,7 @@ def build_loss_fn(cfg: DictConfig, teacher_source: TeacherSource | None, model: 
     # new heads learn them through the mean of their logits, timm's output when not distilling
     if teacher_source is None:
         return lambda images, outputs, targets: criterion(outputs, targets)
-    teacher = build_teacher(teacher_source, cfg.data.num_classes, device)
+    teacher = build_teacher(teacher_source, cfg.data.num_classes, device, distill.teacher.sizes)
     distill_loss = DistillationLoss(criterion, distill.type, distill.alpha, distill.tau, distill.kl_normalization)
     if hasattr(model, "set_distilled_training"):
         model.set_distilled_training(distill.type in TOKEN_KINDS)

@@ -183,6 +183,9 @@ class TeacherConfig:
     # A model option (conf/model/<chain>.yaml) this project trains first as the teacher, in the same sweep: the run
     # of this run's overrides with model=<chain> and no distillation (stages.teacher_run_overrides). Table 2.
     chain: str | None = None
+    # The sizes (px) the teacher sees each batch at, its logits averaged over them (Beyer et al. 2022's teacher at
+    # 224 and 384): the batch resized bilinearly to each (teacher.MultiSizeTeacher); null = the batch as it is.
+    sizes: list[int] | None = ranged(None, ge=1, hint="a side in pixels")
 
 
 @dataclass

@@ -27,6 +27,7 @@ ADDED_KEYS: dict[str, object] = {
     "data.fraction": 1.0,  # the whole training split; a share of it (a tenth of ImageNet) is another run
     "data.builtin.classes": "shapes",  # the built-in set's shapes; shapes_b (the demo's transfer data) is other data
     "distill.teacher.chain": None,
+    "distill.teacher.sizes": None,  # the teacher at the batch's own size alone
     # the recipe's micro-batch: the paper's 128 per GPU (pre-training) and 32 per GPU (the released fine-tune)
     "train.micro_batch": 128,
     "finetune.micro_batch": 32,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import timm
 import torch
+import torch.nn.functional as F
 import yaml
 from torch import nn
 
@@ -137,6 +138,26 @@ def teacher_forward(teacher: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
+class MultiSizeTeacher(nn.Module):
+    """A teacher evaluated on each batch at several sizes, its float32 logits averaged (distill.teacher.sizes: Beyer
+    et al. 2022's teacher at 224 and 384 px). Each size resizes the batch to size x size, bilinearly with half-pixel
+    centres and no antialiasing (F.interpolate, align_corners=False); a size equal to the batch's is the batch."""
+
+    def __init__(self, teacher: nn.Module, sizes: Sequence[int]) -> None:
+        super().__init__()
+        self.teacher, self.sizes = teacher, tuple(int(size) for size in sizes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """The mean over `sizes` of the teacher's logits on `images` resized to each."""
+        total = None
+        for size in self.sizes:
+            resized = images if tuple(images.shape[-2:]) == (size, size) else F.interpolate(
+                images, size=(size, size), mode="bilinear", align_corners=False, antialias=False)
+            logits = self.teacher(resized).float()
+            total = logits if total is None else total + logits
+        return total / len(self.sizes)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Wiring into a run
 
@@ -228,6 +249,7 @@ def check_distill_config(cfg) -> None:
     check_chain_keys(cfg)
     if not stage_distils(cfg):
         return
+    check_teacher_sizes(cfg)
     overrides = list(cfg.hydra.overrides.task) if "hydra" in cfg else None
     chained = teacher_run_dir(cfg, overrides)
     if chained is not None and teacher_run_state(chained) != "finished":
@@ -241,6 +263,26 @@ def check_distill_config(cfg) -> None:
     if not timm.is_model(source.model):
         raise ConfigError(f"distill.teacher.model={source.model} is not a timm model; set it to the teacher's "
                           "architecture.")
+    check_resizable_teacher(cfg, source)
+
+
+def check_teacher_sizes(cfg) -> None:
+    """distill.teacher.sizes, when set: at least one size, each once."""
+    sizes = cfg.distill.teacher.sizes
+    if sizes is not None and (not sizes or len(set(sizes)) != len(sizes)):
+        raise ConfigError(f"distill.teacher.sizes={list(sizes)} must list distinct sizes, at least one: the "
+                          "teacher's logits are averaged over the batch resized to each. Name each size once (e.g. "
+                          "distill.teacher.sizes=[224,384]), or set it to null for the batch as it is.")
+
+
+def check_resizable_teacher(cfg, source: TeacherSource) -> None:
+    """With distill.teacher.sizes, a ViT teacher built to take other sizes than its own."""
+    sizes = cfg.distill.teacher.sizes
+    if sizes and is_vision_transformer(source.model) and not source.kwargs.get("dynamic_img_size"):
+        raise ConfigError(f"distill.teacher.sizes={list(sizes)} resizes the batch the teacher sees, but the ViT "
+                          f"teacher {source.model} is built for one size. Add "
+                          "distill.teacher.kwargs.dynamic_img_size=true (its position embeddings resampled to each "
+                          "size), or name the teacher's run folder in distill.teacher.checkpoint, which does so.")
 
 
 def check_chain_keys(cfg) -> None:
@@ -257,13 +299,14 @@ def check_chain_keys(cfg) -> None:
                           "Pick a distillation (e.g. distill=hard_token) or drop distill.teacher.chain.")
 
 
-def build_teacher(source: TeacherSource, num_classes: int, device: torch.device) -> nn.Module:
+def build_teacher(source: TeacherSource, num_classes: int, device: torch.device,
+                  sizes: Sequence[int] | None = None) -> nn.Module:
     """The frozen teacher the plan resolved (`run_teacher`) on `device` (channels_last on GPU), checked against the
-    data's class count."""
+    data's class count; evaluated at each of `sizes` (distill.teacher.sizes), its logits averaged, when given."""
     teacher = load_teacher(source.model, source.checkpoint, num_classes, **source.kwargs).to(device)
     if device.type == "cuda" and not hasattr(teacher, "pos_embed"):
         teacher = teacher.to(memory_format=torch.channels_last)
-    return teacher
+    return teacher if not sizes else MultiSizeTeacher(teacher, sizes).eval()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -5,18 +5,27 @@ stages, the baseline is DeiT III's released ViT-B recipe, and a paper-scale dry 
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 
 import pytest
 import timm
 import torch
 
+from deit_ablate.aggregate.reader import RunInfo
+from deit_ablate.aggregate.render import render, to_json_dict
+from deit_ablate.aggregate.table import build_table
+from deit_ablate.distributed import DistInfo
 from deit_ablate.errors import ConfigError
+from deit_ablate.identity import composed_choices, run_identity
+from deit_ablate.lifecycle import dry_run_line
 from deit_ablate.optim import scaled_lr
-from deit_ablate.rundir import RESULT, runs_root
+from deit_ablate.plan import make_plan
+from deit_ablate.rundir import RESULT, RunDir, runs_root
 from deit_ablate.studies import CONF_DIR, paper_tables, studies
-from deit_ablate.validate import check_pretrain_size
-from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
+from deit_ablate.validate import check_pretrain_size, validate_config
+from tests.conftest import CONF, TINY, compose_config, identity_of, one_class_imagefolder, run_train
 from tests.test_ablation import _composed, _flat
 
 STUDY = "deit3"
@@ -24,6 +33,7 @@ RA = {"augment.auto_augment": "rand-m9-mstd0.5-inc1", "augment.three_augment": F
 FT_224 = {"finetune.micro_batch": 64, "finetune.overrides.model.drop_path": 0.2}
 FT_224_DEMO = {"finetune.overrides.model.drop_path": 0.1}
 # Each row: the row it extends and what it changes there, at paper and demo scale, in (pre-training, fine-tune).
+LONGER = (1200, 4800, 9600)  # Beyer et al.'s longer schedules, in epochs
 ROWS: dict[str, tuple[str, dict, dict, dict, dict]] = {
     "randaugment": ("baseline", RA, RA, RA, RA),
     "epochs_300": ("baseline", *[{"train.epochs": 300}] * 2, *[{"train.epochs": 4}] * 2),
@@ -43,15 +53,30 @@ ROWS: dict[str, tuple[str, dict, dict, dict, dict]] = {
     "teach_consistent": ("teach_fixed", *[{"distill.teacher_view": "same"}] * 4),
     # both of Beyer et al.'s ingredients against the fixed view, as their table compares them
     "teach_function_matching": ("teach_fixed", *[{"distill.teacher_view": "same", "mix.mixup_alpha": 1.0}] * 4),
+    # patience: the same two rows for longer, the demo at the paper's epochs / 30 (the 300-epoch rows' 10 demo epochs)
+    **{f"{row}_{n}": (row, *[{"train.epochs": n}] * 2, *[{"train.epochs": n // 30}] * 2)
+       for row in ("teach_fixed", "teach_function_matching") for n in LONGER},
+    # the stronger teacher: the same one at 224 and 384 px (demo: 32 and 48), its logits averaged
+    "teach_function_matching_9600_224_384": ("teach_function_matching_9600", {"distill.teacher.sizes": [224, 384]},
+                                             {"distill.teacher.sizes": [224, 384]},
+                                             *[{"distill.teacher.sizes": [32, 48]}] * 2),
+    # the label-only student: teach_fixed's without a teacher, its KL settings back to the schema's
+    "teach_labels": ("teach_fixed", *[{"distill.type": "none", "distill.alpha": 0.0, "distill.kl_normalization":
+                                       "elements", "distill.teacher_view": "same"}] * 4),
 }
 # The chapter's numbers: (top-1 from scratch, after the fine-tune); None: not in the text.
 PAPER = {"baseline": (83.1, None), "randaugment": (82.7, None), "epochs_300": (82.2, None),
          "epochs_300_ce": (80.9, None), "res_224": (None, 84.6), "res_128": (None, 85.1),
          "registers_1": (None, None), "registers_4": (None, None), "layer_decay_065": (None, None),
          "layer_decay_075": (None, None), "layer_decay_08": (None, None), "teach_fixed": (77.8, None),
-         "teach_consistent": (None, None), "teach_function_matching": (80.3, None)}
+         "teach_fixed_1200": (78.1, None), "teach_fixed_4800": (77.6, None), "teach_fixed_9600": (77.0, None),
+         "teach_consistent": (None, None), "teach_function_matching": (80.3, None),
+         "teach_function_matching_1200": (81.5, None), "teach_function_matching_4800": (82.2, None),
+         "teach_function_matching_9600": (82.3, None), "teach_function_matching_9600_224_384": (82.8, None),
+         "teach_labels": (78.2, None)}
 
 
+@functools.cache  # a row's base is composed once for all the rows that extend it
 def _row(row: str, preset: str, stage: str = "pretrain") -> dict:
     cfg = _flat(_composed([f"{STUDY}={row}", f"preset={preset}", f"stage={stage}"]))
     return {k: (v.value if hasattr(v, "value") else v) for k, v in cfg.items() if not k.startswith("hydra.")}
@@ -172,17 +197,62 @@ def test_teaching_rows_distil_a_resnet50_student_on_the_kl_term_alone(preset):
     assert fixed["mix.mixup_alpha"] == 0.0 and fixed["mix.cutmix_alpha"] == 0.0
     assert matching["distill.teacher_view"] == "same" and matching["mix.mixup_alpha"] == 1.0
     assert matching["mix.cutmix_alpha"] == 0.0 and matching["mix.prob"] == 1.0
+    labels = _row("teach_labels", preset)  # the same student and setup on the true labels: cross-entropy, unsmoothed
+    assert labels["distill.type"] == "none" and labels["mix.criterion"] == "ce" and labels["mix.label_smoothing"] == 0
+    assert {k: labels[k] for k in fixed if k.startswith(("model.", "train.", "augment.", "optimizer."))} == {
+        k: fixed[k] for k in fixed if k.startswith(("model.", "train.", "augment.", "optimizer."))}
     # Beta(1, 1) is uniform on [0, 1]: its density is 1 everywhere
     density = torch.distributions.Beta(1.0, 1.0).log_prob(torch.tensor([0.1, 0.5, 0.9])).exp()
     assert torch.allclose(density, torch.ones(3))
 
 
-@pytest.mark.slow  # ~20 s: 14 rows composed and checked in a subprocess
+# Beyer et al.'s rows beyond the 300-epoch pair: the longer schedules, the 224 + 384 teacher, the label-only student
+TEACH_LONG = [row for row in PAPER if row.startswith("teach_") and row[-1].isdigit() or row == "teach_labels"]
+
+
+@pytest.fixture(scope="module")
+def paper_inputs(tmp_path_factory) -> list[str]:
+    """A one-image ImageNet folder and a teacher file for paper-scale plans (a run folder in a real sweep)."""
+    root = tmp_path_factory.mktemp("paper")
+    torch.save(timm.create_model("resnet10t", num_classes=1).state_dict(), root / "teacher.pth")
+    return [*one_class_imagefolder(root / "imagenet"), f"distill.teacher.checkpoint={root / 'teacher.pth'}",
+            "distill.teacher.model=resnet10t", f"runtime.output_root={root / 'out'}"]
+
+
+@pytest.mark.parametrize("row", TEACH_LONG)
+def test_each_longer_teaching_row_plans_at_paper_scale(row, paper_inputs):
+    """What `python train.py deit3=<row> preset=paper runtime.dry_run=true` checks and prints, in this process."""
+    overrides = [f"{STUDY}={row}", "preset=paper", "runtime.dry_run=true", *paper_inputs]
+    cfg = _composed(overrides)
+    validate_config(cfg)
+    name = run_identity(cfg, overrides, composed_choices(cfg)).name
+    line = dry_run_line(make_plan(cfg, DistInfo(), RunDir(runs_root(cfg.runtime.output_root) / name), overrides))
+    assert re.search(rf"^\[dry run\] \S*\b{STUDY}={row}[,-].* \(wandb id \w+\): train from step 0$", line), line
+    epochs = 300 if row == "teach_labels" else next(n for n in LONGER if f"_{n}" in row)
+    assert cfg.train.epochs == epochs
+
+
+def test_the_aggregator_shows_each_teaching_rows_paper_number_and_its_paper_delta():
+    def run(rid: str, row: str, top1: float) -> RunInfo:  # a finished demo run as its wandb log holds it
+        config = {"preset": "demo", "stage": "pretrain", "seed": 0, "ablation": "baseline", "choices": {STUDY: row}}
+        return RunInfo(run_id=rid, config=config, summary={"status": "finished", "top1": top1})
+
+    table = build_table([run("a", "teach_fixed", 80.0), run("b", "teach_function_matching_9600", 82.0)], rows=STUDY)
+    records = {r["key"]: r for r in to_json_dict(table)["rows"]}
+    for row in TEACH_LONG:
+        base, cell = ROWS[row][0], records[row]["cells"]["pretrain"]
+        assert records[row]["delta_to"] == base and cell["paper"] == PAPER[row][0], row
+        assert cell["paper_delta"] == pytest.approx(PAPER[row][0] - PAPER[base][0]), row
+    text = render(table, "markdown")
+    assert re.search(r"\| teach_function_matching_9600_224_384 \| teach_function_matching_9600 \|.*"
+                     r"\| 82\.8 \| \+0\.5 \|", text)
+    assert re.search(r"\| teach_labels \| teach_fixed \|.*\| 78\.2 \| \+0\.4 \|", text)
+
+
+@pytest.mark.slow  # ~20 s: 22 rows composed and checked in a subprocess
 def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     root = tmp_path / "imagenet"
-    for split in ("train", "val"):
-        (root / split / "a").mkdir(parents=True)
-        (root / split / "a" / "x.ppm").write_bytes(b"P6 1 1 255\n\x00\x00\x00")
+    one_class_imagefolder(root)
     teacher = tmp_path / "teacher.pth"  # a teacher for the teach_* rows (a run folder in a real sweep)
     torch.save(timm.create_model("resnet10t", num_classes=1).state_dict(), teacher)
     teach = [f"distill.teacher.checkpoint={teacher}", "distill.teacher.model=resnet10t"]
@@ -191,6 +261,7 @@ def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
     names = sorted(line.split(f"{STUDY}=", 1)[1].split(",", 1)[0].split("-", 1)[0] for line in lines)
     assert names == sorted(PAPER) and all(line.endswith("train from step 0") for line in lines)
+    assert len(lines) == len(PAPER) == 22 and set(TEACH_LONG) < set(names)  # the longer teaching rows among them
     assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())
 
 

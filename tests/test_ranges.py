@@ -23,11 +23,11 @@ INVERTING = [
 
 
 def _numeric(kind: typing.Any) -> bool:
-    """Whether a field's type holds a number (int or float, optional, or a tuple of them), not a bool."""
+    """Whether a field's type holds a number (int or float, optional, or a tuple or list of them), not a bool."""
     if kind in (int, float):
         return True
     args = typing.get_args(kind)
-    if typing.get_origin(kind) in (typing.Union, types.UnionType, tuple):
+    if typing.get_origin(kind) in (typing.Union, types.UnionType, tuple, list):
         return any(_numeric(arg) for arg in args if arg is not type(None))
     return False
 

@@ -60,8 +60,8 @@ def test_the_registry_finds_the_studies_in_the_config_folders():
     assert (table8.table, table8.baseline, table8.default, len(table8.rows)) == ("table8", "baseline", "baseline", 13)
     assert table8.rows[:2] == ("baseline", "sgd")  # the paper table's order
     assert (cait.table, cait.baseline, cait.default, len(cait.rows)) == ("cait", "depth12", None, 29)
-    assert (sam.table, sam.baseline, sam.default, len(sam.rows)) == ("sam", "baseline", None, 12)
-    assert (deit3.table, deit3.baseline, deit3.default, len(deit3.rows)) == ("deit3", "baseline", None, 14)
+    assert (sam.table, sam.baseline, sam.default, len(sam.rows)) == ("sam", "baseline", None, 19)
+    assert (deit3.table, deit3.baseline, deit3.default, len(deit3.rows)) == ("deit3", "baseline", None, 22)
     assert (transfer.table, transfer.default, transfer.rows[:2], len(transfer.rows)) == ("table7", None,
                                                                                          ("cifar10", "cifar100"), 7)
     assert (headline.table, headline.baseline, headline.default, len(headline.rows)) == ("table5", "deit_b", None, 8)

@@ -28,11 +28,18 @@ from deit_ablate.mixing import build_criterion, build_mixup
 from deit_ablate.models import build_model, student_model_name
 from deit_ablate.optim import build_optimizer, build_scheduler
 from deit_ablate.rundir import LAST, RunDir, runs_root
-from deit_ablate.teacher import run_teacher
+from deit_ablate.teacher import (
+    MultiSizeTeacher,
+    TeacherSource,
+    check_resizable_teacher,
+    check_teacher_sizes,
+    run_teacher,
+    teacher_forward,
+)
 from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, fixed_view_transform, split_targets, teacher_table
-from deit_ablate.validate import check_teacher_view
+from deit_ablate.validate import check_ranges, check_teacher_view
 from tests import teaching_ddp_worker
-from tests.conftest import REPO, TINY, compose_config, run_train
+from tests.conftest import REPO, TINY, compose_config, identity_of, run_train
 
 STUDENT = ["model=vit_demo", "model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]
 
@@ -219,3 +226,81 @@ def test_a_training_step_in_two_chunks_looks_up_each_chunks_own_rows():
                       scheduler=build_scheduler(optimizer, 10, 0, 0.1, 0.1))
     got = trainer.train_step(images, torch.stack([labels, indices], dim=1))
     torch.testing.assert_close(got, (halves[0] + halves[1]) / 2)
+
+
+class SizeProbe(torch.nn.Module):
+    """A teacher whose two logits are channel 0's pixel (row 0, column 1) and the image's side: both depend on the
+    size the teacher sees."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.stack([images[:, 0, 0, 1], torch.full((len(images),), float(images.shape[-1]))], dim=1)
+
+
+def test_a_teacher_at_several_sizes_averages_its_logits_over_the_batch_resized_to_each():
+    ramp, flat = torch.tensor([[0.0, 4.0], [8.0, 12.0]]), torch.ones(2, 2)
+    images = torch.stack([ramp, flat])[:, None]  # 2 images, 1 channel, 2 x 2
+    # Bilinear to 4 x 4 with half-pixel centres: output column 1 samples x = 0.25 of the way from 4's left
+    # neighbour 0 to 4, row 0 samples y = -0.25, clamped to row 0: 0.25 * 4 = 1. A flat image stays flat.
+    got = teacher_forward(MultiSizeTeacher(SizeProbe(), [2, 4]), images)
+    torch.testing.assert_close(got, torch.tensor([[(4.0 + 1.0) / 2, (2 + 4) / 2], [1.0, 3.0]]))
+    torch.testing.assert_close(teacher_forward(MultiSizeTeacher(SizeProbe(), [4]), images),
+                               torch.tensor([[1.0, 4.0], [1.0, 4.0]]))
+    # Down to 2 x 2 without antialiasing, each output pixel is the mean of its 2 x 2 block: pixel (0, 1) of
+    # x[r, c] = 4r + c is (2 + 3 + 6 + 7) / 4 = 4.5; at its own size pixel (0, 1) is 1.
+    big = (4 * torch.arange(4.0)[:, None] + torch.arange(4.0))[None, None]
+    torch.testing.assert_close(teacher_forward(MultiSizeTeacher(SizeProbe(), [4, 2]), big),
+                               torch.tensor([[(1 + 4.5) / 2, (4 + 2) / 2]]))
+
+
+def test_the_fixed_views_cached_outputs_average_the_teacher_over_its_sizes():
+    cfg = compose_config(["runtime.num_workers=0"])
+    view = fixed_view_transform(cfg)
+    dataset = Pictures(view)
+    table = teacher_table(MultiSizeTeacher(SizeProbe(), [32, 48]), dataset, 2, cfg, DistInfo())
+    size = cfg.resolution.train_size
+    for i, picture in enumerate(dataset.images):
+        image = view(picture)[None]
+        resized = F.interpolate(image, size=(48, 48), mode="bilinear", align_corners=False)
+        assert size == 32 and table[i, 1] == (32 + 48) / 2
+        torch.testing.assert_close(table[i, 0], (image[0, 0, 0, 1] + resized[0, 0, 0, 1]) / 2)
+
+
+def test_the_runs_teacher_sees_each_batch_at_the_sizes_it_names(teacher_checkpoint, monkeypatch):
+    cfg = compose_config(STUDENT + ["distill=soft", f"distill.teacher.checkpoint={teacher_checkpoint}",
+                                    "distill.teacher.model=resnet10t", "distill.teacher.sizes=[32,48]"])
+    seen = {}
+
+    def recording_forward(teacher, images):
+        seen["teacher"] = teacher
+        return teacher_forward(teacher, images)
+
+    monkeypatch.setattr(assemble_module, "teacher_forward", recording_forward)
+    student = build_model(cfg.model, 10, 32, name=student_model_name(cfg))
+    loss_fn = assemble_module.build_loss_fn(cfg, run_teacher(cfg, None), student, torch.nn.CrossEntropyLoss(),
+                                            torch.device("cpu"))
+    assert torch.isfinite(loss_fn(torch.randn(2, 3, 32, 32), torch.randn(2, 10), torch.tensor([0, 1])))
+    teacher = seen["teacher"]
+    assert isinstance(teacher, MultiSizeTeacher) and teacher.sizes == (32, 48) and not teacher.training
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        by_hand = (teacher.teacher(images) + teacher.teacher(F.interpolate(images, size=(48, 48), mode="bilinear"))) / 2
+    torch.testing.assert_close(teacher_forward(teacher, images), by_hand)
+    # the default (null) is the run as before the key; sizes are another experiment
+    plain, default = identity_of(["distill=soft"]), identity_of(["distill=soft", "distill.teacher.sizes=null"])
+    assert (plain.digest, plain.run_id) == (default.digest, default.run_id)
+    assert plain.digest != identity_of(["distill=soft", "distill.teacher.sizes=[32,48]"]).digest
+
+
+@pytest.mark.parametrize("sizes, model, words", [
+    ("[]", "resnet10t", "at least one"),
+    ("[224,224]", "resnet10t", "Name each size once"),
+    ("[224,384]", "vit_tiny_patch16_224", "dynamic_img_size=true"),
+])
+def test_teacher_sizes_that_cannot_work_are_refused(sizes, model, words):
+    cfg = compose_config(["distill=soft", f"distill.teacher.sizes={sizes}"])
+    with pytest.raises(ConfigError, match=words):
+        check_teacher_sizes(cfg)
+        check_resizable_teacher(cfg, TeacherSource(model, {}, None))
+    check_resizable_teacher(cfg, TeacherSource(model, {"dynamic_img_size": True}, None))  # it takes any size
+    with pytest.raises(ConfigError, match=r"distill.teacher.sizes=\[0, 224\] must be >= 1"):
+        check_ranges(compose_config(["distill.teacher.sizes=[0,224]"]))
