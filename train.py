@@ -7,7 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 from deit_ablate.commands import check_overrides, prepare_configs, show_stage_config
-from deit_ablate.errors import ConfigError, RunError, no_access
+from deit_ablate.core.errors import ConfigError, RunError, no_access
 from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
 
 prepare_configs()
@@ -26,8 +26,8 @@ def check_group_options(argv: list[str]) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from deit_ablate.run import discard_empty_run_dir, run
-    from deit_ablate.stopping import StopRequested
+    from deit_ablate.core.stopping import StopRequested
+    from deit_ablate.run.main import discard_empty_run_dir, run
 
     speaks = os.environ.get("RANK", "0") == "0"  # one line from a torchrun/SLURM job, not one per rank
     try:

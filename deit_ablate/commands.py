@@ -19,8 +19,8 @@ Main = TypeVar("Main", bound=Callable[..., int | None])
 def prepare_configs() -> None:
     """Register the schema and the resolvers: every entry point passes through here before it composes or loads a
     config."""
-    from deit_ablate.config import register_configs
-    from deit_ablate.resolvers import register_resolvers
+    from deit_ablate.config.schema import register_configs
+    from deit_ablate.record.resolvers import register_resolvers
 
     register_configs()
     register_resolvers()
@@ -86,9 +86,9 @@ def show_stage_config(argv: list[str]) -> bool:
     from hydra.errors import HydraException
     from omegaconf import OmegaConf, open_dict, read_write
 
-    from deit_ablate.config import compose_run_config
-    from deit_ablate.errors import ConfigError
-    from deit_ablate.stage_config import stage_config
+    from deit_ablate.config.schema import compose_run_config
+    from deit_ablate.config.stage_config import stage_config
+    from deit_ablate.core.errors import ConfigError
 
     args, _ = get_args_parser().parse_known_args(argv)
     if args.cfg not in ("job", "all") or args.multirun or args.config_name or args.config_dir or args.config_path:

@@ -7,7 +7,7 @@ of its `run-*.wandb` log: the template's run id is replaced by a new id of the s
 record (protobuf strings are length-prefixed, so an equal-length swap keeps them valid), the run record
 gets the clone's config (ablation, stage, seed, run_id, tags), a summary record with the clone's status and
 top-1 is inserted before the exit record, and the records are framed again (fresh CRCs) with
-`deit_ablate.aggregate.wandb_log.encode_log`. Only the log file is written (no files/, logs/ folders).
+`deit_ablate.analysis.aggregate.wandb_log.encode_log`. Only the log file is written (no files/, logs/ folders).
 About 3% of the clones diverge, 2% are unfinished, and 5% get a second, unfinished copy under the same
 id (a requeue), so de-duplication is exercised too. `--real` writes all N runs with wandb instead.
 
@@ -31,11 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deit_ablate.aggregate import cli  # noqa: E402
-from deit_ablate.aggregate.paper import paper_table  # noqa: E402
-from deit_ablate.aggregate.wandb_log import encode_log, read_log  # noqa: E402
+from deit_ablate.analysis.aggregate import cli  # noqa: E402
+from deit_ablate.analysis.aggregate.paper import paper_table  # noqa: E402
+from deit_ablate.analysis.aggregate.wandb_log import encode_log, read_log  # noqa: E402
 from deit_ablate.commands import command  # noqa: E402
-from deit_ablate.rundir import wandb_root  # noqa: E402
+from deit_ablate.record.rundir import wandb_root  # noqa: E402
 
 TEMPLATE_ID = "tmpl00000000"  # clones use ids of the same length: b00000000001, ...
 WRITER = r"""

@@ -15,10 +15,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from deit_ablate.config import register_configs
-from deit_ablate.identity import RunIdentity, composed_choices, run_identity
-from deit_ablate.resolvers import register_resolvers
-from deit_ablate.rundir import RunDir
+from deit_ablate.config.schema import register_configs
+from deit_ablate.record.identity import RunIdentity, composed_choices, run_identity
+from deit_ablate.record.resolvers import register_resolvers
+from deit_ablate.record.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

@@ -8,9 +8,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from deit_ablate.distributed import init_distributed
-from deit_ablate.engine import Trainer
-from deit_ablate.optim import build_scheduler
+from deit_ablate.core.distributed import init_distributed
+from deit_ablate.train.optim import build_scheduler
+from deit_ablate.train.trainer import Trainer
 
 RHO, LR = 0.5, 0.1
 WEIGHT, BIAS = [[0.5, -1.0]], [0.25]

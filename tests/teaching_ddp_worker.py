@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from deit_ablate.distributed import init_distributed
-from deit_ablate.teacher_cache import teacher_table
+from deit_ablate.core.distributed import init_distributed
+from deit_ablate.run.teacher_cache import teacher_table
 
 
 def teacher() -> torch.nn.Module:

@@ -10,11 +10,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.identity import composed_choices, experiment, pretrain_overrides
-from deit_ablate.models import build_model, resize_pos_embed_state
-from deit_ablate.rundir import RESULT, RunDir, runs_root, wandb_root
-from deit_ablate.stages import load_pretrained
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.record.identity import composed_choices, experiment, pretrain_overrides
+from deit_ablate.record.rundir import RESULT, RunDir, runs_root, wandb_root
+from deit_ablate.run.stages import load_pretrained
+from deit_ablate.train.models import build_model, resize_pos_embed_state
 from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
 
 # Table 8's rows and the one ingredient each changes (DeiT, Table 8).

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from deit_ablate.aggregate import cli
-from deit_ablate.aggregate.curves import plot_curves
-from deit_ablate.aggregate.html import to_html
-from deit_ablate.aggregate.plot import draw_deltas
-from deit_ablate.aggregate.reader import RunInfo, read_run_file
-from deit_ablate.aggregate.render import render
-from deit_ablate.aggregate.select import dedup, row_keys
-from deit_ablate.aggregate.table import build_table, row_spec
-from deit_ablate.aggregate.wandb_log import encode_log, read_log
+from deit_ablate.analysis.aggregate import cli
+from deit_ablate.analysis.aggregate.curves import plot_curves
+from deit_ablate.analysis.aggregate.html import to_html
+from deit_ablate.analysis.aggregate.plot import draw_deltas
+from deit_ablate.analysis.aggregate.reader import RunInfo, read_run_file
+from deit_ablate.analysis.aggregate.render import render
+from deit_ablate.analysis.aggregate.select import dedup, row_keys
+from deit_ablate.analysis.aggregate.table import build_table, row_spec
+from deit_ablate.analysis.aggregate.wandb_log import encode_log, read_log
 from tests.conftest import write_offline_runs
 
 NAN = float("nan")
@@ -574,7 +574,7 @@ HALF = T_WELCH * math.sqrt(2.0)
 
 
 def test_t_quantile_matches_the_tables() -> None:
-    from deit_ablate.aggregate.stats import t_quantile, z_quantile
+    from deit_ablate.analysis.aggregate.stats import t_quantile, z_quantile
 
     tabulated = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042, 100: 1.984}
     for df, t in tabulated.items():
@@ -598,7 +598,7 @@ def test_t_quantile_matches_the_tables() -> None:
 
 
 def test_welch_interval_by_hand() -> None:
-    from deit_ablate.aggregate.stats import pooled_std, seeds_needed, welch
+    from deit_ablate.analysis.aggregate.stats import pooled_std, seeds_needed, welch
 
     ci = welch([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0])
     # Δ = 2 - 5 = -3; s1² = 1, s2² = (9 + 1 + 1 + 9)/3 = 20/3; v1 = 1/3, v2 = 5/3; se = sqrt(2)
@@ -615,7 +615,7 @@ def test_welch_interval_by_hand() -> None:
 
 
 def test_welch_edge_cases() -> None:
-    from deit_ablate.aggregate.stats import pooled_std, seeds_needed, welch
+    from deit_ablate.analysis.aggregate.stats import pooled_std, seeds_needed, welch
 
     one = welch([5.0], [2.0, 4.0, 6.0, 8.0])  # n=1: a difference, no interval
     assert one.delta == pytest.approx(0.0) and one.low is None and one.high is None
@@ -704,7 +704,7 @@ def _described(rid: str, seed: int, depth: int = 1, digest: str = "4a7852e162e65
 
 
 def test_what_was_run_names_each_setting_and_lists_values_that_differ() -> None:
-    from deit_ablate.aggregate.about import facts
+    from deit_ablate.analysis.aggregate.about import facts
 
     same = build_table([_described("a", 0), _described("b", 1), _described("f", 0, stage="finetune")])
     got = dict(facts(same))
@@ -726,7 +726,7 @@ def test_reader_reads_the_commit_of_a_run_logged_in_a_repository(tmp_path: Path)
     """wandb records `git.commit` in the run record when a run is not started with disable_git (ours are)."""
     from wandb.proto.wandb_internal_pb2 import Record
 
-    from deit_ablate.aggregate.about import facts
+    from deit_ablate.analysis.aggregate.about import facts
 
     record = Record()
     record.run.run_id = "c0"
@@ -753,7 +753,7 @@ def test_only_present_keeps_the_fine_tune_column_when_fine_tunes_ran(
 
 
 def test_a_teacher_named_for_a_run_that_does_not_distil_never_splits_its_cell():
-    from deit_ablate.aggregate.settings import experiment_settings
+    from deit_ablate.analysis.aggregate.settings import experiment_settings
 
     plain = {"preset": "demo", "distill": {"type": "none", "teacher": {"model": "resnet10t", "checkpoint": None}}}
     swept = {"preset": "demo", "distill": {"type": "none", "teacher": {"model": "resnet10t", "checkpoint": "/x/t.pt"}}}

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from deit_ablate.aggregate import cli
-from deit_ablate.aggregate.curves import load_histories, plot_curves
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.aggregate.settings import experiment_settings, is_execution_key
-from deit_ablate.identity import RunIdentity
-from deit_ablate.rundir import RunDir, runs_root, wandb_root
-from deit_ablate.tracking import METRICS_CSV, Tracker, code_commit
+from deit_ablate.analysis.aggregate import cli
+from deit_ablate.analysis.aggregate.curves import load_histories, plot_curves
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.analysis.aggregate.settings import experiment_settings, is_execution_key
+from deit_ablate.record.identity import RunIdentity
+from deit_ablate.record.rundir import RunDir, runs_root, wandb_root
+from deit_ablate.record.tracking import METRICS_CSV, Tracker, code_commit
 from tests.conftest import TINY, SharedRun, run_train
 
 TWO_EPOCHS = [o for o in TINY if not o.startswith("train.epochs=")] + ["train.epochs=2"]
@@ -181,7 +181,7 @@ def test_dropped_paper_column_says_why(outputs: Path, capsys: pytest.CaptureFixt
 
 
 def test_execution_keys_never_split_a_cell() -> None:
-    from deit_ablate.keys import DATA_LOCATION, EXECUTION_KEYS, NOT_EXPERIMENT
+    from deit_ablate.config.keys import DATA_LOCATION, EXECUTION_KEYS, NOT_EXPERIMENT
 
     # What never enters a run's identity never splits a cell.
     assert all(is_execution_key(k) for k in (*NOT_EXPERIMENT[:1], DATA_LOCATION, "runtime.tracking.mode"))
@@ -192,7 +192,7 @@ def test_execution_keys_never_split_a_cell() -> None:
 
 
 def test_the_default_backend_is_one_rule_for_the_identity_and_the_aggregator() -> None:
-    from deit_ablate.identity import experiment
+    from deit_ablate.record.identity import experiment
     from tests.conftest import compose_config
 
     # a run logged before data.backend existed, and one of today's runs on the default backend: one setting

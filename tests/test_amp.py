@@ -11,16 +11,15 @@ import pytest
 import torch
 from timm.utils import ModelEmaV3
 
-from deit_ablate.assemble import amp_dtype, build_pieces, grad_scaler
 from deit_ablate.bench.timm_ref import timm_args
-from deit_ablate.distributed import DistInfo
-from deit_ablate.engine import Trainer
-from deit_ablate.logs import rank_log_name
-from deit_ablate.models import build_model
-from deit_ablate.optim import build_optimizer, build_scheduler
-from deit_ablate.plan import make_plan
-from deit_ablate.rundir import RunDir
-from deit_ablate.validate import validate_config
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.record.rundir import RunDir, rank_log_name
+from deit_ablate.run.assemble import amp_dtype, build_pieces, grad_scaler
+from deit_ablate.run.plan import make_plan
+from deit_ablate.run.validate import validate_config
+from deit_ablate.train.models import build_model
+from deit_ablate.train.optim import build_optimizer, build_scheduler
+from deit_ablate.train.trainer import Trainer
 from tests.conftest import TINY, compose_config, train_straight_and_resumed
 
 CPU = torch.device("cpu")

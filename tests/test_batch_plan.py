@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deit_ablate.errors import ConfigError
-from deit_ablate.validate import micro_batch_split, plan_batch, validate_config
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.run.validate import micro_batch_split, plan_batch, validate_config
 from tests.conftest import compose_config
 
 

@@ -14,15 +14,23 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from timm.layers import Attention
 
-from deit_ablate.aggregate import cli
-from deit_ablate.aggregate.html import to_html
-from deit_ablate.aggregate.paper import paper_table
-from deit_ablate.aggregate.plot import draw_deltas
-from deit_ablate.aggregate.reader import RunInfo, read_offline
-from deit_ablate.aggregate.render import render
-from deit_ablate.aggregate.table import build_table
-from deit_ablate.config import Config
-from deit_ablate.deeper import (
+from deit_ablate.analysis.aggregate import cli
+from deit_ablate.analysis.aggregate.html import to_html
+from deit_ablate.analysis.aggregate.paper import paper_table
+from deit_ablate.analysis.aggregate.plot import draw_deltas
+from deit_ablate.analysis.aggregate.reader import RunInfo, read_offline
+from deit_ablate.analysis.aggregate.render import render
+from deit_ablate.analysis.aggregate.table import build_table
+from deit_ablate.config.keys import NOT_EXPERIMENT
+from deit_ablate.config.schema import Config
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.identity import composed_choices, experiment, run_identity
+from deit_ablate.record.rundir import RunDir, runs_root, wandb_root
+from deit_ablate.run.plan import make_plan
+from deit_ablate.run.stages import layer_scale_run_dir
+from deit_ablate.run.validate import validate_config
+from deit_ablate.train.deeper import (
     ClassAttentionViT,
     ScalarScale,
     TalkingHeadsAttention,
@@ -31,15 +39,7 @@ from deit_ablate.deeper import (
     layer_scale_values,
     set_layer_scale,
 )
-from deit_ablate.distributed import DistInfo
-from deit_ablate.errors import ConfigError
-from deit_ablate.identity import composed_choices, experiment, run_identity
-from deit_ablate.keys import NOT_EXPERIMENT
-from deit_ablate.models import build_model, resize_pos_embed_state
-from deit_ablate.plan import make_plan
-from deit_ablate.rundir import RunDir, runs_root, wandb_root
-from deit_ablate.stages import layer_scale_run_dir
-from deit_ablate.validate import validate_config
+from deit_ablate.train.models import build_model, resize_pos_embed_state
 from hydra_plugins.deit_ablate_launcher.slurm import submission_order, upstream_jobs
 from tests.conftest import CONF, REPO, TINY, compose_config, identity_of, run_train
 from tests.test_ablation import _flat

@@ -114,7 +114,7 @@ def study_runs(tmp_path_factory, data_cache) -> tuple[Path, dict[str, Path]]:
 
 
 def test_every_study_has_a_run_here():
-    from deit_ablate.studies import study_names
+    from deit_ablate.config.studies import study_names
 
     assert sorted(STUDY_COMMANDS) == sorted(study_names())
 

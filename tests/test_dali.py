@@ -15,6 +15,7 @@ from nvidia.dali import fn, pipeline_def
 from PIL import Image
 from timm.data import auto_augment as timm_aa
 
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.dali import DALI_PACKAGE, DaliTrainLoader, fill_value, require_dali
 from deit_ablate.data.dali_augment import (
@@ -26,9 +27,8 @@ from deit_ablate.data.dali_augment import (
 )
 from deit_ablate.data.datasets import build_dataset, dataset_root
 from deit_ablate.data.loader import SkipFirst, build_train_sampler
-from deit_ablate.errors import ConfigError
-from deit_ablate.identity import experiment, experiment_digest
-from deit_ablate.validate import validate_config
+from deit_ablate.record.identity import experiment, experiment_digest
+from deit_ablate.run.validate import validate_config
 from tests.conftest import TINY, compose_config, train_straight_and_resumed
 
 SIZE = 40

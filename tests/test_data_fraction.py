@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import deit_ablate.assemble as assemble
-from deit_ablate.assemble import build_loaders
+import deit_ablate.run.assemble as assemble
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.datasets import fraction_indices
-from deit_ablate.distributed import DistInfo
-from deit_ablate.errors import ConfigError
-from deit_ablate.validate import plan_batch, validate_config
+from deit_ablate.run.assemble import build_loaders
+from deit_ablate.run.validate import plan_batch, validate_config
 from tests.conftest import TINY, compose_config, identity_of
 
 # Nine images of three classes, written out: class 0 at positions 0, 2, 3, 6, 8; class 1 at 1, 4, 7; class 2 at 5.

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from deit_ablate.errors import ConfigError
-from deit_ablate.rundir import LOCK, RESULT, RunDir, runs_root
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.rundir import LOCK, RESULT, RunDir, runs_root
 from tests.conftest import REPO, TINY, run_train
 
 # Deterministic input: no crop/flip/RandAugment/erasing/repeats, no mixing, no drop path.
@@ -56,8 +56,8 @@ def test_eval_mode_finetune_of_a_distilled_student_runs_two_ddp_steps(tmp_path, 
 def _agree_when_rank_0_fails(rank: int, store: str, results: str) -> None:
     import torch.distributed as dist
 
-    from deit_ablate.distributed import DistInfo, agree
-    from deit_ablate.errors import RunError
+    from deit_ablate.core.distributed import DistInfo, agree
+    from deit_ablate.core.errors import RunError
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 
@@ -97,9 +97,9 @@ class _NeedsTwoArguments(ConfigError):
 def _errors_that_cross_agree(garbage: str) -> dict:
     """Each error class a function run by `agree` raises (the last one falls back to a ConfigError with its text),
     with the error raised: a teacher checkpoint that cannot be read is a real CheckpointUnreadable."""
-    from deit_ablate.checkpoint import CheckpointUnreadable, load
-    from deit_ablate.errors import RunError
-    from deit_ablate.teacher import TeacherLoadError
+    from deit_ablate.core.errors import RunError
+    from deit_ablate.record.checkpoint import CheckpointUnreadable, load
+    from deit_ablate.run.teacher import TeacherLoadError
 
     def unreadable_teacher():
         load(garbage, f"The teacher checkpoint {garbage}")
@@ -118,7 +118,7 @@ def _errors_that_cross_agree(garbage: str) -> dict:
 
 def _what_agree_raised(info, garbage: str) -> dict[str, list]:
     """Per case of _errors_that_cross_agree: the class name, message and path attribute of what `agree` raised."""
-    from deit_ablate.distributed import agree
+    from deit_ablate.core.distributed import agree
 
     seen = {}
     for name, (decide, _) in _errors_that_cross_agree(garbage).items():
@@ -133,7 +133,7 @@ def _what_agree_raised(info, garbage: str) -> dict[str, list]:
 def _agree_each_error(rank: int, store: str, garbage: str, results: str) -> None:
     import torch.distributed as dist
 
-    from deit_ablate.distributed import DistInfo
+    from deit_ablate.core.distributed import DistInfo
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
@@ -159,7 +159,7 @@ def _check_what_agree_raised(seen: dict[str, list], garbage: str, other_rank: bo
 def test_every_error_class_that_crosses_agree_arrives_whole_on_one_rank_and_on_two(tmp_path):
     import torch.multiprocessing as mp
 
-    from deit_ablate.distributed import DistInfo
+    from deit_ablate.core.distributed import DistInfo
 
     garbage = tmp_path / "teacher.pth"
     garbage.write_bytes(bytes(range(256)) * 8)

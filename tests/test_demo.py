@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deit_ablate.rundir import RunDir, runs_root
+from deit_ablate.record.rundir import RunDir, runs_root
 from tests.conftest import run_train
 
 

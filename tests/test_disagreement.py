@@ -11,19 +11,19 @@ import timm
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from deit_ablate import disagreement
-from deit_ablate.aggregate.disagree import (
+from deit_ablate.analysis import disagreement
+from deit_ablate.analysis.aggregate.disagree import (
     check_comparable,
     disagreement_matrix,
     load_predictions,
     paper_pairs,
 )
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.loader import ShardSampler
-from deit_ablate.distributed import DistInfo
-from deit_ablate.engine import evaluate
-from deit_ablate.errors import ConfigError
-from deit_ablate.predictions import INDEX, LocalPredictions, compact, gather_in_order, in_dataset_order
-from deit_ablate.rundir import PREDICTIONS, RunDir
+from deit_ablate.record.predictions import INDEX, LocalPredictions, compact, gather_in_order, in_dataset_order
+from deit_ablate.record.rundir import PREDICTIONS, RunDir
+from deit_ablate.train.trainer import evaluate
 from tests.conftest import TINY, run_train
 
 BUILTIN = {"image_size": 40, "train_per_class": 30, "val_per_class": 10, "seed": 0}
@@ -138,8 +138,8 @@ def test_shards_go_back_in_dataset_order_each_image_once():
 def test_the_final_evaluation_keeps_the_predictions_of_the_headline_weights():
     from types import SimpleNamespace
 
-    from deit_ablate.loop import EpochLoop, Progress
-    from deit_ablate.losses import distilled_head_logits, fuse_predictions
+    from deit_ablate.run.loop import EpochLoop, Progress
+    from deit_ablate.train.losses import distilled_head_logits, fuse_predictions
 
     dataset = eval_data()
     images = dataset.tensors[0]
@@ -227,12 +227,12 @@ def test_two_ranks_gather_the_predictions_of_one_in_dataset_order(tmp_path):
 
 def redo_predictions(run: RunDir, data_cache: Path, monkeypatch) -> dict[str, np.ndarray]:
     """Evaluate the run's last checkpoint again on its val split, by hand: per head, the argmax."""
-    from deit_ablate.checkpoint import read_weights
+    from deit_ablate.analysis.sharpness import load_run_config
     from deit_ablate.data.datasets import build_dataset, dataset_root
     from deit_ablate.data.transforms import build_eval_transform
-    from deit_ablate.losses import distilled_head_logits, fuse_predictions
-    from deit_ablate.sharpness.cli import load_run_config
-    from deit_ablate.sharpness.measure import rebuild_model
+    from deit_ablate.record.checkpoint import read_weights
+    from deit_ablate.train.losses import distilled_head_logits, fuse_predictions
+    from deit_ablate.train.sharpness import rebuild_model
 
     monkeypatch.setenv("DEIT_ABLATE_CACHE", str(data_cache))
     cfg = load_run_config(run)

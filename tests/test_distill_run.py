@@ -11,13 +11,13 @@ import torch
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 
-import deit_ablate.assemble as assemble_module
-from deit_ablate.distributed import DistInfo
-from deit_ablate.engine import Trainer
-from deit_ablate.models import build_model, student_model_name
-from deit_ablate.optim import build_optimizer, build_scheduler
-from deit_ablate.rundir import LAST, RESULT, RunDir, runs_root
-from deit_ablate.teacher import run_teacher
+import deit_ablate.run.assemble as assemble_module
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.record.rundir import LAST, RESULT, RunDir, runs_root
+from deit_ablate.run.teacher import run_teacher
+from deit_ablate.train.models import build_model, student_model_name
+from deit_ablate.train.optim import build_optimizer, build_scheduler
+from deit_ablate.train.trainer import Trainer
 from tests.conftest import TINY, compose_config, run_train
 
 DATA = [item for item in TINY if not item.startswith("model.")]

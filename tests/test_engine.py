@@ -6,10 +6,10 @@ import copy
 
 import torch
 
-from deit_ablate.distributed import DistInfo
-from deit_ablate.engine import Diverged, Trainer, evaluate
-from deit_ablate.models import build_model
-from deit_ablate.optim import build_optimizer, build_scheduler
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.train.models import build_model
+from deit_ablate.train.optim import build_optimizer, build_scheduler
+from deit_ablate.train.trainer import Diverged, Trainer, evaluate
 from tests.conftest import compose_config
 
 

@@ -13,6 +13,7 @@ from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms
 from torchvision.transforms import functional as F
 
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.batch import split_for_batches
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.datasets import build_dataset
@@ -25,9 +26,8 @@ from deit_ablate.data.fast_jpeg import (
     resize_uint8,
 )
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
-from deit_ablate.errors import ConfigError
-from deit_ablate.rundir import RESULT, runs_root
-from deit_ablate.validate import validate_config
+from deit_ablate.record.rundir import RESULT, runs_root
+from deit_ablate.run.validate import validate_config
 from tests.conftest import TINY, compose_config, run_train
 
 

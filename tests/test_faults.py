@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from deit_ablate.aggregate.reader import read_offline
+from deit_ablate.analysis.aggregate.reader import read_offline
 from deit_ablate.data.builtin import ensure_builtin_dataset
-from deit_ablate.rundir import LAST, PREV, RESULT, RunDir, runs_root, wandb_root
-from deit_ablate.runlock import LOCK_NAME
-from deit_ablate.tracking import read_epoch_rows
+from deit_ablate.record.rundir import LAST, PREV, RESULT, RunDir, runs_root, wandb_root
+from deit_ablate.record.runlock import LOCK_NAME
+from deit_ablate.record.tracking import read_epoch_rows
 from tests.conftest import REPO, TINY, run_train
 
 pytestmark = [pytest.mark.faults,

@@ -10,16 +10,16 @@ from timm.data import Mixup
 from timm.layers import DropPath
 from torchvision import transforms
 
-from deit_ablate.assemble import stage_scheduler
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.transforms import build_eval_transform, build_train_transform
-from deit_ablate.distributed import DistInfo
-from deit_ablate.engine import Trainer
-from deit_ablate.errors import ConfigError
-from deit_ablate.models import build_model, student_model_name
-from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
-from deit_ablate.rundir import LAST
-from deit_ablate.stages import load_pretrained, stage_recipe
-from deit_ablate.validate import plan_batch
+from deit_ablate.record.rundir import LAST
+from deit_ablate.run.assemble import stage_scheduler
+from deit_ablate.run.stages import load_pretrained, stage_recipe
+from deit_ablate.run.validate import plan_batch
+from deit_ablate.train.models import build_model, student_model_name
+from deit_ablate.train.optim import build_optimizer, build_scheduler, scaled_lr
+from deit_ablate.train.trainer import Trainer
 from tests.conftest import compose_config
 
 FINETUNE = ["stage=finetune", "finetune.init_checkpoint=/pretrained.pt"]  # no pre-training run needed to compose

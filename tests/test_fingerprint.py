@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deit_ablate import atomic
+from deit_ablate.core import atomic
 from deit_ablate.data import fingerprint as F
 from deit_ablate.data.fingerprint import CACHE_NAME, dataset_fingerprint, describe_fingerprint
 

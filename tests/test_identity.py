@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deit_ablate.rundir import IDENTITY, LAST, RESULT, RunDir, runs_root, wandb_root
+from deit_ablate.record.rundir import IDENTITY, LAST, RESULT, RunDir, runs_root, wandb_root
 from tests.conftest import CONF, REPO, TINY, compose_config, identity_of, run_train
 
 RUNTIME_CHANGES = ["runtime.cpu_threads=1", "runtime.num_workers=2", "runtime.worker_nice=5", "runtime.compile=true",
@@ -156,8 +156,8 @@ def test_bad_keys_and_values_are_refused_before_anything_runs(tmp_path, data_cac
 
 
 def test_a_typo_added_with_plus_names_the_close_key():
-    from deit_ablate.errors import ConfigError
-    from deit_ablate.validate import check_known_keys
+    from deit_ablate.core.errors import ConfigError
+    from deit_ablate.run.validate import check_known_keys
 
     with pytest.raises(ConfigError, match="Did you mean mix.mixup_alpha"):
         check_known_keys(compose_config(["+mix.mixup_alpah=1"]))

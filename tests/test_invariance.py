@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deit_ablate.aggregate.reader import find_run_files
-from deit_ablate.aggregate.wandb_log import read_log
-from deit_ablate.rundir import RunDir, wandb_root
+from deit_ablate.analysis.aggregate.reader import find_run_files
+from deit_ablate.analysis.aggregate.wandb_log import read_log
+from deit_ablate.record.rundir import RunDir, wandb_root
 from tests.conftest import run_train
 
 TOLERANCE = 1e-5

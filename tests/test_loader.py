@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, SequentialSampler
 
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.loader import build_loader
-from deit_ablate.errors import ConfigError
-from deit_ablate.validate import validate_config
+from deit_ablate.run.validate import validate_config
 from tests.conftest import compose_config
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from deit_ablate.assemble import stage_model_config
-from deit_ablate.errors import ConfigError
-from deit_ablate.models import MlpHead, build_model
-from deit_ablate.stages import load_backbone, load_pretrained
-from deit_ablate.validate import validate_config
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.run.assemble import stage_model_config
+from deit_ablate.run.stages import load_backbone, load_pretrained
+from deit_ablate.run.validate import validate_config
+from deit_ablate.train.models import MlpHead, build_model
 from tests.conftest import compose_config, identity_of
 
 SMALL = ["model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.rundir import (
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.record.rundir import (
     HYDRA_CONFIG,
     IDENTITY,
     LAST,
@@ -30,7 +30,7 @@ from deit_ablate.rundir import (
     runs_root,
     wandb_root,
 )
-from deit_ablate.validate import plan_batch
+from deit_ablate.run.validate import plan_batch
 from tests.conftest import REPO, compose_config, run_train, tiny_with
 
 NODES = ("n1", "n2")

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, decode_problem
 from deit_ablate.data.datasets import build_dataset, data_fingerprint
 from deit_ablate.data.fingerprint import CACHE_NAME
-from deit_ablate.errors import ConfigError
-from deit_ablate.validate import validate_config
+from deit_ablate.run.validate import validate_config
 from tests.conftest import REPO, TINY, compose_config, run_train
 from tests.test_fingerprint import read_only, read_only_mount_works
 

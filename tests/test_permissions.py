@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from deit_ablate.atomic import atomic_folder, write_text_atomic
-from deit_ablate.checkpoint import save_atomic
+from deit_ablate.core.atomic import atomic_folder, write_text_atomic
 from deit_ablate.data.builtin import ensure_builtin_dataset
-from deit_ablate.rundir import RunDir, wandb_root
-from deit_ablate.tracking import write_epoch_row
+from deit_ablate.record.checkpoint import save_atomic
+from deit_ablate.record.rundir import RunDir, wandb_root
+from deit_ablate.record.tracking import write_epoch_row
 from tests.conftest import REPO, TINY
 
 NOBODY = 65534
@@ -96,7 +96,7 @@ def test_a_teacher_run_or_logs_this_user_may_not_read_are_one_line(tiny_run):
                "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
         student = [*prefix, sys.executable, str(REPO / "train.py"), *TINY, "distill=hard", "train.max_steps=1",
                    f"distill.teacher.checkpoint={teacher}", "runtime.tracking.mode=disabled"]
-        aggregate = [*prefix, sys.executable, "-m", "deit_ablate.aggregate.cli", str(shared / "wandb")]
+        aggregate = [*prefix, sys.executable, "-m", "deit_ablate.analysis.aggregate.cli", str(shared / "wandb")]
         for command, named in ((student, teacher), (aggregate, shared / "wandb")):
             proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
             assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

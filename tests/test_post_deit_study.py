@@ -13,18 +13,18 @@ import pytest
 import timm
 import torch
 
-from deit_ablate.aggregate.reader import RunInfo
-from deit_ablate.aggregate.render import render, to_json_dict
-from deit_ablate.aggregate.table import build_table
-from deit_ablate.distributed import DistInfo
-from deit_ablate.errors import ConfigError
-from deit_ablate.identity import composed_choices, run_identity
-from deit_ablate.lifecycle import dry_run_line
-from deit_ablate.optim import scaled_lr
-from deit_ablate.plan import make_plan
-from deit_ablate.rundir import RESULT, RunDir, runs_root
-from deit_ablate.studies import CONF_DIR, paper_tables, studies
-from deit_ablate.validate import check_pretrain_size, validate_config
+from deit_ablate.analysis.aggregate.reader import RunInfo
+from deit_ablate.analysis.aggregate.render import render, to_json_dict
+from deit_ablate.analysis.aggregate.table import build_table
+from deit_ablate.config.studies import CONF_DIR, paper_tables, studies
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.identity import composed_choices, run_identity
+from deit_ablate.record.rundir import RESULT, RunDir, runs_root
+from deit_ablate.run.lifecycle import dry_run_line
+from deit_ablate.run.plan import make_plan
+from deit_ablate.run.validate import check_pretrain_size, validate_config
+from deit_ablate.train.optim import scaled_lr
 from tests.conftest import CONF, TINY, compose_config, identity_of, one_class_imagefolder, run_train
 from tests.test_ablation import _composed, _flat
 

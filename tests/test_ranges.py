@@ -9,9 +9,9 @@ from dataclasses import fields, is_dataclass
 import pytest
 from conftest import TINY, compose_config, run_train
 
-from deit_ablate.config import Config, schema_ranges
-from deit_ablate.errors import ConfigError
-from deit_ablate.validate import check_ranges, validate_config
+from deit_ablate.config.schema import Config, schema_ranges
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.run.validate import check_ranges, validate_config
 
 # Values that invert or empty the computation (issue 39, point 3): each the key, the value and the range it names.
 INVERTING = [

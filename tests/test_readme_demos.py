@@ -13,8 +13,8 @@ import pytest
 from conftest import REPO
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from deit_ablate.aggregate.stats import LEVEL, t_quantile
-from deit_ablate.studies import study_names
+from deit_ablate.analysis.aggregate.stats import LEVEL, t_quantile
+from deit_ablate.config.studies import study_names
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # the study-demo table is in docs/studies.md
 BEGIN, END = "<!-- study-demos -->", "<!-- /study-demos -->"

@@ -14,9 +14,9 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import DistributedSampler
 
 from deit_ablate.data.loader import build_train_sampler
-from deit_ablate.mixing import build_criterion, build_mixup
-from deit_ablate.models import build_model
-from deit_ablate.optim import build_optimizer, build_scheduler, scaled_lr
+from deit_ablate.train.mixing import build_criterion, build_mixup
+from deit_ablate.train.models import build_model
+from deit_ablate.train.optim import build_optimizer, build_scheduler, scaled_lr
 from tests.conftest import compose_config
 
 

@@ -10,14 +10,14 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from deit_ablate.artifacts import HIGH_NORM_FACTOR, high_norm_counts, measures_high_norm, patch_grid
-from deit_ablate.distributed import DistInfo
-from deit_ablate.engine import evaluate
-from deit_ablate.errors import ConfigError
-from deit_ablate.losses import distilled_head_logits
-from deit_ablate.models import build_model, resize_pos_embed_state
-from deit_ablate.rundir import RESULT, runs_root
-from deit_ablate.validate import validate_config
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.rundir import RESULT, runs_root
+from deit_ablate.run.validate import validate_config
+from deit_ablate.train.artifacts import HIGH_NORM_FACTOR, high_norm_counts, measures_high_norm, patch_grid
+from deit_ablate.train.losses import distilled_head_logits
+from deit_ablate.train.models import build_model, resize_pos_embed_state
+from deit_ablate.train.trainer import evaluate
 from tests.conftest import TINY, compose_config, run_train
 
 PATCH, WIDTH = 8, 16

@@ -16,14 +16,14 @@ import pytest
 import torch
 from PIL import Image
 
-from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
+from deit_ablate.analysis.aggregate.reader import MAX_LOG_BYTES, read_offline
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.bad_images import MAX_TRIES, BadImageError, DataGoneError, SkippingImageFolder, stop_error
 from deit_ablate.data.builtin import ensure_builtin_dataset
-from deit_ablate.errors import ConfigError
-from deit_ablate.rundir import LAST, PREV, UNREADABLE, RunDir, runs_root, wandb_root
-from deit_ablate.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
-from deit_ablate.teacher import load_teacher
-from deit_ablate.validate import validate_config
+from deit_ablate.record.rundir import LAST, PREV, UNREADABLE, RunDir, runs_root, wandb_root
+from deit_ablate.record.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
+from deit_ablate.run.teacher import load_teacher
+from deit_ablate.run.validate import validate_config
 from tests.conftest import REPO, TINY, compose_config, run_train, two_epochs
 
 
@@ -373,7 +373,7 @@ run.finish()
 
 READER = r"""
 import json, sys
-from deit_ablate.aggregate.reader import MAX_LOG_BYTES, read_offline
+from deit_ablate.analysis.aggregate.reader import MAX_LOG_BYTES, read_offline
 from deit_ablate.data.bad_images import MAX_TRIES, BadImageError, DataGoneError, SkippingImageFolder, stop_error
 print(json.dumps([run.run_id for run in read_offline(sys.argv[1], jobs=1)]))
 """

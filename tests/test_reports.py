@@ -9,11 +9,11 @@ import json
 import yaml
 from test_disagreement import PLAIN, TEACHER, make_run
 
-from deit_ablate import disagreement
-from deit_ablate.aggregate.about import facts, headline
-from deit_ablate.aggregate.html import STYLE, to_html
-from deit_ablate.aggregate.reader import RunInfo
-from deit_ablate.aggregate.table import build_table
+from deit_ablate.analysis import disagreement
+from deit_ablate.analysis.aggregate.about import facts, headline
+from deit_ablate.analysis.aggregate.html import STYLE, to_html
+from deit_ablate.analysis.aggregate.reader import RunInfo
+from deit_ablate.analysis.aggregate.table import build_table
 
 ARCH = {"name": "vit_base_patch16_224", "patch_size": 8, "width": 128, "depth": 6, "heads": 4, "params": 1_205_514}
 

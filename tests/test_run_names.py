@@ -11,12 +11,12 @@ import timm
 import yaml
 from omegaconf import OmegaConf
 
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.config import Config
-from deit_ablate.identity import _UNSAFE, _is_identity_override, _readable
-from deit_ablate.models import architecture, build_model, describe_architecture
-from deit_ablate.rundir import RunDir, runs_root, wandb_root
-from deit_ablate.studies import study_names
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.config.schema import Config
+from deit_ablate.config.studies import study_names
+from deit_ablate.record.identity import _UNSAFE, _is_identity_override, _readable
+from deit_ablate.record.rundir import RunDir, runs_root, wandb_root
+from deit_ablate.train.models import architecture, build_model, describe_architecture
 from tests.conftest import TINY, compose_config, identity_of, run_train
 
 # TINY's overrides alone are longer than a folder name keeps.
@@ -50,7 +50,7 @@ def test_the_start_line_and_the_result_name_the_architecture_that_trained(tmp_pa
     (["distill=hard_token"], "patch 8, width 128, depth 6, heads 4"),
 ])
 def test_vits_and_cait_are_described_from_the_built_model(overrides, text):
-    from deit_ablate.models import student_model_name
+    from deit_ablate.train.models import student_model_name
 
     cfg = compose_config(overrides)
     name = student_model_name(cfg)

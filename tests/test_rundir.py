@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deit_ablate import atomic, rundir
-from deit_ablate import checkpoint as ckpt
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.errors import ConfigError, RunError
-from deit_ablate.identity import RunIdentity
-from deit_ablate.rundir import RunDir, rank_log_name, runs_root, wandb_root
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.core import atomic
+from deit_ablate.core.errors import ConfigError, RunError
+from deit_ablate.record import checkpoint as ckpt
+from deit_ablate.record import rundir
+from deit_ablate.record.identity import RunIdentity
+from deit_ablate.record.rundir import RunDir, rank_log_name, runs_root, wandb_root
 from tests.conftest import CONF, REPO, TINY, compose_config, run_train
 
 IDENTITY = RunIdentity(name="model=x-0123456789", run_id="abcdef0123456789", group="g", digest="0123456789")
@@ -218,10 +219,10 @@ def _old_folder(tmp_path: Path, data: dict) -> RunDir:
 
 
 def test_a_folder_with_the_old_names_skips_and_still_refuses_other_data(tmp_path):
+    from deit_ablate.core.distributed import DistInfo
     from deit_ablate.data.datasets import data_fingerprint
-    from deit_ablate.distributed import DistInfo
-    from deit_ablate.lifecycle import launch_plan
-    from deit_ablate.plan import data_identity, make_plan
+    from deit_ablate.run.lifecycle import launch_plan
+    from deit_ablate.run.plan import data_identity, make_plan
 
     cfg = compose_config(TINY + [f"runtime.output_root={tmp_path}"])
     current = data_fingerprint(cfg)

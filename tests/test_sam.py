@@ -13,14 +13,14 @@ import pytest
 import torch
 from timm.data import Mixup
 
-from deit_ablate.assemble import grad_scaler, stage_sam_rho
-from deit_ablate.distributed import DistInfo
-from deit_ablate.engine import Trainer
-from deit_ablate.errors import ConfigError
-from deit_ablate.models import build_model
-from deit_ablate.optim import build_optimizer, build_scheduler
-from deit_ablate.sam import perturbation
-from deit_ablate.validate import validate_config
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.run.assemble import grad_scaler, stage_sam_rho
+from deit_ablate.run.validate import validate_config
+from deit_ablate.train.models import build_model
+from deit_ablate.train.optim import build_optimizer, build_scheduler
+from deit_ablate.train.sam import perturbation
+from deit_ablate.train.trainer import Trainer
 from tests.conftest import REPO, TINY, compose_config, run_train
 from tests.sam_ddp_worker import BIAS, LR, RHO, SHARDS, WEIGHT, mse
 
@@ -267,8 +267,8 @@ def _history_rows(outputs) -> list[dict]:
     """Every history row of the one offline wandb log under `outputs`."""
     from wandb.proto.wandb_internal_pb2 import Record
 
-    from deit_ablate.aggregate.reader import _history_value, find_run_files
-    from deit_ablate.aggregate.wandb_log import read_log
+    from deit_ablate.analysis.aggregate.reader import _history_value, find_run_files
+    from deit_ablate.analysis.aggregate.wandb_log import read_log
 
     (path,) = find_run_files(outputs)
     rows, record = [], Record()

@@ -9,12 +9,12 @@ import pytest
 import torch
 from timm.models.mlp_mixer import MlpMixer
 
-from deit_ablate.errors import ConfigError
-from deit_ablate.models import build_mixer, build_model
-from deit_ablate.optim import build_optimizer, layer_decay_groups
-from deit_ablate.sharpness.measure import SharpnessSettings, measure
-from deit_ablate.stages import load_pretrained
-from deit_ablate.validate import validate_config
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.run.stages import load_pretrained
+from deit_ablate.run.validate import validate_config
+from deit_ablate.train.models import build_mixer, build_model
+from deit_ablate.train.optim import build_optimizer, layer_decay_groups
+from deit_ablate.train.sharpness import SharpnessSettings, measure
 from tests.conftest import compose_config
 from tests.test_sam import _trainer
 

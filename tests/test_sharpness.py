@@ -1,4 +1,4 @@
-"""Sharpness measured (deit_ablate/sharpness/): lambda_max against known and dense Hessians, the noisy loss, the
+"""Sharpness measured (deit_ablate/train/sharpness/): lambda_max against known and dense Hessians, the noisy loss, the
 seed, the command on a finished run, the end-of-run measure, and the aggregator's columns."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from deit_ablate.aggregate import cli
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.rundir import wandb_root
-from deit_ablate.sharpness import (
+from deit_ablate.analysis.aggregate import cli
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.record.rundir import wandb_root
+from deit_ablate.train.sharpness import (
     FIGURES,
     BatchLoss,
     SharpnessSettings,
@@ -26,7 +26,7 @@ from deit_ablate.sharpness import (
     noisy_loss,
     top_eigenvalue,
 )
-from deit_ablate.sharpness import cli as sharpness_cli
+from deit_ablate.train.sharpness import cli as sharpness_cli
 from tests.conftest import CONF, REPO, TINY, SharedRun, compose_config, identity_of, run_train
 
 
@@ -325,8 +325,8 @@ def test_two_ranks_measure_on_rank_0_only_and_agree_with_the_command(tmp_path: P
 
 
 def test_settings_out_of_range_are_refused_before_a_launch() -> None:
-    from deit_ablate.errors import ConfigError
-    from deit_ablate.validate import check_ranges
+    from deit_ablate.core.errors import ConfigError
+    from deit_ablate.run.validate import check_ranges
 
     for override, message in (("sharpness.iters=0", "sharpness.iters=0 must be >= 1"),
                               ("sharpness.sigma=-0.1", "sharpness.sigma=-0.1 must be >= 0.0"),

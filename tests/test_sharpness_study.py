@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from deit_ablate.optim import scaled_lr
-from deit_ablate.rundir import RESULT, runs_root
-from deit_ablate.studies import CONF_DIR, paper_tables, studies
+from deit_ablate.config.studies import CONF_DIR, paper_tables, studies
+from deit_ablate.record.rundir import RESULT, runs_root
+from deit_ablate.train.optim import scaled_lr
 from tests.conftest import CONF, TINY, compose_config, identity_of, one_class_imagefolder, run_train
 from tests.test_ablation import _composed, _flat
 
@@ -168,7 +168,7 @@ def test_recipe_vit_original_applies_over_any_study_row_and_the_preset():
 
 
 def test_the_aggregator_shows_each_rows_paper_number_and_its_delta_to_its_own_baseline():
-    from deit_ablate.aggregate.table import build_table
+    from deit_ablate.analysis.aggregate.table import build_table
 
     table = build_table([], rows=STUDY, paper=STUDY)  # the rows without runs: the paper's columns only
     cells = {r.key: r.cells["pretrain"] for r in table.rows}

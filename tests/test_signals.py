@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deit_ablate.rundir import RunDir, runs_root, wandb_root
+from deit_ablate.record.rundir import RunDir, runs_root, wandb_root
 from tests.conftest import REPO, TINY, run_train
 
 SLOW_EVAL = ["data.builtin.val_per_class=150", "runtime.eval_batch=1"]  # 1,500 single-image evaluations
@@ -125,7 +125,7 @@ def test_a_wandb_folder_removed_mid_run_is_noticed_and_logged_again(tmp_path, da
     import json
     import shutil
 
-    from deit_ablate.aggregate.reader import read_offline
+    from deit_ablate.analysis.aggregate.reader import read_offline
 
     args = TINY + ["train.epochs=6"]
     proc = start(args, tmp_path, data_cache)

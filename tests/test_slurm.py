@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.rundir import LAST, RESULT, SUBMITIT, RunDir, runs_root, wandb_root
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.record.rundir import LAST, RESULT, SUBMITIT, RunDir, runs_root, wandb_root
 from tests.conftest import REPO, TINY, run_train, tiny_with
 
 pytestmark = [

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from deit_ablate.aggregate.reader import find_run_files, read_run_file
-from deit_ablate.tracking import skip_unstaged_launch_inputs
+from deit_ablate.analysis.aggregate.reader import find_run_files, read_run_file
+from deit_ablate.record.tracking import skip_unstaged_launch_inputs
 
 # An offline run logged through the Tracker in a fresh interpreter; prints which wandb modules init imported.
 OFFLINE_RUN = """
 import json, sys
 from omegaconf import OmegaConf
-from deit_ablate.identity import RunIdentity
-from deit_ablate.tracking import Tracker
+from deit_ablate.record.identity import RunIdentity
+from deit_ablate.record.tracking import Tracker
 cfg = OmegaConf.create({"seed": 0, "ablation": "baseline", "stage": "pretrain", "preset": "demo",
                         "runtime": {"output_root": sys.argv[1],
                                     "tracking": {"mode": "offline", "project": "p", "entity": None}}})
@@ -122,8 +122,8 @@ def test_time_process_counts_the_child_cpu_and_names_a_failure(tmp_path: Path) -
 def test_the_best_checkpoint_is_a_copy_of_the_last_one_that_outlives_both_files_changing(tmp_path: Path) -> None:
     import torch
 
-    from deit_ablate.checkpoint import copy_atomic, load, save_atomic
-    from deit_ablate.rundir import TEMP_PATTERNS, RunDir
+    from deit_ablate.record.checkpoint import copy_atomic, load, save_atomic
+    from deit_ablate.record.rundir import TEMP_PATTERNS, RunDir
 
     run = RunDir(tmp_path)
     last, prev, best = run.last_checkpoint, run.previous_checkpoint, run.best_checkpoint

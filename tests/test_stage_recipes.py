@@ -1,6 +1,6 @@
 """A stage is a recipe: a fine-tune or transfer runs the pre-training's config with its block's named keys and override
-set applied (deit_ablate/stage_config.py). Held to the released commands: DeiT III's fine-tunes, Table 7's transfer,
-the original ViT recipe's lr rules; and the identity, which stays the composed config."""
+set applied (deit_ablate/config/stage_config.py). Held to the released commands: DeiT III's fine-tunes, Table 7's
+transfer, the original ViT recipe's lr rules; and the identity, which stays the composed config."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 import yaml
 
-from deit_ablate.assemble import stage_optimizer
-from deit_ablate.distributed import DistInfo
-from deit_ablate.errors import ConfigError
-from deit_ablate.identity import experiment_digest
-from deit_ablate.stage_config import stage_changes, stage_config
-from deit_ablate.stages import stage_recipe
-from deit_ablate.validate import validate_config
+from deit_ablate.config.stage_config import stage_changes, stage_config
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.identity import experiment_digest
+from deit_ablate.run.assemble import stage_optimizer
+from deit_ablate.run.stages import stage_recipe
+from deit_ablate.run.validate import validate_config
 from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -226,7 +226,7 @@ def test_the_deit_transfer_reads_issue_45s_lr_per_512_images():
 
 def test_per_batch_computations_are_the_stages_own():
     """A fine-tune that mixes where its pre-training did not: Mixup/CutMix is per micro-batch in that stage."""
-    from deit_ablate.validate import per_batch_computations
+    from deit_ablate.run.validate import per_batch_computations
 
     cfg = compose_config(["mix=none", "stage=finetune", "++finetune.overrides.mix.mixup_alpha=0.8"])
     assert any("Mixup/CutMix" in item for item in per_batch_computations(cfg))

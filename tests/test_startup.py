@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deit_ablate.rundir import HYDRA, HYDRA_CONFIG, MULTIRUN, RUNS, wandb_root
+from deit_ablate.record.rundir import HYDRA, HYDRA_CONFIG, MULTIRUN, RUNS, wandb_root
 from tests.conftest import TINY, compose_config, run_train
 
 ONE_STEP = TINY + ["train.max_steps=1", "train.micro_batch=16"]  # the one_step_run fixture's run
@@ -96,7 +96,7 @@ def test_online_tracking_with_a_key_but_no_server_is_one_line_within_seconds(tmp
 
 
 def test_the_server_check_finds_a_listening_server_and_is_bounded(monkeypatch):
-    from deit_ablate.tracking import server_problem
+    from deit_ablate.record.tracking import server_problem
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -117,7 +117,7 @@ def test_the_server_check_finds_a_listening_server_and_is_bounded(monkeypatch):
 
 
 def test_offline_and_disabled_tracking_never_look_for_a_key_or_a_server(monkeypatch):
-    from deit_ablate import tracking
+    from deit_ablate.record import tracking
 
     def fail(*args, **kwargs):
         raise AssertionError("an offline or disabled run looked for wandb's key or server")
@@ -131,7 +131,7 @@ def test_offline_and_disabled_tracking_never_look_for_a_key_or_a_server(monkeypa
 def test_a_netrc_entry_for_the_server_is_a_key(tmp_path, monkeypatch):
     from urllib.parse import urlsplit
 
-    from deit_ablate.tracking import has_wandb_key, wandb_server
+    from deit_ablate.record.tracking import has_wandb_key, wandb_server
 
     for key, value in _no_credentials(tmp_path / "home").items():
         monkeypatch.setenv(key, value)
@@ -175,8 +175,8 @@ def test_an_output_root_that_cannot_hold_the_run_is_one_line_and_nothing_is_writ
 
 
 def test_a_read_only_wandb_folder_is_fine_when_tracking_is_disabled(tmp_path, read_only_mount):
-    from deit_ablate.errors import ConfigError
-    from deit_ablate.rundir import check_output_root
+    from deit_ablate.core.errors import ConfigError
+    from deit_ablate.record.rundir import check_output_root
 
     read_only_mount(wandb_root(tmp_path))
     check_output_root(tmp_path, tracking=False)

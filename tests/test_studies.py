@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from deit_ablate import studies
-from deit_ablate.aggregate import cli
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.aggregate.settings import DEFAULT_CHOICES, PRESET_CHOICES
-from deit_ablate.config import register_configs
-from deit_ablate.rundir import runs_root, wandb_root
-from deit_ablate.tracking import run_tags
+from deit_ablate.analysis.aggregate import cli
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.analysis.aggregate.settings import DEFAULT_CHOICES, PRESET_CHOICES
+from deit_ablate.config import studies
+from deit_ablate.config.schema import register_configs
+from deit_ablate.record.rundir import runs_root, wandb_root
+from deit_ablate.record.tracking import run_tags
 from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
 
 STUDY = "zz_throwaway_study"  # a name no real study has; its folder lives only while a test uses it

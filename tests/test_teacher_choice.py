@@ -10,19 +10,19 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from deit_ablate.aggregate import cli
-from deit_ablate.aggregate.paper import paper_table
-from deit_ablate.aggregate.reader import RunInfo
-from deit_ablate.aggregate.render import render, to_json_dict
-from deit_ablate.aggregate.table import build_table
-from deit_ablate.config import DistillKind
-from deit_ablate.errors import ConfigError
-from deit_ablate.models import student_model_name
-from deit_ablate.preflight import check_teacher_trained
-from deit_ablate.rundir import RunDir, wandb_root
-from deit_ablate.stages import teacher_run_dir, teacher_run_overrides, upstream_overrides, upstream_role
-from deit_ablate.studies import studies
-from deit_ablate.teacher import check_distill_config, file_weights_digest
+from deit_ablate.analysis.aggregate import cli
+from deit_ablate.analysis.aggregate.paper import paper_table
+from deit_ablate.analysis.aggregate.reader import RunInfo
+from deit_ablate.analysis.aggregate.render import render, to_json_dict
+from deit_ablate.analysis.aggregate.table import build_table
+from deit_ablate.config.schema import DistillKind
+from deit_ablate.config.studies import studies
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.rundir import RunDir, wandb_root
+from deit_ablate.run.preflight import check_teacher_trained
+from deit_ablate.run.stages import teacher_run_dir, teacher_run_overrides, upstream_overrides, upstream_role
+from deit_ablate.run.teacher import check_distill_config, file_weights_digest
+from deit_ablate.train.models import student_model_name
 from hydra_plugins.deit_ablate_launcher.slurm import submission_order, upstream_jobs
 from hydra_plugins.deit_ablate_launcher.sweeper import chain_order
 from tests.conftest import CONF, TINY, identity_of, run_train, write_offline_runs
@@ -207,7 +207,7 @@ def test_the_markdown_names_each_head_and_says_the_heads_are_an_inference(head_r
 
 
 def test_a_bad_head_in_a_numbers_file_is_one_clear_error():
-    from deit_ablate.aggregate.paper import _heads
+    from deit_ablate.analysis.aggregate.paper import _heads
 
     raw = {"group": "teachers", "heads": {"finetune": "cls"}}
     assert _heads(raw, "table2", {"key": "x", "heads": {"pretrain": "dist"}}) == {"pretrain": "dist"}
@@ -329,8 +329,8 @@ def test_the_three_regnet_rows_are_three_demo_experiments_ordered_by_size(tmp_pa
 
 
 def _plan(overrides: list[str], tmp_path: Path):
-    from deit_ablate.distributed import DistInfo
-    from deit_ablate.plan import make_plan
+    from deit_ablate.core.distributed import DistInfo
+    from deit_ablate.run.plan import make_plan
 
     return make_plan(_hydra_config(overrides), DistInfo(), RunDir.under(tmp_path, identity_of(overrides).name),
                      overrides)
@@ -349,7 +349,7 @@ def _finished_teacher_run(run: RunDir) -> None:
 
 
 def test_a_dry_run_prints_the_wandb_id_the_student_will_have_or_says_it_waits_for_its_teacher(tmp_path):
-    from deit_ablate.lifecycle import dry_run_line
+    from deit_ablate.run.lifecycle import dry_run_line
 
     student = ["teachers=regnety_16gf", f"runtime.output_root={tmp_path}"]
     dry = _plan([*student, "runtime.dry_run=true"], tmp_path)

@@ -12,12 +12,12 @@ import pytest
 import timm
 import torch
 
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.checkpoint import read_weights
-from deit_ablate.errors import ConfigError
-from deit_ablate.identity import with_teacher
-from deit_ablate.rundir import RunDir, runs_root, wandb_root
-from deit_ablate.teacher import run_teacher, teacher_identity, weights_digest
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.checkpoint import read_weights
+from deit_ablate.record.identity import with_teacher
+from deit_ablate.record.rundir import RunDir, runs_root, wandb_root
+from deit_ablate.run.teacher import run_teacher, teacher_identity, weights_digest
 from tests.conftest import TINY, SharedRun, compose_config, identity_of, run_train
 
 DATA = [item for item in TINY if not item.startswith(("model.", "train.epochs="))]
@@ -169,6 +169,6 @@ def test_existing_run_names_and_wandb_ids_are_unchanged(overrides, name, run_id)
 
 
 def test_allowing_an_unfinished_teacher_never_splits_a_table_cell():
-    from deit_ablate.aggregate.settings import is_execution_key
+    from deit_ablate.analysis.aggregate.settings import is_execution_key
 
     assert is_execution_key("distill.teacher.allow_unfinished") and not is_execution_key("distill.teacher.model")

@@ -19,16 +19,11 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-import deit_ablate.assemble as assemble_module
-from deit_ablate.distributed import DistInfo
-from deit_ablate.engine import Trainer
-from deit_ablate.errors import ConfigError
-from deit_ablate.losses import DistillationLoss
-from deit_ablate.mixing import build_criterion, build_mixup
-from deit_ablate.models import build_model, student_model_name
-from deit_ablate.optim import build_optimizer, build_scheduler
-from deit_ablate.rundir import LAST, RunDir, runs_root
-from deit_ablate.teacher import (
+import deit_ablate.run.assemble as assemble_module
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.rundir import LAST, RunDir, runs_root
+from deit_ablate.run.teacher import (
     MultiSizeTeacher,
     TeacherSource,
     check_resizable_teacher,
@@ -36,8 +31,19 @@ from deit_ablate.teacher import (
     run_teacher,
     teacher_forward,
 )
-from deit_ablate.teacher_cache import FixedTeacherLoss, WithIndex, fixed_view_transform, split_targets, teacher_table
-from deit_ablate.validate import check_ranges, check_teacher_view
+from deit_ablate.run.teacher_cache import (
+    FixedTeacherLoss,
+    WithIndex,
+    fixed_view_transform,
+    split_targets,
+    teacher_table,
+)
+from deit_ablate.run.validate import check_ranges, check_teacher_view
+from deit_ablate.train.losses import DistillationLoss
+from deit_ablate.train.mixing import build_criterion, build_mixup
+from deit_ablate.train.models import build_model, student_model_name
+from deit_ablate.train.optim import build_optimizer, build_scheduler
+from deit_ablate.train.trainer import Trainer
 from tests import teaching_ddp_worker
 from tests.conftest import REPO, TINY, compose_config, identity_of, run_train
 

@@ -12,9 +12,9 @@ from timm.data.auto_augment import AutoAugment
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms
 
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.transforms import build_train_pipeline, build_train_transform
-from deit_ablate.errors import ConfigError
-from deit_ablate.validate import validate_config
+from deit_ablate.run.validate import validate_config
 from tests.conftest import TINY, compose_config, run_train
 
 SIZE = 32  # the demo preset's train size

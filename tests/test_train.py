@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deit_ablate.aggregate.reader import read_offline
-from deit_ablate.rundir import RESULT, RunDir, runs_root, wandb_root
+from deit_ablate.analysis.aggregate.reader import read_offline
+from deit_ablate.record.rundir import RESULT, RunDir, runs_root, wandb_root
 from tests.conftest import TINY, SharedRun, run_train
 
 

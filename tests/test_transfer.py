@@ -17,10 +17,10 @@ from conftest import TINY, compose_config, identity_of, run_train, tiny_with
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
-from deit_ablate.aggregate.paper import paper_table
-from deit_ablate.aggregate.settings import experiment_settings
-from deit_ablate.assemble import stage_model_config
-from deit_ablate.config import Stage, compose_run_config
+from deit_ablate.analysis.aggregate.paper import paper_table
+from deit_ablate.analysis.aggregate.settings import experiment_settings
+from deit_ablate.config.schema import Stage, compose_run_config
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.builtin import CLASSES, CLASSES_B, _draw_shape, ensure_builtin_dataset
 from deit_ablate.data.cifar10 import (
     CIFAR100_FILES,
@@ -33,12 +33,12 @@ from deit_ablate.data.cifar10 import (
 )
 from deit_ablate.data.datasets import build_dataset, check_data_root, data_fingerprint
 from deit_ablate.data.transforms import stage_reprob
-from deit_ablate.errors import ConfigError
-from deit_ablate.identity import composed_choices, experiment, experiment_digest, transfer_source_overrides
-from deit_ablate.models import build_model, student_model_name
-from deit_ablate.rundir import RunDir
-from deit_ablate.stages import load_backbone, stage_recipe, upstream_overrides, upstream_role
-from deit_ablate.transfer import check_transfer_config
+from deit_ablate.record.identity import composed_choices, experiment, experiment_digest, transfer_source_overrides
+from deit_ablate.record.rundir import RunDir
+from deit_ablate.run.assemble import stage_model_config
+from deit_ablate.run.stages import load_backbone, stage_recipe, upstream_overrides, upstream_role
+from deit_ablate.run.transfer import check_transfer_config
+from deit_ablate.train.models import build_model, student_model_name
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 TABLE7 = {"cifar10": ("cifar10", 10, 99.2), "cifar100": ("cifar100", 100, 91.4),
@@ -346,8 +346,8 @@ SOURCE_OF_A_DISTILLED_RUN = ["transfer=builtin_b", "transfer.source_stage=pretra
 
 def _transfer_plan(root: Path, *extra: str):
     """The plan of a demo transfer of a distilled run under the output root `root`, and its source's folder."""
-    from deit_ablate.distributed import DistInfo
-    from deit_ablate.plan import make_plan
+    from deit_ablate.core.distributed import DistInfo
+    from deit_ablate.run.plan import make_plan
 
     overrides = [*SOURCE_OF_A_DISTILLED_RUN, f"runtime.output_root={root}", *extra]
     cfg = compose_run_config(overrides)
@@ -378,7 +378,7 @@ def test_a_transfer_carries_its_sources_teacher_weights_and_data(tmp_path: Path)
 
 
 def test_a_transfer_dry_run_before_its_source_says_its_wandb_id_is_pending(tmp_path: Path) -> None:
-    from deit_ablate.lifecycle import dry_run_line
+    from deit_ablate.run.lifecycle import dry_run_line
 
     plan, source = _transfer_plan(tmp_path, "runtime.dry_run=true")
     line = dry_run_line(plan)

@@ -17,8 +17,8 @@ _registered = False
 def _register() -> None:
     global _registered
     if not _registered:
-        from deit_ablate.config import register_configs
-        from deit_ablate.resolvers import register_resolvers
+        from deit_ablate.config.schema import register_configs
+        from deit_ablate.record.resolvers import register_resolvers
 
         register_configs()
         register_resolvers()

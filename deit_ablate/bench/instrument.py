@@ -15,7 +15,7 @@ import time
 from timm.data.mixup import Mixup
 
 from deit_ablate.bench.env import synchronize
-from deit_ablate.engine import Trainer
+from deit_ablate.train.trainer import Trainer
 
 
 def install(out_path: str) -> None:

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from deit_ablate.atomic import atomic_folder
 from deit_ablate.bench.env import synchronize, torch_threads
+from deit_ablate.core.atomic import atomic_folder
+from deit_ablate.core.streams import RunStreams
 from deit_ablate.data.builtin import CLASSES, draw_image
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
@@ -28,7 +29,6 @@ from deit_ablate.data.loader import (
     seed_epoch_data,
 )
 from deit_ablate.data.transforms import build_train_pipeline, build_train_transform
-from deit_ablate.streams import RunStreams
 
 JPEG_WIDTH, JPEG_HEIGHT, JPEG_QUALITY = 500, 375, 90  # about the mean ImageNet training image
 

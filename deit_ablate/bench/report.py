@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.atomic import write_text_atomic
+from deit_ablate.core.atomic import write_text_atomic
 
 
 @dataclass

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from deit_ablate.assemble import build_pieces
 from deit_ablate.bench.env import synchronize, torch_threads
-from deit_ablate.distributed import DistInfo
-from deit_ablate.engine import Trainer
-from deit_ablate.models import compile_in_place
-from deit_ablate.plan import make_plan
-from deit_ablate.rundir import RunDir
-from deit_ablate.streams import RunStreams
+from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.streams import RunStreams
+from deit_ablate.record.rundir import RunDir
+from deit_ablate.run.assemble import build_pieces
+from deit_ablate.run.plan import make_plan
+from deit_ablate.train.models import compile_in_place
+from deit_ablate.train.trainer import Trainer
 
 # Optimizer implementations torch.optim.AdamW/SGD can take, set on the param groups before the first step.
 OPTIMIZER_IMPLS = {"default": {}, "forloop": {"foreach": False, "fused": False},

@@ -17,8 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from deit_ablate.models import is_vision_transformer
-from deit_ablate.optim import scaled_lr
+from deit_ablate.train.models import is_vision_transformer
+from deit_ablate.train.optim import scaled_lr
 
 # "Train: 0 [   5/39 ( 15%)]  Loss: ... Time: 0.201s,  638.31/s  (...)  LR: ...  Data: 0.008 (0.076)"
 STEP_LINE = re.compile(r"Train: (\d+) \[\s*(\d+)/(\d+).*?Time: ([\d.]+)s,.*?Data: ([\d.]+)")

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from torchvision.datasets import ImageFolder
 
-from deit_ablate.config import BadImagePolicy
+from deit_ablate.config.schema import BadImagePolicy
+from deit_ablate.core.errors import ConfigError, RunError
 from deit_ablate.data.images import IMAGE_EXTENSIONS, class_names, load_rgb, scan_class
-from deit_ablate.errors import ConfigError, RunError
 
 MAX_TRIES = 64  # consecutive unreadable samples before a dataset counts as broken
 GONE_HINT = ("it was moved or deleted while the run read it. Put it back and relaunch the same command to resume the "

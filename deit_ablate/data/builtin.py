@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from deit_ablate.atomic import atomic_folder
+from deit_ablate.core.atomic import atomic_folder
 
 CLASSES = (
     "disc", "ring", "square", "triangle", "plus", "cross", "stripes", "checker", "diamond", "crescent",

@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from deit_ablate.errors import ConfigError
+from deit_ablate.core.errors import ConfigError
 
 try:  # numpy >= 2 (its pickles name numpy._core; the CIFAR files, written by numpy 1, name numpy.core)
     from numpy._core.multiarray import _reconstruct

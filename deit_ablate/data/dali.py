@@ -18,8 +18,8 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
-from deit_ablate.config import DataName
-from deit_ablate.errors import ConfigError
+from deit_ablate.config.schema import DataName
+from deit_ablate.core.errors import ConfigError
 
 DALI_PACKAGE = "nvidia-dali-cuda130"
 

@@ -15,7 +15,9 @@ from omegaconf import DictConfig
 from PIL import ImageFile
 from torch.utils.data import Dataset, Subset
 
-from deit_ablate.config import DataName
+from deit_ablate.config.schema import DataName
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.core.logs import log
 from deit_ablate.data.bad_images import GONE_HINT, SkippingImageFolder
 from deit_ablate.data.builtin import DEFAULT_CLASS_SET, ensure_builtin_dataset
 from deit_ablate.data.cifar10 import (
@@ -29,8 +31,6 @@ from deit_ablate.data.cifar10 import (
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.data.fingerprint import dataset_fingerprint, describe_fingerprint
 from deit_ablate.data.images import IMAGE_EXTENSIONS, class_names, has_image, load_rgb
-from deit_ablate.errors import ConfigError
-from deit_ablate.logs import log
 
 # A truncated JPEG is decoded as far as it goes instead of killing an epoch (PIL does not say so: not counted).
 # A file that cannot be decoded at all is replaced and counted (data/bad_images.py).

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from deit_ablate.atomic import write_json_atomic
+from deit_ablate.core.atomic import write_json_atomic
+from deit_ablate.core.errors import RunError
 from deit_ablate.data.images import _walk, is_hidden, scan_class
-from deit_ablate.errors import RunError
 
 CACHE_NAME = ".deit_fingerprint.json"
 VERSION = 3  # 2: the dataset's file rule (data/images.py); 3: the files' sizes and mtimes in the stamp

@@ -11,8 +11,8 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from deit_ablate.config import DataBackend
-from deit_ablate.streams import EpochStreams, RunStreams, Stream, seed_sample, slot_positions
+from deit_ablate.config.schema import DataBackend
+from deit_ablate.core.streams import EpochStreams, RunStreams, Stream, seed_sample, slot_positions
 
 # The released RASampler keeps floor(|data| / 256) * 256 images of each epoch (timm's selected_round).
 SELECTED_ROUND = 256

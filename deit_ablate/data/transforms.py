@@ -7,11 +7,11 @@ from collections.abc import Callable
 from omegaconf import DictConfig
 from timm.data import create_transform
 
-from deit_ablate.config import CropMode, DataBackend
+from deit_ablate.config.schema import CropMode, DataBackend
+from deit_ablate.config.stage_config import stage_config
 from deit_ablate.data.batch import BatchNormalize, split_for_batches
 from deit_ablate.data.fast_jpeg import fast_train_transform
 from deit_ablate.data.three_augment import THREE_AUGMENT_POLICY, with_simple_crop
-from deit_ablate.stage_config import stage_config
 
 
 def stage_reprob(cfg: DictConfig) -> float:

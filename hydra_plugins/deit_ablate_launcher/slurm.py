@@ -53,8 +53,8 @@ class DeitSlurmLauncher(SlurmLauncher):
         return executor
 
     def _validated_configs(self, job_overrides: Sequence[Sequence[str]]) -> list:
-        from deit_ablate.errors import ConfigError
-        from deit_ablate.validate import validate_launch
+        from deit_ablate.core.errors import ConfigError
+        from deit_ablate.run.validate import validate_launch
 
         world_size = self.world_size
         configs = []
@@ -72,13 +72,13 @@ class DeitSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Validate all runs, submit them, wait, and return their results in sweep order."""
-        from deit_ablate.errors import ConfigError
-        from deit_ablate.stages import upstream_role
+        from deit_ablate.core.errors import ConfigError
+        from deit_ablate.run.stages import upstream_role
 
         assert self.config is not None and self.hydra_context is not None
         configs = self._validated_configs(job_overrides)
         if configs and configs[0].runtime.dry_run:  # under another sweeper than ours: plan here, write nothing
-            from deit_ablate.preflight import print_plans, sweep_run_dir
+            from deit_ablate.run.preflight import print_plans, sweep_run_dir
 
             print_plans(configs, [sweep_run_dir(cfg) for cfg in configs])
             return []
@@ -107,18 +107,18 @@ class DeitSlurmLauncher(SlurmLauncher):
             jobs[i] = executor.submit(self, *params[i])
             log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} ({upstream_role(configs[i])})")
         # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
-        # which resumes from its own latest checkpoint (deit_ablate/run.py).
+        # which resumes from its own latest checkpoint (deit_ablate/run/main.py).
         return [jobs[i].results()[0] for i in range(len(params))]
 
 
 def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],
                   subdir_of: Callable[[list[str]], str]) -> dict[int, int]:
-    """For each run of the sweep that starts from another of its runs (deit_ablate.stages.upstream_overrides), the
+    """For each run of the sweep that starts from another of its runs (deit_ablate.run.stages.upstream_overrides), the
     index of that run; `subdir_of` names a run's folder from its overrides. A LayerScale control or a chained
     student whose LayerScale or teacher run is neither in the sweep nor finished is a ConfigError (the run would
     stop on it once queued)."""
-    from deit_ablate.config import Stage
-    from deit_ablate.stages import finished_layer_scale_run, finished_teacher_run, upstream_overrides
+    from deit_ablate.config.schema import Stage
+    from deit_ablate.run.stages import finished_layer_scale_run, finished_teacher_run, upstream_overrides
 
     run_index = {cfg.hydra.sweep.subdir: i for i, cfg in enumerate(configs)}
     upstream = {}

@@ -3,7 +3,7 @@ and dry runs planned here.
 
 Hydra's own sweeper writes `runs/multirun.yaml` before it composes a single run, and its launcher makes each run's
 folder (and writes `.hydra/` there) before train.py's main is called. Here every run is composed and checked first
-(deit_ablate.validate.validate_launch; under the SLURM launcher with its world size): a refused sweep leaves
+(deit_ablate.run.validate.validate_launch; under the SLURM launcher with its world size): a refused sweep leaves
 nothing. A chained student (distill.teacher.chain, Table 2) gets its teacher run added to the sweep right before the
 first run that needs it, once, unless it has finished. A dry run (`runtime.dry_run=true`) then prints each run's
 plan without launching anything, whatever the launcher, so nothing is written at all. Light to import, as every
@@ -28,8 +28,8 @@ class DeitSweeper(BasicSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """Check every run, then plan them (dry run) or launch them in order, as BasicSweeper does."""
-        from deit_ablate.preflight import print_plans, sweep_run_dir
-        from deit_ablate.rundir import keep_sweep_record
+        from deit_ablate.record.rundir import keep_sweep_record
+        from deit_ablate.run.preflight import print_plans, sweep_run_dir
 
         jobs, configs = self.checked_jobs(arguments)
         if configs and configs[0].runtime.dry_run:
@@ -58,7 +58,7 @@ class DeitSweeper(BasicSweeper):
     def checked_jobs(self, arguments: list[str]) -> tuple[list[list[str]], list]:
         """Each run's overrides and config, composed as the launcher will and checked, chained teacher runs added
         (chain_order); one line and exit status 2 at the first that cannot run."""
-        from deit_ablate.stages import teacher_run_overrides
+        from deit_ablate.run.stages import teacher_run_overrides
 
         assert self.hydra_context is not None and self.config is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
@@ -82,7 +82,7 @@ class DeitSweeper(BasicSweeper):
 
     def _checked(self, overrides: list[str], what: str | None = None) -> Any:
         """One run's config as the launcher composes it, checked (exit status 2 and one line when refused)."""
-        from deit_ablate.preflight import check_launch
+        from deit_ablate.run.preflight import check_launch
 
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         world_size = getattr(self.launcher, "world_size", None)  # the SLURM launcher's nodes x tasks_per_node
@@ -97,8 +97,8 @@ class DeitSweeper(BasicSweeper):
 
 def _finished(teachers: dict[str, tuple[list[str], Any]]) -> set[str]:
     """The teacher runs (folder names) that have finished already."""
-    from deit_ablate.preflight import sweep_run_dir
-    from deit_ablate.rundir import RunDir
+    from deit_ablate.record.rundir import RunDir
+    from deit_ablate.run.preflight import sweep_run_dir
 
     done = set()
     for name, (_, cfg) in teachers.items():

@@ -1,0 +1,1 @@
+"""Reading finished runs: the tables, disagreement between models, sharpness of a run folder."""

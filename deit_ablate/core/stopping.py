@@ -1,0 +1,80 @@
+"""SIGTERM (a scheduler's kill) and Ctrl-C stop a run at its next step with a checkpoint, instead of losing work.
+
+The first SIGTERM or SIGINT asks the run to stop: it saves a resumable checkpoint at the next step (or keeps the
+epoch-end one it has just written), releases its lock, prints how to resume and exits with 128 + the signal's
+number. A second Ctrl-C stops at once. Inside a submitit job SIGTERM and USR2 are left to submitit, which
+checkpoints and requeues the job itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import torch
+
+from deit_ablate.core.distributed import DistInfo
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(Exception):
+    """The run stopped on a signal, its state saved; the same command resumes it."""
+
+    def __init__(self, signum: int, where: str = "") -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}{' ' + where if where else ''}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def in_submitit_job() -> bool:
+    """Whether this process is a task of a submitit job (which handles SIGTERM and USR2 itself)."""
+    return "SUBMITIT_EXECUTOR" in os.environ
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGINT set `requested`; a second SIGINT raises KeyboardInterrupt at once."""
+
+    def __init__(self, info: DistInfo, every_steps: int = 10) -> None:
+        self.info, self.every_steps = info, max(1, every_steps)
+        self.requested: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in _SIGNALS:
+                if signum == signal.SIGTERM and in_submitit_job():
+                    continue
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.requested is None and self.info.is_main:
+            name = signal.Signals(signum).name
+            os.write(2, f"\n[run] {name} received: saving a checkpoint at the next step, then stopping "
+                        "(Ctrl-C again stops at once)\n".encode())
+        self.requested = self.requested or signum
+
+    def agreed(self, step: int | None = None) -> int | None:
+        """The signal every rank stops on, or None: each rank's own flag in one process; under DDP the ranks
+        agree (one all-reduce) every `every_steps` steps and whenever `step` is None (an epoch's end)."""
+        if not self.info.enabled:
+            return self.requested
+        if step is not None and step % self.every_steps:
+            return None
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.requested or 0], device=self.info.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None

@@ -1,0 +1,1 @@
+"""What a run leaves: its identity, run folder, lock, checkpoints, tracking, predictions."""

@@ -1,0 +1,287 @@
+"""A run's identity: the resolved experiment (every key but `runtime`, the data by its fingerprint, a distilled
+run's teacher by the digest of its weights).
+
+The identity decides the run's folder, its wandb run id and its wandb group. It is a hash of the resolved
+config, not of the command line, so an edited YAML value is another run; `runtime.*` never enters it, so a
+relaunch with other execution settings resumes the same run. The folder name puts the overrides in front of
+the hash so that people can read it. The data and the teacher are known only once the run looks at them: they
+enter the wandb id and group (with_data, with_teacher), and the run folder records them (identity.json), so a
+relaunch on other data or other teacher weights is refused rather than resumed or skipped (run.py, teacher.py).
+A transfer's wandb id and group carry its source run's data and teacher the same way (with_source, transfer.py). A
+run that does not distil carries no teacher: its identity is as if no `distill.teacher.*` key had been given.
+Which keys enter it is deit_ablate/config/keys.py's. Study rows are Hydra choices, not keys, so `run_identity` takes the
+choices too: Table 8's row enters the digest as the schema key it once was (keys.LEGACY_CHOICE_KEYS), which keeps
+the folders and wandb ids of runs from before it became a choice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from deit_ablate.config.keys import (
+    ADDED_KEYS,
+    NOT_EXPERIMENT,
+    NOT_IDENTITY,
+    TEACHER_KEYS,
+    TRANSFER_ONLY,
+    inherited_lr_rules,
+    is_default_leaf,
+    legacy_keys,
+    unused_teacher,
+)
+from deit_ablate.config.schema import preset_teacher
+from deit_ablate.config.stage_config import is_applied
+from deit_ablate.config.studies import study_names
+
+# What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
+FINETUNE_ONLY = ("finetune",)
+# Overrides that pick the stage of a run rather than the experiment it continues.
+STAGE_OVERRIDES = ("stage", "resolution")
+# What a transfer run sets that its source run never had: its study row and recipe (`transfer`, `transfer.*`) and
+# the keys that name the dataset it moves to. Other data overrides (the built-in set's size, the loader) stay.
+TRANSFER_OVERRIDES = (TRANSFER_ONLY,)
+TRANSFER_DATA_KEYS = ("data", "data.name", "data.root", "data.num_classes", "data.mean", "data.std",
+                      "data.builtin.classes")
+# What a shortened folder name keeps in front after the study rows (all studies, Table 8's first): the seed.
+KEPT_VISIBLE = ("seed",)
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9=,._+@-]+")
+_MAX_READABLE = 100
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Name (folder), wandb id, wandb group and experiment digest of a run; its teacher and a transfer's source,
+    once known; and, in a dry run, what its wandb id still waits for (`pending`: the id is not final)."""
+
+    name: str
+    run_id: str
+    group: str
+    digest: str
+    teacher: dict[str, Any] | None = field(default=None, hash=False)
+    source: dict[str, Any] | None = field(default=None, hash=False)
+    pending: str | None = field(default=None, hash=False, compare=False)
+
+
+def _short_hash(text: str, length: int = 8) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:length]
+
+
+def _pop(tree: dict[str, Any], dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        tree = tree.get(key)
+        if not isinstance(tree, dict):
+            return
+    tree.pop(leaf, None)
+
+
+def _leaf(tree: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
+def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The resolved experiment part of `cfg` as plain data (top-level keys in `drop` left out too); with Hydra's
+    group `choices`, also the legacy keys every digest carries (keys.legacy_keys: Table 8's row)."""
+    if is_applied(cfg):
+        raise ValueError("a run's identity is its composed config, not the config its stage runs (stage_config)")
+    out: dict[str, Any] = {}
+    for key in cfg:
+        if key in NOT_EXPERIMENT or key in drop:
+            continue
+        value = cfg[key]
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+        out[str(key)] = str(value) if hasattr(value, "value") else value  # an Enum leaf
+    distill = out.get("distill")
+    if isinstance(distill, dict) and unused_teacher(TEACHER_KEYS, distill.get("type")):
+        distill["teacher"] = preset_teacher(out.get("preset", "demo"))  # as if the run were given no teacher
+    for dotted in (*NOT_IDENTITY, *inherited_lr_rules(lambda key: _leaf(out, key))):
+        _pop(out, dotted)
+    for dotted in ADDED_KEYS:  # runs from before a key keep their identity while it holds its default
+        if is_default_leaf(dotted, _leaf(out, dotted)):
+            _pop(out, dotted)
+    if choices is not None:
+        out.update({k: v for k, v in legacy_keys(choices).items() if k not in drop})
+    return out
+
+
+def experiment_digest(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None) -> str:
+    """A short stable hash of the experiment part of `cfg` (see `experiment`)."""
+    return _short_hash(json.dumps(experiment(cfg, drop, choices), sort_keys=True, default=str), 10)
+
+
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].lstrip("+~")
+
+
+def _is_identity_override(item: str) -> bool:
+    """Overrides that name the experiment: not runtime/Hydra settings, the data's location or a permission."""
+    key = _override_key(item)
+    return not (key.split(".", 1)[0] in NOT_EXPERIMENT or key.startswith("hydra/") or key in NOT_IDENTITY
+                or item == "stage=pretrain")
+
+
+def _readable(item: str) -> str:
+    """One override as it reads in a folder name: paths shortened to their last part plus a hash."""
+    key, _, value = item.lstrip("+~").partition("=")
+    value = value.strip("'\"")
+    if "/" not in value:
+        return f"{key}={value}"
+    parts = key.split(".")
+    label = parts[-2] if parts[-1] == "checkpoint" and len(parts) > 1 else parts[-1]  # teacher=..., init_checkpoint=
+    return f"{label}={Path(value.rstrip('/')).name[:24]}@{_short_hash(value, 4)}"
+
+
+def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
+                       keep_visible: tuple[str, ...] | None = None) -> str:
+    """The experiment's overrides, sorted, comma-joined and folder-safe (empty when there are none); when too long,
+    those of `keep_visible` (default: the study rows, then the seed: they tell a sweep's runs apart) go first and
+    the rest is cut, marked by `~`."""
+    items = sorted(_readable(item) for item in overrides if _is_identity_override(item)
+                   and _override_key(item).split(".", 1)[0] not in drop_keys)
+    text = _UNSAFE.sub("_", ",".join(items))
+    if len(text) <= _MAX_READABLE:
+        return text
+    keep_visible = (*study_names(), *KEPT_VISIBLE) if keep_visible is None else keep_visible
+    first = [item for key in keep_visible for item in items if item.split("=", 1)[0] == key]
+    text = _UNSAFE.sub("_", ",".join(first + [item for item in items if item not in first]))
+    return f"{text[:_MAX_READABLE]}~"
+
+
+def _stage_drop(cfg: DictConfig) -> tuple[str, ...]:
+    """A run's identity leaves out the recipes of later stages, which it never uses: a pre-training both the
+    fine-tune and the transfer recipe, a fine-tune the transfer recipe. A transfer keeps the fine-tune recipe, which
+    names its source run."""
+    stage = str(cfg.stage)
+    if stage == "pretrain":
+        return (*FINETUNE_ONLY, TRANSFER_ONLY)
+    return (TRANSFER_ONLY,) if stage == "finetune" else ()
+
+
+def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, Any]) -> RunIdentity:
+    """The identity of the run `cfg` describes, launched with `overrides` (Hydra's task overrides), whose group
+    options are `choices` (Hydra's `runtime.choices`; see `composed_choices`). A run that does not distil is named
+    without the teacher overrides a sweep gave it (keys.TEACHER_KEYS)."""
+    drop = _stage_drop(cfg)
+    distill_type = cfg.distill.type if "distill" in cfg else None
+    overrides = [item for item in overrides if not unused_teacher(_override_key(item), distill_type)]
+    digest = experiment_digest(cfg, drop, choices)
+    name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
+    # groups keep the names they had (no key put first), so the seeds of one setting stay in one wandb group
+    group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop, ()) or "default"
+    group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',), choices)}"
+    # The wandb id follows the experiment, not the spelling of its overrides (ablation=baseline = no override).
+    return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)
+
+
+def composed_choices(cfg: DictConfig) -> dict[str, Any]:
+    """The group options of a config composed with Hydra's node (`compose(..., return_hydra_config=True)`, or the
+    `_root_` of a resolver); a ValueError for a config without it, whose study rows are unknown."""
+    if "hydra" not in cfg:
+        raise ValueError("the config has no `hydra` node, so its study rows (Hydra's choices) are unknown: compose it "
+                         "with return_hydra_config=True")
+    return dict(OmegaConf.to_container(cfg.hydra.runtime.choices, resolve=False))
+
+
+def with_data(identity: RunIdentity, data: dict[str, Any]) -> RunIdentity:
+    """The identity once its data is known: the wandb id and group carry the data's fingerprint too, so the same
+    settings on two datasets (under two output roots) never write to one wandb run."""
+    digest = str(data.get("digest", ""))
+    return replace(identity, run_id=_short_hash(f"{identity.digest}:{digest}", 16),
+                   group=f"{identity.group}@{digest[:6]}" if digest else identity.group)
+
+
+def with_teacher(identity: RunIdentity, teacher: dict[str, Any] | None,
+                 recorded: dict[str, Any] | None = None) -> RunIdentity:
+    """The identity once its teacher is known (None: no distillation): the wandb id and group carry the digest of
+    the teacher's weights, so students of other teacher weights never write to one wandb run. A run folder whose
+    identity.json (`recorded`) predates teacher records keeps the wandb id it has."""
+    if teacher is None:
+        return identity
+    if recorded is not None and "teacher" not in recorded:
+        return replace(identity, teacher=teacher)
+    digest = str(teacher["digest"])
+    return replace(identity, run_id=_short_hash(f"{identity.run_id}:teacher:{digest}", 16),
+                   group=f"{identity.group}+t{digest[:6]}", teacher=teacher)
+
+
+def with_source(identity: RunIdentity, source: dict[str, Any] | None,
+                recorded: dict[str, Any] | None = None) -> RunIdentity:
+    """A transfer's identity once its source run is known (`source`: its folder, data fingerprint and teacher
+    weights digest, transfer.source_identity; None: no source run): the wandb id and group carry the source's data
+    and teacher, so transfers of sources trained on other data or distilled from other teacher weights never write
+    to one wandb run. A run folder whose identity.json (`recorded`) predates source records keeps its wandb id."""
+    if source is None:
+        return identity
+    if recorded is not None and "source" not in recorded:
+        return replace(identity, source=source)
+    key = f"{source['data']}:{source['teacher'] or ''}"
+    return replace(identity, run_id=_short_hash(f"{identity.run_id}:source:{key}", 16),
+                   group=f"{identity.group}+s{_short_hash(key, 6)}", source=source)
+
+
+def folder_name(identity: RunIdentity, runs_root: Path) -> str:
+    """The run's folder under `runs_root`: the one already holding its experiment, whatever overrides named it
+    then, else `identity.name`."""
+    existing = sorted(runs_root.glob(f"*-{identity.digest}")) if runs_root.is_dir() else []
+    return existing[0].name if existing else identity.name
+
+
+def train_command(overrides: list[str]) -> str:
+    """The command line that trains the run of `overrides`."""
+    return " ".join(["python train.py", *(shlex.quote(item) for item in overrides)])
+
+
+def pretrain_overrides(overrides: list[str]) -> list[str]:
+    """The overrides of the pre-training run that a fine-tune launched with `overrides` continues."""
+    return [item for item in overrides
+            if _override_key(item) not in STAGE_OVERRIDES and _override_key(item).split(".", 1)[0] != "finetune"]
+
+
+def transfer_source_overrides(overrides: list[str], source_stage: str) -> list[str]:
+    """The overrides of the run that a transfer launched with `overrides` fine-tunes on its new data: the same
+    without the stage, resolution, the transfer row and recipe and the new dataset's keys, at `source_stage`."""
+    kept = [item for item in overrides if _override_key(item) not in (*STAGE_OVERRIDES, *TRANSFER_DATA_KEYS)
+            and _override_key(item).split(".", 1)[0] not in TRANSFER_OVERRIDES]
+    return kept if source_stage == "pretrain" else [f"stage={source_stage}", *kept]
+
+
+def swap_overrides(overrides: list[str], choice: str, drop_keys: tuple[str, ...] = ()) -> list[str]:
+    """`overrides` with `choice` (`group=option`) in place of that group's own, and without those of `drop_keys`."""
+    group = _override_key(choice)
+    return [choice, *(item for item in overrides if _override_key(item) not in (group, *drop_keys))]
+
+
+def task_overrides() -> list[str]:
+    """The running Hydra job's overrides (empty outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def current_run_dir() -> Path:
+    """The folder Hydra gave the running job (the current directory outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
+
+
+def task_choices() -> dict[str, Any]:
+    """The running Hydra job's group options (empty outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return dict(OmegaConf.to_container(HydraConfig.get().runtime.choices)) if HydraConfig.initialized() else {}

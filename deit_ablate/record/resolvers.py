@@ -1,0 +1,63 @@
+"""The config resolvers Hydra's configs use: `${run_name:}`, the run's folder name (its identity), and
+`${at_scale:PAPER,DEMO}`, how a study's row gives a number at both scales, and `${at_stage:PRETRAIN,FINETUNE}`, how
+a row gives a number for each stage."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from deit_ablate.config.schema import compose_run_config
+from deit_ablate.record.identity import RunIdentity, composed_choices, folder_name, run_identity
+from deit_ablate.record.rundir import RunDir, runs_root
+
+# folder name and overrides -> the identity the ${run_name:} resolver computed for it in this process
+_named: dict[tuple[str, tuple[str, ...]], RunIdentity] = {}
+
+
+def folder_identity(cfg: DictConfig, folder: str, overrides: list[str], choices: Mapping[str, Any]) -> RunIdentity:
+    """The identity of the run whose folder is `folder`: the one the resolver computed when Hydra named the folder
+    (once per launch), else computed now."""
+    identity = _named.get((folder, tuple(overrides))) or run_identity(cfg, overrides, choices)
+    return replace(identity, name=folder)
+
+
+def _run_name_resolver(*, _root_: DictConfig) -> str:
+    hydra = "hydra" in _root_
+    overrides = list(_root_.hydra.overrides.task) if hydra else []
+    identity = run_identity(_root_, overrides, composed_choices(_root_) if hydra else {})
+    name = folder_name(identity, runs_root(_root_.runtime.output_root))
+    _named[(name, tuple(overrides))] = identity
+    return name
+
+
+def _at_scale_resolver(paper: Any, demo: Any, *, _root_: DictConfig) -> Any:
+    return demo if _root_.get("preset") == "demo" else paper
+
+
+def _at_stage_resolver(pretrain: Any, finetune: Any, *, _root_: DictConfig) -> Any:
+    return pretrain if _root_.get("stage") == "pretrain" else finetune  # a transfer continues a fine-tuned model
+
+
+def run_dir_of(overrides: list[str], output_root: str | Path, cfg: DictConfig | None = None) -> RunDir:
+    """The folder of the run `python train.py <overrides>` trains (its config `cfg`, when already composed), named
+    as Hydra names it: how a run finds the run it starts from."""
+    cfg = compose_run_config(overrides) if cfg is None else cfg
+    identity = run_identity(cfg, overrides, composed_choices(cfg))
+    return RunDir.under(output_root, folder_name(identity, runs_root(output_root)))
+
+
+def register_resolvers() -> None:
+    """Make `${run_name:}` (the run's folder name, from the whole config), `${at_scale:PAPER,DEMO}` (the first
+    value, or the second under `preset=demo`: how a study's rows give a number at both scales) and
+    `${at_stage:PRETRAIN,FINETUNE}` (the second at every stage after pre-training) available."""
+    if not OmegaConf.has_resolver("run_name"):
+        OmegaConf.register_new_resolver("run_name", _run_name_resolver)
+    if not OmegaConf.has_resolver("at_scale"):
+        OmegaConf.register_new_resolver("at_scale", _at_scale_resolver)
+    if not OmegaConf.has_resolver("at_stage"):  # a row's resolution per stage (conf/deit3/res_*.yaml)
+        OmegaConf.register_new_resolver("at_stage", _at_stage_resolver)

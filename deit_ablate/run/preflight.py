@@ -1,0 +1,98 @@
+"""What a launch does before Hydra writes anything: every check (validate_launch), and the whole dry run.
+
+Hydra makes a run's folder and writes its `.hydra/` files there before it calls train.py's main, and a sweep first
+writes `runs/multirun.yaml`; so a refused launch used to leave folders behind, and a dry run rewrote the `.hydra/`
+files of finished runs. The checks and the dry run therefore come first: in the callback below for one run
+(conf/config.yaml registers it), in the sweeper (hydra_plugins/deit_ablate_launcher/sweeper.py) for `-m`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+def refuse(error: Exception, where: str = "") -> NoReturn:
+    """Stop the launch with one line on stderr and exit status 2."""
+    print(f"\nerror: {error}{where}\n", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_launch(cfg: DictConfig, world_size: int | None = None, where: str = "") -> None:
+    """validate_launch, or one line and exit status 2 (`where` names the run of a sweep)."""
+    from deit_ablate.core.errors import ConfigError, no_access
+    from deit_ablate.run.validate import validate_launch
+
+    try:
+        validate_launch(cfg, world_size)
+    except ConfigError as error:
+        refuse(error, where)
+    except PermissionError as error:  # a teacher run or data folder this user may not read
+        refuse(no_access(error), where)
+
+
+def check_teacher_trained(cfg: DictConfig) -> None:
+    """A single launch of a chained student (distill.teacher.chain) whose teacher run has not finished: one line
+    naming the command that trains it, and exit status 2 (a sweep trains it first instead)."""
+    from deit_ablate.core.errors import ConfigError, no_access
+    from deit_ablate.run.stages import finished_teacher_run
+
+    try:
+        finished_teacher_run(cfg, list(cfg.hydra.overrides.task))
+    except ConfigError as error:
+        refuse(error)
+    except PermissionError as error:
+        refuse(no_access(error))
+
+
+def sweep_run_dir(cfg: DictConfig) -> Path:
+    """The folder of a run composed by a sweep (its config holds Hydra's node)."""
+    return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+
+
+def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None:
+    """Print the dry run's line for each run (its Hydra node as composed); nothing is written."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from deit_ablate.core.distributed import DistInfo
+    from deit_ablate.core.errors import ConfigError, RunError, no_access
+    from deit_ablate.record.rundir import RunDir
+    from deit_ablate.run.lifecycle import dry_run_line
+    from deit_ablate.run.plan import make_plan
+
+    configure_job_log(configs[0])
+    saved = HydraConfig.instance().cfg
+    try:
+        for cfg, run_dir in zip(configs, run_dirs, strict=True):
+            HydraConfig.instance().set_config(cfg)  # as Hydra's run_job does: stages.py reads the overrides there
+            plan = make_plan(cfg, DistInfo(), RunDir(run_dir), list(cfg.hydra.overrides.task))
+            print(dry_run_line(plan), flush=True)
+    except (ConfigError, RunError) as error:
+        refuse(error)
+    except PermissionError as error:
+        refuse(no_access(error))
+    finally:
+        HydraConfig.instance().cfg = saved
+
+
+def configure_job_log(cfg: DictConfig) -> None:
+    """The run's console logging (conf/hydra/job_logging), which Hydra sets up only once it runs a job."""
+    from hydra.core.utils import configure_log
+
+    configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
+
+
+class Preflight(Callback):
+    """Check a single run before Hydra makes its folder; plan a dry run and stop there, writing nothing."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_launch(config)
+        if config.runtime.dry_run:
+            print_plans([config], [Path(str(config.hydra.run.dir))])
+            sys.exit(0)
+        check_teacher_trained(config)

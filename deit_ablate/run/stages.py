@@ -1,0 +1,346 @@
+"""The stages of a run: pre-training from scratch, then fine-tuning at a higher resolution (Table 8), and Table 7's
+transfer to another dataset; and the runs a run starts from: a fine-tune's pre-training, a transfer's source run
+(transfer.py), the LayerScale run whose learned diagonal CaiT's control fixes, or the teacher run a chained student
+distils from (Table 2, distill.teacher.chain)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from deit_ablate.config.schema import CONF_DIR, DistillKind, Stage, compose_run_config
+from deit_ablate.config.stage_config import STAGE_BLOCKS, stage_config
+from deit_ablate.config.studies import study_names
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.record import checkpoint as ckpt
+from deit_ablate.record.identity import pretrain_overrides, swap_overrides, task_overrides, train_command
+from deit_ablate.record.resolvers import run_dir_of
+from deit_ablate.record.rundir import LAST, RUNS, RunDir
+from deit_ablate.run.transfer import SOURCE_ROLE, source_overrides, source_run_dir
+from deit_ablate.train.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
+from deit_ablate.train.models import resize_pos_embed_state
+
+
+@dataclass(frozen=True)
+class StageRecipe:
+    """The batch, optimizer settings and length of this stage, and the weights it starts from."""
+
+    global_batch: int
+    optimizer: str
+    lr: float  # per lr_base_batch images
+    weight_decay: float
+    epochs: int
+    warmup_epochs: float
+    warmup_lr: float
+    min_lr: float
+    lr_base_batch: int = 512  # lr is per this many images: the stage's own rule
+    train_mode: bool = True  # False: the model stays in eval mode while it trains (DeiT's fine-tune)
+    init_checkpoint: Path | None = None
+
+
+def stage_distils(cfg: DictConfig) -> bool:
+    """Whether this stage learns from a teacher: a distillation kind is set and the stage is not a transfer (its
+    source's teacher knows other classes; there the distill keys only name the source run)."""
+    return cfg.distill.type != DistillKind.none and cfg.stage != Stage.transfer
+
+
+def _stage_key(cfg: DictConfig, key: str) -> str:
+    """The key that sets the run's `train.<key>` in this stage: its block's, when that one is set."""
+    block = STAGE_BLOCKS.get(str(cfg.stage))
+    return f"{block}.{key}" if block is not None and cfg[block].get(key) is not None else f"train.{key}"
+
+
+def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
+    """This stage's global batch and the key that sets it (finetune.global_batch, else train.global_batch)."""
+    return stage_config(cfg).train.global_batch, _stage_key(cfg, "global_batch")
+
+
+def stage_micro_batch(cfg: DictConfig) -> tuple[int, str]:
+    """This stage's micro-batch and the key that sets it (finetune.micro_batch in a fine-tune, transfer.micro_batch
+    in a transfer unless it is unset, else train.micro_batch)."""
+    return stage_config(cfg).train.micro_batch, _stage_key(cfg, "micro_batch")
+
+
+def upstream_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the run this stage starts from: a fine-tune's pre-training or a transfer's source (None for a
+    pre-training, or a stage started from an init_checkpoint)."""
+    if cfg.stage == Stage.transfer:
+        return source_run_dir(cfg, overrides)
+    return pretrain_run_dir(cfg, overrides)
+
+
+def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the pre-training run a fine-tune stage starts from (None for a pre-training, or a fine-tune of
+    finetune.init_checkpoint): the run of the same overrides without the stage, resolution and finetune.* ones
+    (which never change a pre-training), composed as Hydra would."""
+    if cfg.stage != Stage.finetune or cfg.finetune.init_checkpoint:
+        return None
+    return run_dir_of(pretrain_overrides(task_overrides() if overrides is None else overrides), cfg.runtime.output_root)
+
+
+def upstream_status(cfg: DictConfig, upstream: RunDir | None) -> str:
+    """How the run this stage starts from ended ("finished", "diverged", ...): a fine-tune's pre-training `upstream`
+    or a transfer's source, or the stage's init_checkpoint (finished when the file exists); a ConfigError if it has
+    not finished."""
+    stage = "transfer" if cfg.stage == Stage.transfer else "finetune"
+    if cfg[stage].init_checkpoint:
+        path = Path(cfg[stage].init_checkpoint).expanduser()
+        if not path.is_file():
+            written_by = "a finished run" if stage == "transfer" else "a pre-training run"
+            raise ConfigError(f"{stage}.init_checkpoint={path} does not exist. Point it at a checkpoint written by "
+                              f"{written_by} (outputs/{RUNS}/<run>/{LAST}).")
+        return "finished"
+    result = upstream.read_result()
+    if result is None:
+        raise ConfigError(_not_finished(cfg, upstream))
+    return result["status"]
+
+
+def _not_finished(cfg: DictConfig, upstream: RunDir) -> str:
+    """What to do when the run this stage starts from has not finished: train it first, or sweep both."""
+    if cfg.stage == Stage.transfer:
+        return (f"stage=transfer starts from the run '{upstream.name}', which has not finished ({upstream.result} is "
+                f"missing). Train it first: {train_command(source_overrides(cfg) or [])}; or sweep both in one command "
+                "(on SLURM the transfer waits for it), or set transfer.init_checkpoint=/path/to/ckpt.pt.")
+    return (f"stage=finetune starts from the pre-training run '{upstream.name}', which has not finished "
+            f"({upstream.result} is missing). Run the pre-training first (the same command without stage=finetune), "
+            "sweep both stages in one command (stage=pretrain,finetune, pre-training listed first), or set "
+            "finetune.init_checkpoint=/path/to/checkpoint.pt.")
+
+
+def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe:
+    """The stage's `optimizer` and `train` as it runs them (stage_config.py: a fine-tune's are the `finetune` block's,
+    Table 8's second column; a transfer's the `transfer` block's, Table 7 and facebookresearch/deit issue #45), a
+    later stage starting from its init_checkpoint, else from the last checkpoint of the run it starts from,
+    `upstream`."""
+    applied = stage_config(cfg)
+    opt, train = applied.optimizer, applied.train
+    if cfg.stage == Stage.pretrain:
+        return StageRecipe(train.global_batch, opt.name, opt.lr, opt.weight_decay, train.epochs, opt.warmup_epochs,
+                           opt.warmup_lr, opt.min_lr, opt.lr_base_batch)
+    block = cfg.transfer if cfg.stage == Stage.transfer else cfg.finetune
+    if block.init_checkpoint:
+        init = Path(block.init_checkpoint).expanduser()
+    else:
+        init = (upstream or upstream_run_dir(cfg)).last_checkpoint
+    # a transfer trains in train mode, like a pre-training; a fine-tune as finetune.train_mode says
+    train_mode = cfg.stage == Stage.transfer or block.train_mode
+    return StageRecipe(train.global_batch, opt.name, opt.lr, opt.weight_decay, train.epochs, opt.warmup_epochs,
+                       opt.warmup_lr, opt.min_lr, opt.lr_base_batch, train_mode=train_mode, init_checkpoint=init)
+
+
+def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights a pre-training run ended with: its EMA's when it kept one (the `ema` row's result)."""
+    source = f"The pre-trained checkpoint {path}"
+    if Path(path).suffix == ".safetensors":
+        return ckpt.read_weights(path, source=source)
+    state = ckpt.load(path, source)  # read once: a paper-scale checkpoint is about a gigabyte
+    if isinstance(state, dict) and isinstance(state.get("ema"), dict):
+        state = {"model": state["ema"]}
+    return ckpt.extract_state_dict(state, source=source)
+
+
+def load_pretrained(model: torch.nn.Module, path: str | Path) -> None:
+    """Load pre-trained weights into `model`, resizing the position embeddings to its grid."""
+    model.load_state_dict(resize_pos_embed_state(pretrained_weights(path), model))
+
+
+def classifier_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """The module names of `model`'s classification head(s): `head`, and `head_dist` on a distilled DeiT."""
+    heads = model.get_classifier()
+    heads = heads if isinstance(heads, tuple) else (heads,)
+    return tuple(name for name, module in model.named_modules() if name and any(module is h for h in heads))
+
+
+def load_backbone(model: torch.nn.Module, path: str | Path) -> tuple[str, ...]:
+    """Load pre-trained weights into `model` but for its classification head(s), which stay newly initialised for
+    the new classes (a transfer); position embeddings resized to its grid. Returns the heads' names."""
+    heads = classifier_names(model)
+    state = {key: value for key, value in pretrained_weights(path).items()
+             if not any(key.startswith(head + ".") for head in heads)}
+    missing, unexpected = model.load_state_dict(resize_pos_embed_state(state, model), strict=False)
+    not_heads = [key for key in missing if not any(key.startswith(head + ".") for head in heads)]
+    if not_heads or unexpected:
+        raise ConfigError(f"the checkpoint {path} is another architecture than this transfer's model: missing "
+                          f"{not_heads[:5]}, unexpected {unexpected[:5]}. Transfer with the source run's model.")
+    return heads
+
+
+# The study whose rows model.kwargs.layer_scale_from names, and the keys of the row that fixes a learned diagonal
+# (left out of the overrides of the run it takes the diagonal from).
+LAYER_SCALE_GROUP = "cait"
+LAYER_SCALE_KEYS = ("model.kwargs.layer_scale_from", "model.kwargs.layer_scale_learned")
+
+
+def layer_scale_row(cfg: DictConfig) -> str | None:
+    """The row of the cait study named by model.kwargs.layer_scale_from (None when unset); a ConfigError if there
+    is no such row."""
+    row = cfg.model.kwargs.get("layer_scale_from")
+    if row is None:
+        return None
+    if not (CONF_DIR / LAYER_SCALE_GROUP / f"{row}.yaml").is_file():
+        rows = sorted(p.stem for p in (CONF_DIR / LAYER_SCALE_GROUP).glob("depth*_layerscale.yaml"))
+        raise ConfigError(f"model.kwargs.layer_scale_from={row} is not a row of the {LAYER_SCALE_GROUP} study "
+                          f"(conf/{LAYER_SCALE_GROUP}/). Name a row that learns LayerScale: {', '.join(rows)}.")
+    return str(row)
+
+
+def layer_scale_source_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
+    """The overrides of the LayerScale run this run takes its diagonal from (None when it takes none). A
+    fine-tune takes none: its pre-trained weights hold the diagonal its pre-training fixed."""
+    row = layer_scale_row(cfg)
+    if row is None or cfg.stage != Stage.pretrain:
+        return None
+    # the same overrides with cait=<row>, without the fixing row's own keys
+    return swap_overrides(task_overrides() if overrides is None else overrides, f"{LAYER_SCALE_GROUP}={row}",
+                          LAYER_SCALE_KEYS)
+
+
+def upstream_overrides(cfg: DictConfig, overrides: list[str]) -> list[str] | None:
+    """The overrides of the run that a run launched with `overrides` starts from, which a sweep must train first: a
+    fine-tune's pre-training, the teacher run a chained student distils from, or the LayerScale run whose diagonal a
+    pre-training fixes (None: no such run)."""
+    if cfg.stage == Stage.finetune:
+        return pretrain_overrides(overrides)
+    if cfg.stage == Stage.transfer:
+        return source_overrides(cfg, overrides)
+    if chained_teacher(cfg) is not None:
+        return teacher_run_overrides(cfg, overrides)
+    return layer_scale_source_overrides(cfg, overrides)
+
+
+def upstream_role(cfg: DictConfig) -> str:
+    """What the run that `cfg` starts from is to it, in words ("its pre-training"), for logs and plans."""
+    if cfg.stage == Stage.finetune:
+        return "its pre-training"
+    if cfg.stage == Stage.transfer:
+        return SOURCE_ROLE
+    if chained_teacher(cfg) is not None:
+        return "its teacher run"
+    return "its LayerScale run"
+
+
+# The overrides a teacher run leaves out besides every study row (Table 2's, Table 5's ⚗ rows): the student's
+# distillation and its model's keys (the teacher is conf/model/<chain>.yaml as it stands, with the DeiT recipe).
+CHAIN_DROPPED = ("distill", "model")
+
+
+def chained_teacher(cfg: DictConfig) -> str | None:
+    """The model option of the teacher this run trains first (distill.teacher.chain), or None; a ConfigError when
+    conf/model/ has no such option."""
+    chain = cfg.distill.teacher.get("chain")
+    if chain is None or cfg.stage == Stage.transfer:  # a transfer distils from no teacher (transfer.py)
+        return None
+    if not (CONF_DIR / "model" / f"{chain}.yaml").is_file():
+        options = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise ConfigError(f"distill.teacher.chain={chain} is not a model option (conf/model/). Name one of: "
+                          f"{', '.join(options)}.")
+    return str(chain)
+
+
+def teacher_run_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
+    """The overrides of the teacher run a chained student distils from (None when distill.teacher.chain is unset):
+    the student's pre-training overrides without study rows, distill.* and model.* ones, plus model=<chain> and
+    distill.teacher.kwargs as its model.kwargs (Table 2's demo CNNs of three sizes): the run
+    `python train.py model=<chain> ...` trains, with the DeiT recipe (as DeiT trained its RegNetY-16GF)."""
+    chain = chained_teacher(cfg)
+    if chain is None:
+        return None
+    kept = pretrain_overrides(task_overrides() if overrides is None else overrides)
+    dropped = (*CHAIN_DROPPED, *study_names())
+    kwargs = cfg.distill.teacher.kwargs  # an interpolation (a row's ${at_scale:...}) resolves to a plain dict
+    kwargs = OmegaConf.to_container(kwargs, resolve=True) if OmegaConf.is_config(kwargs) else dict(kwargs)
+    sized = [f"++model.kwargs.{key}={json.dumps(value, separators=(',', ':'))}"
+             for key, value in sorted(kwargs.items())]
+    return [f"model={chain}", *sized, *(item for item in kept if _override_group(item) not in dropped)]
+
+
+def _override_group(item: str) -> str:
+    """The top-level key or group an override sets (`distill` for `distill.alpha=0.5` and `distill=hard`)."""
+    return item.split("=", 1)[0].lstrip("+~").split(".", 1)[0]
+
+
+def teacher_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the teacher run a chained student distils from (None when distill.teacher.chain is unset)."""
+    teacher_overrides = teacher_run_overrides(cfg, overrides)
+    return None if teacher_overrides is None else run_dir_of(teacher_overrides, cfg.runtime.output_root)
+
+
+def finished_teacher_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The finished teacher run a chained student distils from (None when unchained); a ConfigError naming it and
+    the command that trains it when it has not finished."""
+    source = teacher_run_dir(cfg, overrides)
+    if source is None:
+        return None
+    return require_finished(
+        source, f"distils from the teacher run '{source.name}' (distill.teacher.chain={chained_teacher(cfg)})",
+        train_command(teacher_run_overrides(cfg, overrides)),
+        "or sweep the student with -m (the sweep trains its teacher run first; on SLURM the student waits for it).")
+
+
+def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The folder of the LayerScale run whose learned diagonal this run fixes (CaiT appendix A's control): the run
+    of the same overrides with `cait=<model.kwargs.layer_scale_from>`, composed as Hydra would; None when unset."""
+    source_overrides = layer_scale_source_overrides(cfg, overrides)
+    if source_overrides is None:
+        return None
+    upstream = compose_run_config(source_overrides)
+    kwargs = upstream.model.kwargs
+    if not kwargs.get("init_values") or kwargs.get("layer_scale_from") or kwargs.get("layer_scale_learned") is False:
+        raise ConfigError(f"model.kwargs.layer_scale_from={cfg.model.kwargs.layer_scale_from}: that row does not learn "
+                          "LayerScale from ε (its model.kwargs.init_values is unset, or its diagonal is fixed). Name a "
+                          "row that learns it, e.g. depth18_layerscale.")
+    return run_dir_of(source_overrides, cfg.runtime.output_root, upstream)
+
+
+def require_finished(source: RunDir, needs: str, command: str, alternative: str) -> RunDir:
+    """`source` when it finished; else a ConfigError saying what this run `needs` it for, how it ended and the
+    command that trains it (or the `alternative`)."""
+    result = source.read_result()
+    if result is None or result["status"] != "finished":
+        state = "has not finished" if result is None else f"ended as {result['status']}"
+        raise ConfigError(f"this run {needs}, which {state} ({source.result}). Train it first: {command}; "
+                          f"{alternative}")
+    return source
+
+
+def _require_layer_scale_run(cfg: DictConfig, source: RunDir, overrides: list[str] | None) -> RunDir:
+    """`source` when that LayerScale run finished; else a ConfigError naming it and the command that trains it."""
+    return require_finished(
+        source, f"fixes the LayerScale diagonal at the values the run '{source.name}' learned (model.kwargs."
+        f"layer_scale_from={layer_scale_row(cfg)}, CaiT appendix A)",
+        train_command(layer_scale_source_overrides(cfg, overrides) or []),
+        "or sweep both in one command, that row listed first (on SLURM the run waits for it).")
+
+
+def finished_layer_scale_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+    """The finished LayerScale run whose diagonal this run fixes (None when it fixes none); a ConfigError naming
+    it and the command that trains it when it has not finished."""
+    source = layer_scale_run_dir(cfg, overrides)
+    return None if source is None else _require_layer_scale_run(cfg, source, overrides)
+
+
+def check_layer_scale_run(cfg: DictConfig, source: RunDir, data_digest: str | None,
+                          overrides: list[str] | None = None) -> None:
+    """A ConfigError, before anything trains, when the LayerScale run `source` (`layer_scale_run_dir`) has not
+    finished, or trained on other data than `data_digest`."""
+    _require_layer_scale_run(cfg, source, overrides)
+    recorded = (source.recorded_data() or {}).get("digest")
+    if recorded is not None and recorded != data_digest:
+        raise ConfigError(f"the LayerScale run '{source.name}' was trained on other data than this run's; train it on "
+                          "this data first, under another output folder (runtime.output_root=...).")
+
+
+def fix_layer_scale(model: torch.nn.Module, source: RunDir | None) -> dict[str, str] | None:
+    """Set `model`'s LayerScale diagonal to the one the finished LayerScale run `source` ended with (the plan's,
+    checked by `check_layer_scale_run`); that run's name and the diagonal's digest (None without a source). A
+    ConfigError when its checkpoint is another architecture."""
+    if source is None:
+        return None
+    values = layer_scale_values(pretrained_weights(source.last_checkpoint))
+    set_layer_scale(model, values, f"the checkpoint of the LayerScale run '{source.name}' ({source.last_checkpoint})")
+    return {"run": source.name, "digest": layer_scale_digest(values)}

@@ -1,0 +1,1 @@
+"""The computation: models, losses, optimizers, SAM, the training step and the evaluation."""

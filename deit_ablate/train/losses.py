@@ -1,0 +1,159 @@
+"""Knowledge distillation for DeiT: the losses and the late fusion of the two heads (teachers: teacher.py).
+
+Where each constant comes from (Touvron et al. 2021, "Training data-efficient image transformers"):
+
+* ``soft`` / ``soft_token``: the paper's Eq. 2,
+  ``(1 - lambda) * CE(label) + lambda * tau^2 * KL(teacher || student)``, with ``lambda = 0.1`` and
+  ``tau = 3`` (the values of the paper's soft-distillation runs).
+* ``hard`` / ``hard_token``: the paper's Eq. 3, one half on the true label and one half on the teacher's
+  arg-max label; the released DeiT code writes this as ``alpha = 0.5`` with
+  ``base * (1 - alpha) + teacher_term * alpha``, which is the form used here for every kind.
+  The teacher's label is never label-smoothed (paper and released code); only the class term is.
+* KL direction: ``sum p_t * (log p_t - log p_s)`` on ``softmax(z / tau)``, i.e. KL(teacher || student),
+  which is what the released code computes.
+* KL normalization: the released code sums the KL over images and classes and divides by the number of
+  elements ``B * K`` ("elements", the default here, faithful to the code); the textbook per-image form divides
+  by ``B`` only ("batch"), which is K times larger. Both are multiplied by ``tau^2``.
+* Inference: the paper fuses the heads by averaging their softmax outputs ("prob"); the released code, and
+  timm's ``VisionTransformerDistilled`` in eval mode, average the logits ("logit"). Both are reported.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deit_ablate.config.schema import DistillKind, FusionRule, KLNormalization
+from deit_ablate.core.errors import ConfigError
+
+TOKEN_KINDS = (DistillKind.hard_token, DistillKind.soft_token)
+SOFT_KINDS = ("soft", "soft_token")
+
+StudentOutputs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
+    """Upcast half-precision (autocast) logits to float32; float32/float64 stay as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def kl_teacher_student(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float, normalization: str = "elements"
+) -> torch.Tensor:
+    """tau^2 * KL(softmax(teacher/tau) || softmax(student/tau)), normalized per element or per image."""
+    normalization = KLNormalization(normalization)
+    log_p_s = F.log_softmax(_at_least_f32(student_logits) / tau, dim=-1)
+    log_p_t = F.log_softmax(_at_least_f32(teacher_logits) / tau, dim=-1)
+    total = F.kl_div(log_p_s, log_p_t, reduction="sum", log_target=True)
+    denom = student_logits.numel() if normalization == "elements" else student_logits.shape[0]
+    return total * (tau * tau) / denom
+
+
+class DistillationLoss(nn.Module):
+    """The DeiT training loss for every distillation kind: ``(1 - alpha) * base + alpha * teacher_term``."""
+
+    def __init__(
+        self,
+        base_criterion: nn.Module,
+        kind: str,
+        alpha: float,
+        tau: float,
+        kl_normalization: str = "elements",
+    ) -> None:
+        """Store the class-head criterion and the teacher term's kind, weight and temperature (the config's
+        schema holds the allowed kinds and ranges; conf/distill/*.yaml the paper's values)."""
+        super().__init__()
+        self.base_criterion = base_criterion
+        self.kind = DistillKind(kind)
+        self.alpha = float(alpha)
+        self.tau = float(tau)
+        self.kl_normalization = KLNormalization(kl_normalization)
+
+    def extra_repr(self) -> str:
+        """Show the settings in the module's repr."""
+        return (
+            f"kind={self.kind}, alpha={self.alpha}, tau={self.tau}, kl_normalization={self.kl_normalization}"
+        )
+
+    def _heads(self, outputs: StudentOutputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (class-head logits, logits that receive the teacher term) for this kind."""
+        if isinstance(outputs, (tuple, list)):
+            if len(outputs) != 2:
+                raise ValueError(
+                    f"Expected the student to return logits or a (cls_logits, dist_logits) pair, got a "
+                    f"{type(outputs).__name__} of length {len(outputs)}."
+                )
+            cls_logits, dist_logits = outputs
+            if self.kind in TOKEN_KINDS:
+                return cls_logits, dist_logits
+            # Non-token kinds put every term on the class head; the distillation head is left untrained.
+            return cls_logits, cls_logits
+        if self.kind in TOKEN_KINDS:
+            raise ConfigError(
+                f"distill={self.kind} trains a distillation token, but the student returned a single logits "
+                "tensor (no distillation head). Use a `*_distilled_*` model (e.g. model=deit_tiny_distilled) "
+                "and call `model.set_distilled_training(True)` so that it returns (cls_logits, dist_logits) "
+                "in train mode; or use distill=hard / distill=soft to distil into the class head."
+            )
+        return outputs, outputs
+
+    def forward(
+        self, student_outputs: StudentOutputs, teacher_logits: torch.Tensor | None, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """Loss for one batch; ``targets`` are whatever ``base_criterion`` takes (integer or Mixup soft)."""
+        cls_logits, kd_logits = self._heads(student_outputs)
+        base = self.base_criterion(cls_logits, targets)
+        if self.kind == DistillKind.none:
+            return base
+        if teacher_logits is None:
+            raise ValueError(
+                f"distill={self.kind} needs the teacher's logits on the same (augmented, mixed) batch; "
+                "got None."
+            )
+        teacher_logits = teacher_logits.detach()
+        if teacher_logits.shape != kd_logits.shape:
+            raise ValueError(
+                f"Teacher logits have shape {tuple(teacher_logits.shape)} but the student's are "
+                f"{tuple(kd_logits.shape)}; teacher and student must predict the same classes."
+            )
+        if self.kind in SOFT_KINDS:
+            teacher_term = kl_teacher_student(kd_logits, teacher_logits, self.tau, self.kl_normalization)
+        else:
+            # The teacher's arg-max label, with no label smoothing (DeiT Eq. 3).
+            teacher_term = F.cross_entropy(_at_least_f32(kd_logits), teacher_logits.argmax(dim=-1))
+        return base * (1.0 - self.alpha) + teacher_term * self.alpha
+
+
+def fuse_predictions(cls_logits: torch.Tensor, dist_logits: torch.Tensor, rule: str = "prob") -> torch.Tensor:
+    """Late fusion of the two heads: "prob" = mean of softmaxes (paper), "logit" = mean of logits (code)."""
+    if FusionRule(rule) == FusionRule.prob:
+        return (_at_least_f32(cls_logits).softmax(dim=-1) + _at_least_f32(dist_logits).softmax(dim=-1)) / 2
+    return (_at_least_f32(cls_logits) + _at_least_f32(dist_logits)) / 2
+
+
+def distilled_eval_outputs(
+    cls_logits: torch.Tensor, dist_logits: torch.Tensor, rule: str = "prob"
+) -> dict[str, torch.Tensor]:
+    """Per-head scores for evaluation: "cls", "dist", "fused" (by ``rule``), "fused_alt" (the other rule)."""
+    fused = fuse_predictions(cls_logits, dist_logits, rule)  # validates the rule
+    other = "logit" if rule == "prob" else "prob"
+    return {
+        "cls": cls_logits,
+        "dist": dist_logits,
+        "fused": fused,
+        "fused_alt": fuse_predictions(cls_logits, dist_logits, other),
+    }
+
+
+def distilled_head_logits(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both heads' logits of a timm distilled ViT, in any mode (timm's eval forward returns their average)."""
+    if not hasattr(model, "head_dist"):
+        raise ValueError(
+            f"{type(model).__name__} has no distillation head (`head_dist`); per-head evaluation needs a "
+            "`*_distilled_*` model."
+        )
+    tokens = model.forward_features(images)
+    cls_tok, dist_tok = tokens[:, 0], tokens[:, 1]
+    head_drop = getattr(model, "head_drop", nn.Identity())
+    return model.head(head_drop(cls_tok)), model.head_dist(head_drop(dist_tok))
