@@ -6,8 +6,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from deit_ablate.commands import check_overrides, prepare_configs, show_stage_config
 from deit_ablate.core.errors import ConfigError, RunError, no_access
+from deit_ablate.run.commands import check_overrides, prepare_configs, show_stage_config
 from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
 
 prepare_configs()

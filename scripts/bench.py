@@ -29,8 +29,8 @@ from deit_ablate.bench import suite
 from deit_ablate.bench.env import describe
 from deit_ablate.bench.pipeline import cache_root
 from deit_ablate.bench.report import Report
-from deit_ablate.commands import command
 from deit_ablate.core.distributed import choose_device
+from deit_ablate.run.commands import command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 from deit_ablate.analysis.aggregate import cli  # noqa: E402
 from deit_ablate.analysis.aggregate.paper import paper_table  # noqa: E402
 from deit_ablate.analysis.aggregate.wandb_log import encode_log, read_log  # noqa: E402
-from deit_ablate.commands import command  # noqa: E402
 from deit_ablate.record.rundir import wandb_root  # noqa: E402
+from deit_ablate.run.commands import command  # noqa: E402
 
 TEMPLATE_ID = "tmpl00000000"  # clones use ids of the same length: b00000000001, ...
 WRITER = r"""

@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from deit_ablate.config.schema import register_configs
+from deit_ablate.config.compose import register_configs
 from deit_ablate.record.identity import RunIdentity, composed_choices, run_identity
 from deit_ablate.record.resolvers import register_resolvers
 from deit_ablate.record.rundir import RunDir

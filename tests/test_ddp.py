@@ -99,7 +99,7 @@ def _errors_that_cross_agree(garbage: str) -> dict:
     with the error raised: a teacher checkpoint that cannot be read is a real CheckpointUnreadable."""
     from deit_ablate.core.errors import RunError
     from deit_ablate.record.checkpoint import CheckpointUnreadable, load
-    from deit_ablate.run.teacher import TeacherLoadError
+    from deit_ablate.train.teacher import TeacherLoadError
 
     def unreadable_teacher():
         load(garbage, f"The teacher checkpoint {garbage}")

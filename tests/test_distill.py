@@ -14,9 +14,9 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.run import teacher as teacher_module
-from deit_ablate.run.teacher import TeacherLoadError, load_teacher, teacher_forward
 from deit_ablate.train.losses import DistillationLoss, distilled_eval_outputs, distilled_head_logits, fuse_predictions
 from deit_ablate.train.models import resize_pos_embed_state
+from deit_ablate.train.teacher import TeacherLoadError, load_teacher, teacher_forward
 from tests.conftest import compose_config
 
 B, K, EPS = 4, 5, 0.1

@@ -22,8 +22,8 @@ from deit_ablate.data.bad_images import MAX_TRIES, BadImageError, DataGoneError,
 from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.record.rundir import LAST, PREV, UNREADABLE, RunDir, runs_root, wandb_root
 from deit_ablate.record.runlock import LOCK_NAME, STALE_AFTER_S, RunLock, this_process
-from deit_ablate.run.teacher import load_teacher
 from deit_ablate.run.validate import validate_config
+from deit_ablate.train.teacher import load_teacher
 from tests.conftest import REPO, TINY, compose_config, run_train, two_epochs
 
 

@@ -14,7 +14,7 @@ from deit_ablate.analysis.aggregate import cli
 from deit_ablate.analysis.aggregate.reader import read_offline
 from deit_ablate.analysis.aggregate.settings import DEFAULT_CHOICES, PRESET_CHOICES
 from deit_ablate.config import studies
-from deit_ablate.config.schema import register_configs
+from deit_ablate.config.compose import register_configs
 from deit_ablate.record.rundir import runs_root, wandb_root
 from deit_ablate.record.tracking import run_tags
 from tests.conftest import CONF, TINY, compose_config, identity_of, run_train

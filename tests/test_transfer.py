@@ -19,7 +19,8 @@ from PIL import Image, ImageDraw
 
 from deit_ablate.analysis.aggregate.paper import paper_table
 from deit_ablate.analysis.aggregate.settings import experiment_settings
-from deit_ablate.config.schema import Stage, compose_run_config
+from deit_ablate.config.compose import compose_run_config
+from deit_ablate.config.schema import Stage
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.builtin import CLASSES, CLASSES_B, _draw_shape, ensure_builtin_dataset
 from deit_ablate.data.cifar10 import (

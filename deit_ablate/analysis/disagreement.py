@@ -26,10 +26,10 @@ from deit_ablate.analysis.aggregate.disagree import (
     reference_rows,
     unique_labels,
 )
-from deit_ablate.commands import command
 from deit_ablate.core.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import RunDir, find_run, runs_root
+from deit_ablate.run.commands import command
 
 
 def resolve_run(reference: str) -> RunDir:

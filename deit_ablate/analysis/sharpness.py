@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from deit_ablate.commands import command
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import RunDir, find_run, runs_root, wandb_root
+from deit_ablate.run.commands import command
 from deit_ablate.train.sharpness import SharpnessSettings, figures_text, measure_weights, summary_values
 
 

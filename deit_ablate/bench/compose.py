@@ -17,7 +17,7 @@ _registered = False
 def _register() -> None:
     global _registered
     if not _registered:
-        from deit_ablate.config.schema import register_configs
+        from deit_ablate.config.compose import register_configs
         from deit_ablate.record.resolvers import register_resolvers
 
         register_configs()

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from deit_ablate.commands import command as entry_point
 from deit_ablate.core.atomic import write_text_atomic
+from deit_ablate.run.commands import command as entry_point
 
 # The targets for one H200 (docs/PERFORMANCE.md): train step and the DALI pipeline, images/s.
 TARGETS = {"train_step_eager_images_per_s": 3000.0, "pipeline_dali_images_per_s": 4000.0}

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, get_type_hints
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from deit_ablate.config.studies import CONF_DIR, defaults_list
+from deit_ablate.config.ranges import Range, fraction, ranged
+from deit_ablate.config.studies import CONF_DIR
 
 
 class Choice(str, Enum):
@@ -37,49 +36,6 @@ CropMode = Choice("CropMode", {name: name for name in ("rrc", "simple")})  # ran
 Criterion = Choice("Criterion", {name: name for name in ("ce", "bce")})  # soft-target cross-entropy, or DeiT III's BCE
 TeacherView = Choice("TeacherView", {name: name for name in ("same", "fixed")})  # Beyer et al. 2022
 HeadKind = Choice("HeadKind", {name: name for name in ("linear", "mlp_tanh")})  # model.head (models.py)
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key takes: finite, between its bounds (each closed or open, or none); each item of a
-    list key the same. `hint` says what the number means, for the message."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    hint: str = ""
-
-    def holds(self, value: float) -> bool:
-        """Whether `value` lies in the range."""
-        if not math.isfinite(value):
-            return False
-        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
-        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return above and below
-
-    def __str__(self) -> str:
-        if self.low is not None and self.high is not None:
-            return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
-        if self.low is not None:
-            return f"{'>' if self.low_open else '>='} {self.low}"
-        if self.high is not None:
-            return f"{'<' if self.high_open else '<='} {self.high}"
-        return "a finite number"
-
-
-def ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-           lt: float | None = None, hint: str = "") -> Any:
-    """A numeric schema field with its valid range (`ge`/`gt`: the lower bound, closed/open; `le`/`lt`: the upper);
-    validate.check_ranges checks every such field (null, where the type allows it, is not checked)."""
-    bounds = Range(low=gt if gt is not None else ge, high=lt if lt is not None else le, low_open=gt is not None,
-                   high_open=lt is not None, hint=hint)
-    return field(default=default, metadata={"range": bounds})
-
-
-def fraction(default: float, hint: str = "") -> Any:
-    """A probability or fraction: a numeric field in [0, 1]."""
-    return ranged(default, ge=0, le=1, hint=hint)
 
 
 BETA = "a Beta parameter (0 turns it off)"
@@ -423,23 +379,3 @@ def schema_ranges(node: type = Config, prefix: str = "") -> list[tuple[str, Rang
         elif "range" in item.metadata:
             found.append((prefix + item.name, item.metadata["range"]))
     return found
-
-
-def compose_run_config(overrides: list[str]) -> DictConfig:
-    """The config `python train.py <overrides>` runs (inside a Hydra app, through its own config search path), with
-    Hydra's node: its `hydra.runtime.choices` name the study rows, which a run's identity needs."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():
-        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
-
-
-def register_configs() -> None:
-    """Put the schema into Hydra's ConfigStore as `deit_schema`, the base of conf/config.yaml, and the studies' groups
-    with their default rows as `studies` (conf/config.yaml's defaults take it; see deit_ablate/config/studies.py)."""
-    store = ConfigStore.instance()
-    store.store(name="deit_schema", node=Config)
-    store.store(name="studies", node={"defaults": defaults_list()})

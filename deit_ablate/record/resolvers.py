@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from deit_ablate.config.schema import compose_run_config
+from deit_ablate.config.compose import compose_run_config
 from deit_ablate.record.identity import RunIdentity, composed_choices, folder_name, run_identity
 from deit_ablate.record.rundir import RunDir, runs_root
 

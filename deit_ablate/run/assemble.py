@@ -32,12 +32,13 @@ from deit_ablate.run.stages import (
     load_backbone,
     load_pretrained,
 )
-from deit_ablate.run.teacher import TeacherSource, build_teacher, teacher_forward
+from deit_ablate.run.teacher import TeacherSource, build_teacher
 from deit_ablate.run.teacher_cache import FixedTeacherLoss, WithIndex, build_fixed_teacher_table
 from deit_ablate.train.losses import TOKEN_KINDS, DistillationLoss
 from deit_ablate.train.mixing import build_criterion, build_mixup
 from deit_ablate.train.models import build_model, compile_in_place
 from deit_ablate.train.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
+from deit_ablate.train.teacher import teacher_forward
 from deit_ablate.train.trainer import Trainer
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from deit_ablate.config.schema import CONF_DIR, DistillKind, Stage, compose_run_config
+from deit_ablate.config.compose import compose_run_config
+from deit_ablate.config.schema import CONF_DIR, DistillKind, Stage
 from deit_ablate.config.stage_config import STAGE_BLOCKS, stage_config
 from deit_ablate.config.studies import study_names
 from deit_ablate.core.errors import ConfigError

@@ -26,7 +26,7 @@ from deit_ablate.core.logs import log
 from deit_ablate.data.datasets import dataset_root, training_split
 from deit_ablate.data.loader import ShardSampler, build_loader
 from deit_ablate.data.transforms import build_eval_transform
-from deit_ablate.run.teacher import teacher_forward
+from deit_ablate.train.teacher import teacher_forward
 
 
 class WithIndex(Dataset):

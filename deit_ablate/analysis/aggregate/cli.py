@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.commands import command
 from deit_ablate.config.studies import studies as all_studies
 from deit_ablate.core.atomic import write_figure_atomic, write_text_atomic
 from deit_ablate.core.errors import no_access
+from deit_ablate.run.commands import command
 
 from .api import read_api
 from .cells import METRICS, Table
+from .names import config_keys, suggest, summary_keys
 from .paper import paper_table, table_names
 from .reader import API_PREFIX, RunInfo, Warn, is_api_source, read_offline, stderr_warn
 from .render import FORMATS, STAGE_NAMES, render, split_text
 from .select import MISSING, ROW_ALIASES, RunFilter, dedup, format_value, get_key, matches, parse_when
-from .settings import choices_of, flatten
+from .settings import choices_of
 from .table import build_table, row_spec
 
 ALL_FORMATS = (*FORMATS, "html")
@@ -149,33 +149,6 @@ def collect_runs(
     return runs
 
 
-def _initials(key: str) -> str:
-    *parents, leaf = key.split(".")
-    return ".".join([*parents, "".join(part[:1] for part in leaf.split("_"))])
-
-
-def _suggest(word: str, known: set[str]) -> str:
-    """`; did you mean ...?` with the close matches (and keys abbreviated by initials: `optimizer.wd`)."""
-    close = [k for k in sorted(known) if "_" in k.split(".")[-1] and _initials(k) == word]
-    close += [k for k in difflib.get_close_matches(word, sorted(known), n=3, cutoff=0.6) if k not in close]
-    return f"; did you mean {' or '.join(close[:3])}?" if close else ""
-
-
-def config_keys(runs: list[RunInfo]) -> set[str]:
-    """Every dotted config key (and parent key) of these runs."""
-    keys: set[str] = set()
-    for run in runs:
-        for key in flatten(run.config):
-            parts = key.split(".")
-            keys.update(".".join(parts[: i + 1]) for i in range(len(parts)))
-    return keys
-
-
-def summary_keys(runs: list[RunInfo]) -> set[str]:
-    """Every (dotted) summary key of these runs."""
-    return {k for run in runs for k in flatten(run.summary) if not k.startswith("_")}
-
-
 def check_names(args: argparse.Namespace, runs: list[RunInfo]) -> None:
     """--metric, --rows and --where must name something these runs have; else a UsageError with close ones."""
     if not runs:
@@ -186,7 +159,7 @@ def check_names(args: argparse.Namespace, runs: list[RunInfo]) -> None:
         known = set(METRICS) | summary_keys(runs)
         raise UsageError(
             f"unknown --metric {metric!r}: neither a metric ({', '.join(METRICS)}) nor a summary key of any run"
-            + _suggest(metric, known)
+            + suggest(metric, known)
         )
     groups = {g for run in runs for g in choices_of(run.config)}
     spec = row_spec(args.rows, groups)
@@ -197,12 +170,12 @@ def check_names(args: argparse.Namespace, runs: list[RunInfo]) -> None:
             if spec.group is not None:
                 raise UsageError(
                     f"unknown --rows {args.rows!r}: no run logged a {spec.group!r} group choice, "
-                    f"and none has {', '.join(missing)}" + _suggest(args.rows, known)
+                    f"and none has {', '.join(missing)}" + suggest(args.rows, known)
                 )
-            raise UsageError(f"unknown --rows key {missing[0]!r}: no run has it" + _suggest(missing[0], known))
+            raise UsageError(f"unknown --rows key {missing[0]!r}: no run has it" + suggest(missing[0], known))
     for option, key, _ in where_options(args):
         if key not in keys:
-            raise UsageError(f"unknown key {key!r} in {option}: no run has it" + _suggest(key, keys))
+            raise UsageError(f"unknown key {key!r} in {option}: no run has it" + suggest(key, keys))
 
 
 def explain_empty(args: argparse.Namespace, runs: list[RunInfo], run_filter: RunFilter) -> str:
@@ -212,13 +185,13 @@ def explain_empty(args: argparse.Namespace, runs: list[RunInfo], run_filter: Run
             seen = {format_value(v) for r in runs if (v := get_key(r.config, key)) is not MISSING}
             shown = sorted(seen)[:10]
             values = ", ".join(shown) + (f", +{len(seen) - len(shown)} more" if len(seen) > len(shown) else "")
-            return f"{option} matches none of the {len(runs)} run(s) read ({key}: {values})" + _suggest(pattern, seen)
+            return f"{option} matches none of the {len(runs)} run(s) read ({key}: {values})" + suggest(pattern, seen)
     for option, values, have in (("--group", args.group, {r.group for r in runs}),
                                  ("--tag", args.tag, {t for r in runs for t in r.tags})):
         for value in values:
             alone = RunFilter(groups=[value]) if option == "--group" else RunFilter(tags=[value])
             if not any(alone.matches(r) for r in runs):
-                return f"{option} {value} matches none of the {len(runs)} run(s) read" + _suggest(value, have)
+                return f"{option} {value} matches none of the {len(runs)} run(s) read" + suggest(value, have)
     if args.since or args.until:
         alone = RunFilter(since=run_filter.since, until=run_filter.until)
         if not any(alone.matches(r) for r in runs):

@@ -19,7 +19,7 @@ Main = TypeVar("Main", bound=Callable[..., int | None])
 def prepare_configs() -> None:
     """Register the schema and the resolvers: every entry point passes through here before it composes or loads a
     config."""
-    from deit_ablate.config.schema import register_configs
+    from deit_ablate.config.compose import register_configs
     from deit_ablate.record.resolvers import register_resolvers
 
     register_configs()
@@ -86,7 +86,7 @@ def show_stage_config(argv: list[str]) -> bool:
     from hydra.errors import HydraException
     from omegaconf import OmegaConf, open_dict, read_write
 
-    from deit_ablate.config.schema import compose_run_config
+    from deit_ablate.config.compose import compose_run_config
     from deit_ablate.config.stage_config import stage_config
     from deit_ablate.core.errors import ConfigError
 
