@@ -149,7 +149,7 @@ def test_fp16_log_rows_carry_the_scale_and_the_skipped_steps_and_others_do_not(f
     trainer.log_interval = 1
     rows = []
     trainer.on_log = lambda metrics, step: rows.append(metrics)
-    trainer.train_epoch([_batch()] * 2, epoch=0)
+    trainer.train_steps([_batch()] * 2, epoch=0)
     assert len(rows) == 2 and all("train/loss" in row for row in rows)
     if fp16:  # this model's first fp16 backward overflows at 2**16: skipped, the scale halved; the next is good
         assert [(r["train/amp_skipped_steps"], r["train/loss_scale"]) for r in rows] == [(1, 2.0**15)] * 2

@@ -11,8 +11,7 @@ from timm.optim import Lamb, param_groups_layer_decay
 
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.run.validate import validate_config
-from deit_ablate.train.losses import DistillationLoss
-from deit_ablate.train.mixing import build_criterion, build_mixup
+from deit_ablate.train.losses import DistillationLoss, build_criterion, build_mixup
 from deit_ablate.train.models import build_model
 from deit_ablate.train.optim import build_optimizer, build_scheduler, layer_id
 from tests.conftest import TINY, compose_config, run_train

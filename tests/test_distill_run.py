@@ -14,8 +14,9 @@ from timm.loss import SoftTargetCrossEntropy
 import deit_ablate.run.assemble as assemble_module
 from deit_ablate.core.distributed import DistInfo
 from deit_ablate.record.rundir import LAST, RESULT, RunDir, runs_root
+from deit_ablate.run.student import student_model_name
 from deit_ablate.run.teacher import run_teacher
-from deit_ablate.train.models import build_model, student_model_name
+from deit_ablate.train.models import build_model
 from deit_ablate.train.optim import build_optimizer, build_scheduler
 from deit_ablate.train.trainer import Trainer
 from tests.conftest import TINY, compose_config, run_train

@@ -55,7 +55,7 @@ def test_non_finite_loss_raises_diverged_at_the_logging_interval():
     trainer.log_interval = 1
     loader = [(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))] * 3
     try:
-        trainer.train_epoch(loader, epoch=0)
+        trainer.train_steps(loader, epoch=0)
     except Diverged as diverged:
         assert diverged.step == 1
     else:

@@ -16,8 +16,9 @@ from deit_ablate.data.transforms import build_eval_transform, build_train_transf
 from deit_ablate.record.rundir import LAST
 from deit_ablate.run.assemble import stage_scheduler
 from deit_ablate.run.stages import load_pretrained, stage_recipe
+from deit_ablate.run.student import student_model_name
 from deit_ablate.run.validate import plan_batch
-from deit_ablate.train.models import build_model, student_model_name
+from deit_ablate.train.models import build_model
 from deit_ablate.train.optim import build_optimizer, build_scheduler, scaled_lr
 from deit_ablate.train.trainer import Trainer
 from tests.conftest import compose_config
@@ -106,7 +107,7 @@ def _regularizer_modes(train_mode: bool) -> set[bool]:
     criterion = torch.nn.CrossEntropyLoss()
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, info=DistInfo(),
                       loss_fn=lambda images, outputs, targets: criterion(outputs, targets), train_mode=train_mode)
-    trainer.train_epoch([(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))], epoch=0)
+    trainer.train_steps([(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))], epoch=0)
     return seen
 
 
@@ -128,7 +129,7 @@ def test_distilled_student_returns_both_heads_when_fine_tuned_in_eval_mode():
     trainer = Trainer(model=model, optimizer=optimizer, info=DistInfo(), train_mode=False,
                       scheduler=build_scheduler(optimizer, 2, 0, 1e-5, 1e-6),
                       loss_fn=lambda images, out, targets: outputs.append(out) or out[0].sum() + out[1].sum())
-    trainer.train_epoch([(torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))], epoch=0)
+    trainer.train_steps([(torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))], epoch=0)
     assert isinstance(outputs[0], tuple) and len(outputs[0]) == 2
     assert not any(module.training for module in model.blocks.modules())  # drop path and dropout stay off
 

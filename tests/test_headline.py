@@ -13,7 +13,7 @@ from deit_ablate.config.schema import DistillKind
 from deit_ablate.config.stage_config import stage_config
 from deit_ablate.config.studies import studies
 from deit_ablate.run.stages import teacher_run_overrides
-from deit_ablate.train.models import student_model_name
+from deit_ablate.run.student import student_model_name
 from tests.conftest import CONF, compose_config, identity_of, one_class_imagefolder, run_train
 
 STUDY = "headline"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from deit_ablate.config.stage_config import stage_config
 from deit_ablate.core.errors import ConfigError
-from deit_ablate.run.assemble import stage_model_config
 from deit_ablate.run.stages import load_backbone, load_pretrained
 from deit_ablate.run.validate import validate_config
 from deit_ablate.train.models import MlpHead, build_model
@@ -22,7 +22,7 @@ SMALL = ["model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_
 def _model(overrides: list[str], num_classes: int = 10, size: int = 32, seed: int = 0) -> nn.Module:
     cfg = compose_config([*SMALL, *overrides])
     torch.manual_seed(seed)
-    return build_model(stage_model_config(cfg), num_classes, size).eval()
+    return build_model(stage_config(cfg).model, num_classes, size).eval()
 
 
 def test_the_mlp_head_is_w2_tanh_w1_x_plus_b1_plus_b2_on_the_class_tokens_final_feature():

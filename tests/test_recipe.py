@@ -14,7 +14,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import DistributedSampler
 
 from deit_ablate.data.loader import build_train_sampler
-from deit_ablate.train.mixing import build_criterion, build_mixup
+from deit_ablate.train.losses import build_criterion, build_mixup
 from deit_ablate.train.models import build_model
 from deit_ablate.train.optim import build_optimizer, build_scheduler, scaled_lr
 from tests.conftest import compose_config

@@ -50,7 +50,7 @@ def test_the_start_line_and_the_result_name_the_architecture_that_trained(tmp_pa
     (["distill=hard_token"], "patch 8, width 128, depth 6, heads 4"),
 ])
 def test_vits_and_cait_are_described_from_the_built_model(overrides, text):
-    from deit_ablate.train.models import student_model_name
+    from deit_ablate.run.student import student_model_name
 
     cfg = compose_config(overrides)
     name = student_model_name(cfg)

@@ -29,7 +29,7 @@ from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.loader import SeededSamples, SkipFirst, build_train_loader, build_train_sampler, seed_epoch_data
 from deit_ablate.data.transforms import build_train_pipeline
 from deit_ablate.record.rundir import RunDir
-from deit_ablate.train.mixing import build_mixup
+from deit_ablate.train.losses import build_mixup
 from deit_ablate.train.teacher import teacher_forward
 from tests.conftest import compose_config, run_train
 

@@ -21,8 +21,8 @@ from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import RunDir, wandb_root
 from deit_ablate.run.preflight import check_teacher_trained
 from deit_ablate.run.stages import teacher_run_dir, teacher_run_overrides, upstream_overrides, upstream_role
+from deit_ablate.run.student import student_model_name
 from deit_ablate.run.teacher import check_distill_config, file_weights_digest
-from deit_ablate.train.models import student_model_name
 from hydra_plugins.deit_ablate_launcher.slurm import submission_order, upstream_jobs
 from hydra_plugins.deit_ablate_launcher.sweeper import chain_order
 from tests.conftest import CONF, TINY, identity_of, run_train, write_offline_runs

@@ -23,18 +23,12 @@ import deit_ablate.run.assemble as assemble_module
 from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import LAST, RunDir, runs_root
+from deit_ablate.run.student import student_model_name
 from deit_ablate.run.teacher import TeacherSource, check_resizable_teacher, check_teacher_sizes, run_teacher
-from deit_ablate.run.teacher_cache import (
-    FixedTeacherLoss,
-    WithIndex,
-    fixed_view_transform,
-    split_targets,
-    teacher_table,
-)
+from deit_ablate.run.teacher_cache import WithIndex, fixed_view_transform, teacher_table
 from deit_ablate.run.validate import check_ranges, check_teacher_view
-from deit_ablate.train.losses import DistillationLoss
-from deit_ablate.train.mixing import build_criterion, build_mixup
-from deit_ablate.train.models import build_model, student_model_name
+from deit_ablate.train.losses import DistillationLoss, FixedTeacherLoss, build_criterion, build_mixup, split_targets
+from deit_ablate.train.models import build_model
 from deit_ablate.train.optim import build_optimizer, build_scheduler
 from deit_ablate.train.teacher import MultiSizeTeacher, teacher_forward
 from deit_ablate.train.trainer import Trainer

@@ -21,6 +21,7 @@ from deit_ablate.analysis.aggregate.paper import paper_table
 from deit_ablate.analysis.aggregate.settings import experiment_settings
 from deit_ablate.config.compose import compose_run_config
 from deit_ablate.config.schema import Stage
+from deit_ablate.config.stage_config import stage_config
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.builtin import CLASSES, CLASSES_B, _draw_shape, ensure_builtin_dataset
 from deit_ablate.data.cifar10 import (
@@ -36,10 +37,10 @@ from deit_ablate.data.datasets import build_dataset, check_data_root, data_finge
 from deit_ablate.data.transforms import stage_reprob
 from deit_ablate.record.identity import composed_choices, experiment, experiment_digest, transfer_source_overrides
 from deit_ablate.record.rundir import RunDir
-from deit_ablate.run.assemble import stage_model_config
 from deit_ablate.run.stages import load_backbone, stage_recipe, upstream_overrides, upstream_role
+from deit_ablate.run.student import student_model_name
 from deit_ablate.run.transfer import check_transfer_config
-from deit_ablate.train.models import build_model, student_model_name
+from deit_ablate.train.models import build_model
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 TABLE7 = {"cifar10": ("cifar10", 10, 99.2), "cifar100": ("cifar100", 100, 91.4),
@@ -224,7 +225,7 @@ def test_paper_transfer_recipe_is_issue_45s(tmp_path: Path) -> None:
     assert (recipe.optimizer, recipe.lr, recipe.weight_decay, recipe.global_batch) == ("sgd", 0.01, 1e-4, 768)
     assert (recipe.epochs, recipe.warmup_epochs, recipe.min_lr, recipe.train_mode) == (1000, 5.0, 1e-5, True)
     assert recipe.init_checkpoint == RunDir(tmp_path / "source").last_checkpoint
-    assert stage_reprob(cfg) == 0.0 and stage_model_config(cfg).drop_path == 0.0
+    assert stage_reprob(cfg) == 0.0 and stage_config(cfg).model.drop_path == 0.0
     assert cfg.augment.reprob == 0.25 and cfg.model.drop_path == 0.1  # the source's own, left as they were
     assert cfg.resolution.train_size == 384 and cfg.augment.auto_augment == "rand-m9-mstd0.5-inc1"
     assert (cfg.mix.mixup_alpha, cfg.mix.cutmix_alpha, cfg.augment.repeated_aug) == (0.8, 1.0, 3)

@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import RunDir, find_run, runs_root, wandb_root
 from deit_ablate.run.commands import command
-from deit_ablate.train.sharpness import SharpnessSettings, figures_text, measure_weights, summary_values
+from deit_ablate.run.measure_sharpness import measure_weights
+from deit_ablate.train.sharpness import SharpnessSettings, figures_text, summary_values
 
 
 def load_run_config(run: RunDir) -> DictConfig:
@@ -73,14 +74,13 @@ def measure_run(run: RunDir, settings: SharpnessSettings, device: torch.device, 
                 show_progress: bool = True) -> dict[str, Any]:
     """The figures of a finished run at its final weights, with their settings (and the checkpoint measured)."""
     from deit_ablate.record.checkpoint import read_weights
-    from deit_ablate.train.models import student_model_name
 
     cfg = load_run_config(run)
     if data_root is not None:
         cfg.data.root = data_root
     check_same_data(cfg, run)
     weights = read_weights(run.last_checkpoint)
-    record = measure_weights(cfg, student_model_name(cfg), weights, device, settings, show_progress)
+    record = measure_weights(cfg, weights, device, settings, show_progress)
     record["settings"]["checkpoint"] = run.last_checkpoint.name
     return record
 

@@ -90,7 +90,7 @@ def our_loader(cfg, dataset: Dataset, batch: int, batch_step: Callable | None = 
                device: torch.device | None = None) -> Loader:
     """Our training loader (data.loader.build_train_loader: a DataLoader, or DALI's with data.backend=dali) over our
     training sampler, as run.py builds it; each batch is moved to `device` and given the trainer's per-batch step,
-    as train_epoch does (this counts as pipeline time)."""
+    as train_steps does (this counts as pipeline time)."""
     sampler = one_process_sampler(cfg, dataset, batch)
     device = device or torch.device("cpu")
     loader = build_train_loader(dataset, sampler, batch, cfg, device)
@@ -117,7 +117,7 @@ class Loader:
 
     def __iter__(self):
         with torch_threads(self.threads):
-            reused = None  # as Trainer.train_epoch does on CPU
+            reused = None  # as Trainer.train_steps does on CPU
             for images, targets in self.loader:
                 images = images.to(self.device, non_blocking=True)
                 if self.batch_step is not None:
@@ -228,7 +228,7 @@ def stage_costs(root: Path, transform: Callable, count: int, repeats: int = 2,
                     value = step(value)
                     totals[name] += time.perf_counter() - start
                 outputs.append(value)
-            if batch_step is not None:  # into the float batch of a previous call, as Trainer.train_epoch does
+            if batch_step is not None:  # into the float batch of a previous call, as Trainer.train_steps does
                 batch = torch.stack(outputs)
                 reused = batch_step(batch)
                 start = time.perf_counter()

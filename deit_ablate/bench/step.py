@@ -134,7 +134,7 @@ def train_flops_per_image(model: torch.nn.Module, size: int, device: torch.devic
 
 
 def count_syncs_per_step(setup: StepSetup, steps: int = 6) -> float | None:
-    """Host-device syncs per step inside Trainer.train_epoch (CUDA sync-debug mode); None on CPU."""
+    """Host-device syncs per step inside Trainer.train_steps (CUDA sync-debug mode); None on CPU."""
     device = setup.images.device
     if device.type != "cuda":
         return None
@@ -146,7 +146,7 @@ def count_syncs_per_step(setup: StepSetup, steps: int = 6) -> float | None:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            trainer.train_epoch(batches, epoch=0)
+            trainer.train_steps(batches, epoch=0)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     trainer.log_interval = interval

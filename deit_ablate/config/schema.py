@@ -56,7 +56,7 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra timm create_model arguments
     # The classifier: `linear` (DeiT's), or `mlp_tanh`, the original ViT's pre-training head (Dosovitskiy et al.
     # 2021, section 3.1): a pre-logits layer, Linear d->d then tanh, before it; timm's ViTs without distillation
-    # token only. A transfer builds a linear head whatever this says (ViT's fine-tuning; assemble.stage_model_config)
+    # token only. vit_original's transfer gets a linear head (its override set: conf/recipe/vit_original.yaml)
     head: HeadKind = HeadKind.linear
 
 

@@ -10,7 +10,6 @@ from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
 from deit_ablate.config.schema import DistillKind, Precision, Stage, TeacherView
-from deit_ablate.config.stage_config import stage_config
 from deit_ablate.core.distributed import DistInfo, barrier
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
@@ -32,11 +31,11 @@ from deit_ablate.run.stages import (
     load_backbone,
     load_pretrained,
 )
+from deit_ablate.run.student import build_stage_model
 from deit_ablate.run.teacher import TeacherSource, build_teacher
-from deit_ablate.run.teacher_cache import FixedTeacherLoss, WithIndex, build_fixed_teacher_table
-from deit_ablate.train.losses import TOKEN_KINDS, DistillationLoss
-from deit_ablate.train.mixing import build_criterion, build_mixup
-from deit_ablate.train.models import build_model, compile_in_place
+from deit_ablate.run.teacher_cache import WithIndex, build_fixed_teacher_table
+from deit_ablate.train.losses import TOKEN_KINDS, DistillationLoss, FixedTeacherLoss, build_criterion, build_mixup
+from deit_ablate.train.models import compile_in_place
 from deit_ablate.train.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
 from deit_ablate.train.teacher import teacher_forward
 from deit_ablate.train.trainer import Trainer
@@ -119,8 +118,7 @@ def build_student(plan: RunPlan, info: DistInfo) -> tuple[torch.nn.Module, dict[
     """The student on this rank's device, from its pre-training's weights in a fine-tune, with a fixed LayerScale
     diagonal where the row asks for one; wrapped in DDP on several ranks."""
     cfg = plan.settings
-    model = build_model(stage_model_config(cfg), cfg.data.num_classes, cfg.resolution.train_size,
-                        name=plan.model_name)
+    model = build_stage_model(cfg)
     model = model.to(info.device)
     if plan.recipe.init_checkpoint is not None and plan.is_transfer:
         heads = load_backbone(model, plan.recipe.init_checkpoint)
@@ -176,12 +174,6 @@ def transfer_source(plan: RunPlan, module: torch.nn.Module) -> dict[str, Any] | 
     return {"run": plan.upstream.name if plan.upstream is not None else None,
             "checkpoint": str(plan.recipe.init_checkpoint), "heads": list(classifier_names(module)),
             "num_classes": int(plan.settings.data.num_classes)}
-
-
-def stage_model_config(cfg: DictConfig) -> DictConfig:
-    """The model block this stage builds (stage_config.py: a transfer's stochastic depth is transfer.drop_path, which
-    issue #45 removes; a fine-tune's override set may change any model key)."""
-    return stage_config(cfg).model
 
 
 def stage_optimizer(cfg: DictConfig, recipe: StageRecipe, module: torch.nn.Module, info: DistInfo

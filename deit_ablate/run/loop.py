@@ -122,7 +122,7 @@ class EpochLoop:
             for epoch in range(progress.start_epoch, self.plan.recipe.epochs):
                 if self.max_steps is not None and self.trainer.step >= self.max_steps:
                     break
-                self.train_epoch(epoch)
+                self.epoch(epoch)
             if not progress.metrics:  # relaunched after the final checkpoint: training complete, evaluation not
                 if self.info.is_main:
                     log.info(f"[run] training was complete at step {self.trainer.step} (epoch "
@@ -162,7 +162,7 @@ class EpochLoop:
         seed_epoch_data(loaders.train_sampler, loader, self.streams, epoch)
         return loader
 
-    def train_epoch(self, epoch: int) -> None:
+    def epoch(self, epoch: int) -> None:
         """Train one epoch, save its end, evaluate it; stop at an agreed signal between the two."""
         progress, trainer = self.progress, self.trainer
         loader = self.epoch_batches(epoch)
@@ -171,7 +171,7 @@ class EpochLoop:
         steps_before = trainer.step
         resumed_sum = self.resumed_state.get("epoch_loss_sum") if skipped else None  # None: before it was kept
         before = (float(resumed_sum), skipped) if resumed_sum is not None else (0.0, 0)
-        train_loss = trainer.train_epoch(loader, epoch, self.max_steps, step_hook=self.step_hook,
+        train_loss = trainer.train_steps(loader, epoch, self.max_steps, step_hook=self.step_hook,
                                          streams=self.streams, first_step=skipped, done=before)
         batches_done = skipped + trainer.step - steps_before
         if not before[1] and trainer.step == steps_before:  # no batch of the epoch counted: no loss to log

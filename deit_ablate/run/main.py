@@ -44,12 +44,13 @@ from deit_ablate.run.lifecycle import (
     resume_point,
 )
 from deit_ablate.run.loop import EpochLoop, Progress, image_folders
+from deit_ablate.run.measure_sharpness import measure_weights
 from deit_ablate.run.plan import RunPlan, make_plan
 from deit_ablate.run.report import print_summary, summarize, wandb_summary
 from deit_ablate.run.stages import upstream_status
 from deit_ablate.run.teacher import log_teacher, teacher_summary
 from deit_ablate.train.models import architecture, describe_architecture
-from deit_ablate.train.sharpness import figures_text, measure_weights
+from deit_ablate.train.sharpness import figures_text
 
 
 def discard_empty_run_dir() -> None:
@@ -172,7 +173,7 @@ def _sharpness_at_end(plan: RunPlan, info: DistInfo, pieces: Pieces, status: str
     def measure_on_rank_0() -> dict[str, Any] | None:
         log.info("[run] measuring the sharpness of the final weights (sharpness.at_end=true)")
         try:
-            record = measure_weights(plan.settings, plan.model_name, pieces.trainer.module.state_dict(), info.device)
+            record = measure_weights(plan.settings, pieces.trainer.module.state_dict(), info.device)
         except Exception as error:  # noqa: BLE001 - an evaluation failing (memory) must not cost the run its result
             log.warning(f"[run] sharpness not measured ({type(error).__name__}: {str(error)[:200]}); the run is "
                         f"recorded without it. Measure it later: python -m deit_ablate.sharpness {plan.run_dir.path}"

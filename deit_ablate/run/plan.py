@@ -37,10 +37,10 @@ from deit_ablate.run.stages import (
     teacher_run_dir,
     upstream_run_dir,
 )
+from deit_ablate.run.student import student_model_name
 from deit_ablate.run.teacher import TeacherSource, run_teacher, with_run_teacher
 from deit_ablate.run.transfer import with_transfer_source
 from deit_ablate.run.validate import BatchPlan, plan_batch
-from deit_ablate.train.models import student_model_name
 
 
 @dataclass(frozen=True)

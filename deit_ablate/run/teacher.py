@@ -22,7 +22,8 @@ from deit_ablate.record.checkpoint import read_weights
 from deit_ablate.record.identity import RunIdentity, with_teacher
 from deit_ablate.record.rundir import RunDir, find_run, runs_root
 from deit_ablate.run.stages import finished_teacher_run, stage_distils, teacher_run_dir
-from deit_ablate.train.models import is_vision_transformer, student_model_name
+from deit_ablate.run.student import student_model_name
+from deit_ablate.train.models import is_vision_transformer
 from deit_ablate.train.teacher import MultiSizeTeacher, load_teacher
 
 

@@ -43,11 +43,6 @@ class WithIndex(Dataset):
         return image, torch.tensor([label, index])
 
 
-def split_targets(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(labels, image indices) of a batch of WithIndex targets."""
-    return targets[:, 0], targets[:, 1]
-
-
 def fixed_view_transform(cfg: DictConfig):
     """The teacher's fixed view: the evaluation transform at the training size (resize to train_size / crop_pct,
     centre-crop train_size, normalize)."""
@@ -86,15 +81,3 @@ def build_fixed_teacher_table(teacher: nn.Module, cfg: DictConfig, info: DistInf
                  f"centre crop cached in {time.perf_counter() - start:.1f} s "
                  f"({table.numel() * 4 / 2**20:.1f} MiB on {table.device})")
     return table
-
-
-class FixedTeacherLoss:
-    """The distillation loss with the cached teacher outputs of the batch's images (targets: WithIndex's)."""
-
-    def __init__(self, distill_loss: nn.Module, table: torch.Tensor) -> None:
-        self.distill_loss, self.table = distill_loss, table
-
-    def __call__(self, images: torch.Tensor, outputs, targets: torch.Tensor) -> torch.Tensor:
-        """`images` are unused: the teacher's term never depends on the student's view."""
-        labels, indices = split_targets(targets)
-        return self.distill_loss(outputs, self.table[indices], labels)

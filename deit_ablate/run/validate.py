@@ -30,10 +30,11 @@ from deit_ablate.data.datasets import check_data_root
 from deit_ablate.record.rundir import check_output_root
 from deit_ablate.record.tracking import check_tracking
 from deit_ablate.run.stages import layer_scale_row, stage_global_batch, stage_micro_batch
+from deit_ablate.run.student import build_stage_model, student_model_name
 from deit_ablate.run.teacher import check_distill_config
 from deit_ablate.run.transfer import check_transfer_config
 from deit_ablate.train.batch_plan import BatchPlan
-from deit_ablate.train.models import is_mixer, student_model_name
+from deit_ablate.train.models import is_mixer
 
 # wandb project and entity names: also folder names, so nothing that could leave the folder or need quoting.
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -79,10 +80,9 @@ def has_batch_norm(cfg: DictConfig) -> bool:
     import torch
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    from deit_ablate.train.models import build_model
 
     with torch.device("meta"):
-        model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=student_model_name(cfg))
+        model = build_stage_model(cfg)
     return any(isinstance(module, _BatchNorm) for module in model.modules())
 
 
@@ -233,14 +233,13 @@ def check_image_sizes(cfg: DictConfig) -> None:
     import torch
     from timm.layers import PatchEmbed
 
-    from deit_ablate.train.models import build_model
 
     size = cfg.resolution
     if size.eval_size == size.train_size:
         return
     name = student_model_name(cfg)
     with torch.device("meta"):  # the architecture only: no memory, no initialisation cost
-        model = build_model(cfg.model, cfg.data.num_classes, size.train_size, name=name)
+        model = build_stage_model(cfg, size.train_size)
     embed = next((m for m in model.modules() if isinstance(m, PatchEmbed)), None)
     if embed is not None and embed.strict_img_size and not getattr(embed, "dynamic_img_pad", False):
         raise ConfigError(
@@ -308,14 +307,13 @@ def check_layer_decay(cfg: DictConfig) -> None:
     """finetune.layer_decay (a ratio in (0, 1]: check_ranges) on a model whose layers are `blocks` (a ViT)."""
     import torch
 
-    from deit_ablate.train.models import build_model
 
     zeta = cfg.finetune.layer_decay
     if zeta is None:
         return
     name = student_model_name(cfg)
     with torch.device("meta"):  # the architecture only
-        model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=name)
+        model = build_stage_model(cfg)
     if not hasattr(model, "blocks"):
         raise ConfigError(f"finetune.layer_decay={zeta} decays the lr over a ViT's `blocks`, which {name} has not; "
                           "unset it (finetune.layer_decay=null) or fine-tune a ViT.")

@@ -1,4 +1,6 @@
-"""Knowledge distillation for DeiT: the losses and the late fusion of the two heads (teachers: teacher.py).
+"""Every loss of a run, in one place: the criterion Mixup/CutMix asks for (soft-target, label-smoothed or DeiT III's
+binary cross-entropy), DeiT's distillation losses, the fixed teacher's cached term, and the late fusion of the two
+heads (teachers: teacher.py).
 
 Where each constant comes from (Touvron et al. 2021, "Training data-efficient image transformers"):
 
@@ -22,9 +24,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
+from timm.data import Mixup
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
-from deit_ablate.config.schema import DistillKind, FusionRule, KLNormalization
+from deit_ablate.config.schema import Criterion, DistillKind, FusionRule, KLNormalization
 from deit_ablate.core.errors import ConfigError
 
 TOKEN_KINDS = (DistillKind.hard_token, DistillKind.soft_token)
@@ -157,3 +162,61 @@ def distilled_head_logits(model: nn.Module, images: torch.Tensor) -> tuple[torch
     cls_tok, dist_tok = tokens[:, 0], tokens[:, 1]
     head_drop = getattr(model, "head_drop", nn.Identity())
     return model.head(head_drop(cls_tok)), model.head_dist(head_drop(dist_tok))
+
+
+# --- the criterion of the (mixed) targets ---------------------------------------------------------------
+
+
+def build_mixup(mix: DictConfig, num_classes: int) -> Mixup | None:
+    """timm's Mixup with DeiT's Beta alphas and switch probability; None when both alphas are 0."""
+    if mix.mixup_alpha <= 0 and mix.cutmix_alpha <= 0:
+        return None
+    return Mixup(
+        mixup_alpha=mix.mixup_alpha,
+        cutmix_alpha=mix.cutmix_alpha,
+        prob=mix.prob,
+        switch_prob=mix.switch_prob,
+        mode=mix.mode,
+        label_smoothing=mix.label_smoothing,
+        num_classes=num_classes,
+    )
+
+
+def build_criterion(mix: DictConfig, mixup: Mixup | None) -> torch.nn.Module:
+    """Soft-target CE when Mixup makes (smoothed) soft targets, else label-smoothed CE on integer labels; or
+    DeiT III's binary cross-entropy (mix.criterion=bce)."""
+    if mix.criterion == Criterion.bce:
+        return binary_cross_entropy()
+    if mixup is not None:
+        return SoftTargetCrossEntropy()
+    if mix.label_smoothing > 0:
+        return LabelSmoothingCrossEntropy(smoothing=mix.label_smoothing)
+    return torch.nn.CrossEntropyLoss()
+
+
+def binary_cross_entropy() -> torch.nn.Module:
+    """DeiT III's loss (Touvron, Cord & Jegou 2022; Wightman et al. 2021): a sigmoid per class, every class present
+    in the (mixed) target a positive of target 1, the mean over images and classes."""
+    # DeiT III's engine sets targets = targets.gt(0.0) before torch's BCEWithLogitsLoss (mean reduction): the
+    # threshold 0 is that; integer labels (no Mixup/CutMix) become one-hot.
+    return BinaryCrossEntropy(smoothing=0.0, target_threshold=0.0, reduction="mean")
+
+
+# --- the fixed teacher's cached term (run/teacher_cache.py builds the table) -----------------------------
+
+
+def split_targets(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels, image indices) of a batch of WithIndex targets."""
+    return targets[:, 0], targets[:, 1]
+
+
+class FixedTeacherLoss:
+    """The distillation loss with the cached teacher outputs of the batch's images (targets: WithIndex's)."""
+
+    def __init__(self, distill_loss: nn.Module, table: torch.Tensor) -> None:
+        self.distill_loss, self.table = distill_loss, table
+
+    def __call__(self, images: torch.Tensor, outputs, targets: torch.Tensor) -> torch.Tensor:
+        """`images` are unused: the teacher's term never depends on the student's view."""
+        labels, indices = split_targets(targets)
+        return self.distill_loss(outputs, self.table[indices], labels)

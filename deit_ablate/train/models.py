@@ -186,13 +186,13 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: st
     return apply_options(model, options, model_cfg.drop_path, kwargs.get("init_values"))
 
 
-def student_model_name(cfg) -> str:
+def student_name(name: str, distilled_name: str | None, kind: str) -> str:
     """The timm model a run trains: model.name, or its distilled twin (model.distilled_name) for the token kinds.
 
     DeiT's Table 3 trains plain DeiT for no distillation and the class-token kinds, and DeiT⚗ (with a
     distillation token) for the token kinds; a distilled model given a class-token kind would train the average
     of its two heads (timm's forward), which no row of the paper does, so it is refused."""
-    kind, name, twin = cfg.distill.type, cfg.model.name, cfg.model.distilled_name
+    twin = distilled_name
     distilled = "_distilled_" in name
     if kind in TOKEN_KINDS:
         if distilled:

@@ -215,41 +215,6 @@ def measure(model: nn.Module, batches: Batches, settings: SharpnessSettings, sho
             "settings": {**asdict(settings), **details, **HOW}}
 
 
-def fixed_images(cfg: Any, settings: SharpnessSettings, device: torch.device, workers: int = 0) -> Batches:
-    """The images every figure is measured on: the first `settings.images` of a permutation of the training split
-    drawn from `settings.seed`, through the eval transform, in batches of `settings.batch_size` on `device`."""
-    from torch.utils.data import DataLoader, Subset
-
-    from deit_ablate.data.datasets import dataset_root, training_split
-    from deit_ablate.data.transforms import build_eval_transform
-
-    dataset = training_split(cfg, build_eval_transform(cfg), dataset_root(cfg))  # the images the run trained on
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(settings.seed))
-    chosen = Subset(dataset, order[: min(settings.images, len(dataset))].tolist())
-    loader = DataLoader(chosen, batch_size=settings.batch_size, shuffle=False, num_workers=workers)
-    return [(images.to(device), labels.to(device)) for images, labels in loader]
-
-
-def rebuild_model(cfg: Any, model_name: str, weights: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
-    """A fresh eager float32 copy of the run's model (`models.build_model`) holding `weights`, on `device`."""
-    from deit_ablate.train.models import build_model
-
-    model = build_model(cfg.model, cfg.data.num_classes, cfg.resolution.train_size, name=model_name)
-    model.load_state_dict(weights)
-    return model.to(device=device, dtype=torch.float32)
-
-
-def measure_weights(cfg: Any, model_name: str, weights: dict[str, torch.Tensor], device: torch.device,
-                    settings: SharpnessSettings | None = None, show_progress: bool = True) -> dict[str, Any]:
-    """The figures of the run `cfg` describes at `weights`, on its fixed images (settings: `cfg.sharpness`)."""
-    settings = settings or SharpnessSettings.from_config(cfg.sharpness)
-    from deit_ablate.data.loader import num_workers
-
-    model = rebuild_model(cfg, model_name, weights, device)
-    batches = fixed_images(cfg, settings, device, num_workers(cfg))
-    return measure(model, batches, settings, show_progress)
-
-
 def summary_values(record: dict[str, Any]) -> dict[str, float]:
     """The figures as the wandb summary keeps them: `sharpness/lambda_max`, `sharpness/train_loss`, ..."""
     return {SUMMARY_PREFIX + name: record[name] for name in FIGURES}

@@ -1,4 +1,5 @@
-"""The training and evaluation loops."""
+"""The computation of training: one optimizer step (Trainer.train_step), the steps of an epoch's batches
+(Trainer.train_steps; run/loop.py's EpochLoop is the loop over epochs), and the evaluation."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class Trainer:
     on_log: Callable[[dict, int], None] = field(default=lambda metrics, step: None)
     _skipped: torch.Tensor | None = field(default=None, init=False, repr=False)  # on the device: no host sync
     _sam_timer: PassTimer | None = field(default=None, init=False, repr=False)
-    _epoch: EpochStreams | None = field(default=None, init=False, repr=False)  # this epoch's draws, by train_epoch
+    _epoch: EpochStreams | None = field(default=None, init=False, repr=False)  # this epoch's draws, by train_steps
 
     def __post_init__(self) -> None:
         if self.batch is not None:
@@ -145,7 +146,7 @@ class Trainer:
         weights the step starts from.
 
         Each micro-batch is one virtual slot, one GPU of the reference's run: it draws its own Mixup/CutMix (lambda,
-        box, which of the two) and drop path, keyed by (epoch, step, slot) once train_epoch has set the epoch's
+        box, which of the two) and drop path, keyed by (epoch, step, slot) once train_steps has set the epoch's
         streams; with SAM it is perturbed by its own gradient (see _sam_chunk); BatchNorm's running statistics
         follow slot 0's micro-batches, as DDP's buffer broadcast from rank 0 makes them on G GPUs."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -191,7 +192,7 @@ class Trainer:
         return frozen_running_stats(self.module)
 
     def sample_seeds(self, stream: Stream, step_in_epoch: int) -> list[int] | None:
-        """The seeds of this process's samples at `step_in_epoch`, in batch order (None before train_epoch sets
+        """The seeds of this process's samples at `step_in_epoch`, in batch order (None before train_steps sets
         the epoch, or without a batch plan)."""
         if self._epoch is None or self.batch is None:
             return None
@@ -260,7 +261,7 @@ class Trainer:
         if self.clip_grad:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
 
-    def train_epoch(self, loader, epoch: int, max_steps: int | None = None,
+    def train_steps(self, loader, epoch: int, max_steps: int | None = None,
                     step_hook: Callable[[int], None] | None = None, streams: RunStreams | None = None,
                     first_step: int = 0, done: tuple[float, int] = (0.0, 0)) -> float:
         """Run the epoch's batches (from its step `first_step` on, after a resume); returns the mean training loss of

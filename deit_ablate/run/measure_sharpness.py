@@ -1,0 +1,45 @@
+"""A run's sharpness (train/sharpness.py measures it): its fixed training images, its model rebuilt at the
+recorded weights, the figures; for `sharpness.at_end` and `python -m deit_ablate.sharpness`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from deit_ablate.data.datasets import dataset_root, training_split
+from deit_ablate.data.loader import num_workers
+from deit_ablate.data.transforms import build_eval_transform
+from deit_ablate.run.student import build_stage_model
+from deit_ablate.train.sharpness import Batches, SharpnessSettings, measure
+
+
+def fixed_images(cfg: DictConfig, settings: SharpnessSettings, device: torch.device, workers: int = 0) -> Batches:
+    """The images every figure is measured on: the first `settings.images` of a permutation of the training split
+    drawn from `settings.seed`, through the eval transform, in batches of `settings.batch_size` on `device`."""
+
+    dataset = training_split(cfg, build_eval_transform(cfg), dataset_root(cfg))  # the images the run trained on
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(settings.seed))
+    chosen = Subset(dataset, order[: min(settings.images, len(dataset))].tolist())
+    loader = DataLoader(chosen, batch_size=settings.batch_size, shuffle=False, num_workers=workers)
+    return [(images.to(device), labels.to(device)) for images, labels in loader]
+
+
+def rebuild_model(cfg: DictConfig, weights: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """A fresh eager float32 copy of the run's model (`models.build_model`) holding `weights`, on `device`."""
+    model = build_stage_model(cfg)
+    model.load_state_dict(weights)
+    return model.to(device=device, dtype=torch.float32)
+
+
+def measure_weights(cfg: DictConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                    settings: SharpnessSettings | None = None, show_progress: bool = True) -> dict[str, Any]:
+    """The figures of the run `cfg` describes at `weights`, on its fixed images (settings: `cfg.sharpness`)."""
+    settings = settings or SharpnessSettings.from_config(cfg.sharpness)
+
+    model = rebuild_model(cfg, weights, device)
+    batches = fixed_images(cfg, settings, device, num_workers(cfg))
+    return measure(model, batches, settings, show_progress)
