@@ -218,6 +218,11 @@ def broken_links(path: Path) -> list[str]:
     return broken
 
 
+def test_every_path_of_the_package_the_docs_name_exists():
+    named = {m for path in DOCS for m in re.findall(r"deit_ablate/[\w/]+(?:\.py|/)", path.read_text(encoding="utf-8"))}
+    assert len(named) > 20 and sorted(p for p in named if not (REPO / p).exists()) == []
+
+
 def test_every_relative_link_in_the_docs_resolves(tmp_path: Path):
     assert [b for path in DOCS for b in broken_links(path)] == []
     page = tmp_path / "PAGE.md"

@@ -1,4 +1,4 @@
-"""Sharpness measured (deit_ablate/train/sharpness/): lambda_max against known and dense Hessians, the noisy loss, the
+"""Sharpness measured (deit_ablate/train/sharpness.py): lambda_max against known and dense Hessians, the noisy loss, the
 seed, the command on a finished run, the end-of-run measure, and the aggregator's columns."""
 
 from __future__ import annotations
