@@ -13,9 +13,10 @@ PACKAGE = REPO / "deit_ablate"
 LAYERS = ("core", "config", "data", "record", "train", "run", "analysis", "bench")
 ENTRY_SHIMS = {"sharpness.py", "disagreement.py"}  # `python -m deit_ablate.<name>` kept at its old path
 MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_MODULES = 400, 60, 5
-# Functions that still take the whole config (issue 37 point 2 is not finished): the count may only fall.
-NO_WHOLE_CONFIG = ("core",)
-MAX_WHOLE_CONFIG = 119
+# The whole config is a parameter named `cfg`. No function of core/ or train/ takes it; data/'s builders still do
+# (issue 37 point 2 is not finished: 15 there, 111 in all), so the count may only fall.
+NO_WHOLE_CONFIG = ("core", "train")
+MAX_WHOLE_CONFIG = 111
 
 
 def _modules() -> dict[str, Path]:
@@ -91,18 +92,18 @@ def test_no_module_over_400_lines_and_no_function_over_60():
 
 
 def whole_config_functions() -> list[tuple[str, str]]:
-    """(module, function) of every function with a parameter annotated DictConfig, or a bare `cfg`."""
+    """(module, function) of every function that takes the whole config (a parameter named `cfg`)."""
     found = []
     for module, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
-                if any("DictConfig" in ast.unparse(a.annotation) if a.annotation else a.arg == "cfg" for a in params):
+                if any(a.arg == "cfg" for a in params):
                     found.append((module, node.name))
     return found
 
 
-def test_the_whole_config_stops_above_core_and_takes_no_new_functions():
+def test_the_whole_config_stops_above_train_and_takes_no_new_functions():
     found = whole_config_functions()
     assert [f for f in found if _layer(f[0]) in NO_WHOLE_CONFIG] == []
     assert len(found) <= MAX_WHOLE_CONFIG, len(found)

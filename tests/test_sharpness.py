@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from deit_ablate.analysis import sharpness as sharpness_cli
 from deit_ablate.analysis.aggregate import cli
 from deit_ablate.analysis.aggregate.reader import read_offline
 from deit_ablate.record.rundir import wandb_root
@@ -26,7 +27,6 @@ from deit_ablate.train.sharpness import (
     noisy_loss,
     top_eigenvalue,
 )
-from deit_ablate.train.sharpness import cli as sharpness_cli
 from tests.conftest import CONF, REPO, TINY, SharedRun, compose_config, identity_of, run_train
 
 
