@@ -35,7 +35,7 @@ def teacher_checkpoint(tmp_path_factory) -> Path:
 
 def test_teacher_receives_exactly_the_mixed_batch_the_student_sees(teacher_checkpoint, monkeypatch):
     cfg = compose_config(STUDENT + ["distill=hard_token", f"distill.teacher.checkpoint={teacher_checkpoint}"])
-    student = build_model(cfg.model, 10, 32, name=student_model_name(cfg))
+    student = build_model(cfg.model, 10, 32, name=student_model_name(cfg.model, cfg.distill))
     seen = {}
     student.register_forward_pre_hook(lambda module, args: seen.__setitem__("student", args[0].clone()))
     real_forward = assemble_module.teacher_forward

@@ -122,7 +122,7 @@ def test_finetune_step_runs_with_dropout_and_drop_path_inactive():
 def test_distilled_student_returns_both_heads_when_fine_tuned_in_eval_mode():
     cfg = compose_config(["distill=hard_token", "model.kwargs.depth=1", "model.kwargs.embed_dim=32",
                           "model.kwargs.num_heads=2"])
-    model = build_model(cfg.model, num_classes=10, img_size=32, name=student_model_name(cfg))
+    model = build_model(cfg.model, num_classes=10, img_size=32, name=student_model_name(cfg.model, cfg.distill))
     model.set_distilled_training(True)
     outputs = []
     optimizer = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.05)
@@ -157,7 +157,7 @@ def test_paper_finetune_evaluates_at_384_from_438():
 def test_each_table_3_option_trains_the_model_the_paper_trained(kind, preset):
     # DeiT Table 3: no distillation and the class-token kinds train DeiT-B; the token kinds DeiT-B⚗.
     cfg = compose_config([f"preset={preset}", f"distill={kind}"])
-    name = student_model_name(cfg)
+    name = student_model_name(cfg.model, cfg.distill)
     assert ("_distilled_" in name) == kind.endswith("_token")
     assert name.replace("_distilled", "") == cfg.model.name
 
@@ -165,7 +165,7 @@ def test_each_table_3_option_trains_the_model_the_paper_trained(kind, preset):
 def test_the_token_kinds_build_a_model_with_a_distillation_head_and_the_others_without():
     for kind, has_token in (("hard", False), ("hard_token", True)):
         cfg = compose_config([f"distill={kind}", "model.kwargs.depth=1"])
-        model = build_model(cfg.model, num_classes=10, img_size=32, name=student_model_name(cfg))
+        model = build_model(cfg.model, num_classes=10, img_size=32, name=student_model_name(cfg.model, cfg.distill))
         assert hasattr(model, "head_dist") == has_token and hasattr(model, "dist_token") == has_token
 
 
@@ -173,7 +173,7 @@ def test_the_token_kinds_build_a_model_with_a_distillation_head_and_the_others_w
 def test_a_distilled_model_with_a_class_token_kind_is_refused_never_averaged(kind):
     cfg = compose_config(["model=vit_demo_distilled", f"distill={kind}"])
     with pytest.raises(ConfigError, match="average of its two heads"):
-        student_model_name(cfg)
+        student_model_name(cfg.model, cfg.distill)
 
 
 def test_dropout_row_drops_where_timm_0_3_2_did_and_not_before_the_head():

@@ -42,7 +42,7 @@ def test_each_row_trains_its_model_at_paper_scale(row):
     name, width, heads = MODELS[f"deit_{size}"]
     distilled = "distilled" in row
     expected = name.replace("_patch", "_distilled_patch") if distilled else name
-    assert student_model_name(cfg) == expected
+    assert student_model_name(cfg.model, cfg.distill) == expected
     assert (cfg.model.kwargs.get("embed_dim"), cfg.model.kwargs.get("num_heads")) == (width, heads)
     assert cfg.distill.type == (DistillKind.hard_token if distilled else DistillKind.none)
     assert cfg.distill.teacher.chain == ("regnety_160" if distilled else None)

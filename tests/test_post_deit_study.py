@@ -86,6 +86,10 @@ def _changes(row: dict, base: dict) -> dict:
     return {k: row[k] for k in row if row[k] != base.get(k)}
 
 
+def _check_pretrain_size(cfg):
+    check_pretrain_size(cfg.stage, cfg.finetune.pretrain_size, cfg.resolution.train_size)
+
+
 def test_the_study_is_found_with_its_rows_in_order_and_the_chapters_numbers():
     study = next(s for s in studies() if s.name == STUDY)
     assert CONF_DIR == CONF  # the registry reads this checkout's folders
@@ -166,9 +170,9 @@ def test_fine_tunes_of_pretrainings_that_differ_only_in_size_are_different_runs(
 def test_a_pretrain_size_that_is_not_the_pretrainings_is_refused():
     cfg = compose_config([f"{STUDY}=res_128", "preset=paper", "resolution.train_size=224"])
     with pytest.raises(ConfigError, match=r"finetune.pretrain_size=128 but .* resolution.train_size=224"):
-        check_pretrain_size(cfg)
-    check_pretrain_size(compose_config([f"{STUDY}=res_128", "preset=paper"]))  # its own size: accepted
-    check_pretrain_size(compose_config([f"{STUDY}=res_128", "preset=paper", "stage=finetune"]))  # fine-tunes at 224
+        _check_pretrain_size(cfg)
+    _check_pretrain_size(compose_config([f"{STUDY}=res_128", "preset=paper"]))  # its own size: accepted
+    _check_pretrain_size(compose_config([f"{STUDY}=res_128", "preset=paper", "stage=finetune"]))  # fine-tunes at 224
 
 
 def test_fine_tune_rows_share_the_baselines_pretraining():

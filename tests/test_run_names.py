@@ -53,7 +53,7 @@ def test_vits_and_cait_are_described_from_the_built_model(overrides, text):
     from deit_ablate.run.student import student_model_name
 
     cfg = compose_config(overrides)
-    name = student_model_name(cfg)
+    name = student_model_name(cfg.model, cfg.distill)
     model = build_model(cfg.model, 10, 32, name=name)
     arch = architecture(model, name)
     assert describe_architecture(arch) == f"{name} ({text}, {_params(model) / 1e6:.2f} M params)"

@@ -125,7 +125,7 @@ def test_offline_and_disabled_tracking_never_look_for_a_key_or_a_server(monkeypa
     monkeypatch.setattr(tracking, "wandb_server", fail)
     monkeypatch.setattr(tracking, "server_problem", fail)
     for mode in ("offline", "disabled"):
-        tracking.check_tracking(compose_config([f"runtime.tracking.mode={mode}"]))
+        tracking.check_tracking(compose_config([f"runtime.tracking.mode={mode}"]).runtime)
 
 
 def test_a_netrc_entry_for_the_server_is_a_key(tmp_path, monkeypatch):

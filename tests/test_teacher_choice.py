@@ -81,7 +81,7 @@ def test_table2_rows_numbers_and_models_at_paper_scale():
     for row, (option, timm_name, demo_option) in TEACHERS.items():
         cfg = _hydra_config(["preset=paper", f"teachers={row}"])
         assert cfg.distill.type == DistillKind.hard_token and cfg.distill.teacher.chain == option
-        assert student_model_name(cfg) == "deit_base_distilled_patch16_224"
+        assert student_model_name(cfg.model, cfg.distill) == "deit_base_distilled_patch16_224"
         assert _hydra_config([f"model={option}"]).model.name == timm_name == cfg.distill.teacher.model
         assert _hydra_config([f"teachers={row}"]).distill.teacher.chain == demo_option
 

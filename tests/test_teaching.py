@@ -62,6 +62,10 @@ def teacher_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+def _check_view(cfg):
+    check_teacher_view(cfg.distill, cfg.mix, cfg.data)
+
+
 def test_the_fixed_view_is_resize_then_centre_crop_at_the_training_size():
     cfg = compose_config(["resolution.crop_pct=0.875"])
     size = cfg.resolution.train_size
@@ -116,7 +120,7 @@ def test_the_fixed_teacher_loss_uses_the_cached_rows_of_the_batchs_images():
 ])
 def test_a_fixed_teacher_that_cannot_work_is_refused_in_one_line(overrides, words):
     with pytest.raises(ConfigError, match=words):
-        check_teacher_view(compose_config(overrides))
+        _check_view(compose_config(overrides))
 
 
 def test_function_matching_is_mixup_with_lambda_uniform_on_0_1_on_every_batch():
@@ -138,7 +142,7 @@ def test_function_matching_is_mixup_with_lambda_uniform_on_0_1_on_every_batch():
 def test_under_function_matching_the_teacher_sees_the_students_mixed_images(teacher_checkpoint, monkeypatch):
     cfg = compose_config(STUDENT + ["mix=function_matching", "distill=soft",
                                     f"distill.teacher.checkpoint={teacher_checkpoint}"])
-    student = build_model(cfg.model, 10, 32, name=student_model_name(cfg))
+    student = build_model(cfg.model, 10, 32, name=student_model_name(cfg.model, cfg.distill))
     seen = {}
     student.register_forward_pre_hook(lambda module, args: seen.__setitem__("student", args[0].clone()))
     real_forward = assemble_module.teacher_forward
@@ -199,9 +203,9 @@ def test_both_options_compose_at_paper_scale_with_their_values():
     cfg = compose_config(["preset=paper", "stage=pretrain", "mix=function_matching", "distill=soft"])
     assert (cfg.mix.mixup_alpha, cfg.mix.cutmix_alpha, cfg.mix.prob, cfg.mix.label_smoothing) == (1.0, 0.0, 1.0, 0.0)
     assert cfg.distill.teacher_view == "same"
-    check_teacher_view(cfg)
+    _check_view(cfg)
     cfg = compose_config(["preset=paper", "distill=soft", "distill.teacher_view=fixed", "mix=none"])
-    check_teacher_view(cfg)
+    _check_view(cfg)
     assert cfg.distill.teacher_view == "fixed" and cfg.resolution.train_size == 224
 
 
@@ -269,7 +273,7 @@ def test_the_runs_teacher_sees_each_batch_at_the_sizes_it_names(teacher_checkpoi
         return teacher_forward(teacher, images)
 
     monkeypatch.setattr(assemble_module, "teacher_forward", recording_forward)
-    student = build_model(cfg.model, 10, 32, name=student_model_name(cfg))
+    student = build_model(cfg.model, 10, 32, name=student_model_name(cfg.model, cfg.distill))
     loss_fn = assemble_module.build_loss_fn(cfg, run_teacher(cfg, None), student, torch.nn.CrossEntropyLoss(),
                                             torch.device("cpu"))
     assert torch.isfinite(loss_fn(torch.randn(2, 3, 32, 32), torch.randn(2, 10), torch.tensor([0, 1])))
@@ -291,10 +295,10 @@ def test_the_runs_teacher_sees_each_batch_at_the_sizes_it_names(teacher_checkpoi
     ("[224,384]", "vit_tiny_patch16_224", "dynamic_img_size=true"),
 ])
 def test_teacher_sizes_that_cannot_work_are_refused(sizes, model, words):
-    cfg = compose_config(["distill=soft", f"distill.teacher.sizes={sizes}"])
+    sizes = compose_config(["distill=soft", f"distill.teacher.sizes={sizes}"]).distill.teacher.sizes
     with pytest.raises(ConfigError, match=words):
-        check_teacher_sizes(cfg)
-        check_resizable_teacher(cfg, TeacherSource(model, {}, None))
-    check_resizable_teacher(cfg, TeacherSource(model, {"dynamic_img_size": True}, None))  # it takes any size
+        check_teacher_sizes(sizes)
+        check_resizable_teacher(sizes, TeacherSource(model, {}, None))
+    check_resizable_teacher(sizes, TeacherSource(model, {"dynamic_img_size": True}, None))  # it takes any size
     with pytest.raises(ConfigError, match=r"distill.teacher.sizes=\[0, 224\] must be >= 1"):
         check_ranges(compose_config(["distill.teacher.sizes=[0,224]"]))

@@ -256,7 +256,8 @@ def test_table7_rows_at_paper_scale(row: str) -> None:
                               f"distill.teacher.checkpoint={TEACHER}", "runtime.data_dir=/datasets"])
     data, classes, top1 = TABLE7[row]
     assert cfg.stage == Stage.transfer and cfg.hydra.runtime.choices.resolution == "paper_transfer"
-    assert student_model_name(cfg) == "deit_base_distilled_patch16_224" and cfg.resolution.train_size == 384
+    assert student_model_name(cfg.model, cfg.distill) == "deit_base_distilled_patch16_224"
+    assert cfg.resolution.train_size == 384
     assert (cfg.data.name, cfg.data.num_classes, cfg.data.root) == (data, classes, f"/datasets/{row}")
     table = paper_table("table7")
     assert table.model == "DeiT-B⚗↑384" and table.row(row).values["transfer"] == top1

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from deit_ablate.config.keys import leaves
-from deit_ablate.config.schema import Stage
+from deit_ablate.config.schema import FinetuneConfig, Stage, TransferConfig
 from deit_ablate.core.errors import ConfigError
 
 # The block of each stage after pre-training.
@@ -52,18 +52,17 @@ def is_applied(cfg: DictConfig) -> bool:
     return bool(cfg._get_flag(_APPLIED))
 
 
-def named_settings(cfg: DictConfig, block: str) -> dict[str, Any]:
-    """`{key of the run: value}` that the named keys of `block` set (those that are not null)."""
-    node = cfg[block]
+def named_settings(node: FinetuneConfig | TransferConfig) -> dict[str, Any]:
+    """`{key of the run: value}` that the named keys of a stage block set (those that are not null)."""
     return {target: node[key] for key, target in NAMED_KEYS.items() if key in node and node[key] is not None}
 
 
-def override_leaves(cfg: DictConfig, block: str) -> dict[str, Any]:
-    """`<block>.overrides` as `{dotted key of the run: value}`, resolved, checked against what a stage may set; a
-    ConfigError naming the override and the fix otherwise."""
-    overrides = OmegaConf.to_container(cfg[block].overrides, resolve=True, enum_to_str=True)
+def override_leaves(node: FinetuneConfig | TransferConfig, block: str) -> dict[str, Any]:
+    """`<block>.overrides` of the stage block `node` as `{dotted key of the run: value}`, resolved, checked against
+    what a stage may set; a ConfigError naming the override and the fix otherwise."""
+    overrides = OmegaConf.to_container(node.overrides, resolve=True, enum_to_str=True)
     found = leaves(overrides)
-    named = {target: key for key, target in NAMED_KEYS.items() if key in cfg[block]}
+    named = {target: key for key, target in NAMED_KEYS.items() if key in node}
     for dotted in found:
         top = dotted.split(".", 1)[0]
         if top not in OVERRIDABLE:
@@ -102,7 +101,7 @@ def check_stage_overrides(cfg: DictConfig) -> None:
 
 def _apply(cfg: DictConfig, block: str) -> DictConfig:
     """`cfg` (a copy, changed in place) with `block`'s named keys and override set applied."""
-    settings = {**named_settings(cfg, block), **override_leaves(cfg, block)}
+    settings = {**named_settings(cfg[block]), **override_leaves(cfg[block], block)}
     with read_write(cfg):
         for dotted, value in settings.items():
             try:

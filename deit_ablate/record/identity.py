@@ -162,11 +162,10 @@ def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
     return f"{text[:_MAX_READABLE]}~"
 
 
-def _stage_drop(cfg: DictConfig) -> tuple[str, ...]:
+def _stage_drop(stage: str) -> tuple[str, ...]:
     """A run's identity leaves out the recipes of later stages, which it never uses: a pre-training both the
     fine-tune and the transfer recipe, a fine-tune the transfer recipe. A transfer keeps the fine-tune recipe, which
     names its source run."""
-    stage = str(cfg.stage)
     if stage == "pretrain":
         return (*FINETUNE_ONLY, TRANSFER_ONLY)
     return (TRANSFER_ONLY,) if stage == "finetune" else ()
@@ -176,7 +175,7 @@ def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, An
     """The identity of the run `cfg` describes, launched with `overrides` (Hydra's task overrides), whose group
     options are `choices` (Hydra's `runtime.choices`; see `composed_choices`). A run that does not distil is named
     without the teacher overrides a sweep gave it (keys.TEACHER_KEYS)."""
-    drop = _stage_drop(cfg)
+    drop = _stage_drop(str(cfg.stage))
     distill_type = cfg.distill.type if "distill" in cfg else None
     overrides = [item for item in overrides if not unused_teacher(_override_key(item), distill_type)]
     digest = experiment_digest(cfg, drop, choices)

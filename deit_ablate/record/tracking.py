@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.config.keys import LEGACY_CHOICE_KEYS, legacy_keys
+from deit_ablate.config.schema import RuntimeConfig
 from deit_ablate.config.studies import study_names
 from deit_ablate.core.atomic import write_text_atomic
 from deit_ablate.core.errors import ConfigError
@@ -83,13 +84,13 @@ def server_problem(url: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
     return outcome[0] if outcome else f"{host}:{port}: no answer within {timeout:g} s"
 
 
-def check_tracking(cfg: DictConfig) -> None:
+def check_tracking(runtime: RuntimeConfig) -> None:
     """runtime.tracking.mode=online needs a wandb key and a server that answers: a ConfigError naming the offline
     way, before anything starts (wandb itself fails after 18-106 s with a long traceback). Other modes: nothing."""
-    if cfg.runtime.tracking.mode != "online":
+    if runtime.tracking.mode != "online":
         return
     offline = (f"or log offline with runtime.tracking.mode=offline and upload later with "
-               f"`wandb sync {wandb_root(cfg.runtime.output_root)}/offline-run-*`.")
+               f"`wandb sync {wandb_root(runtime.output_root)}/offline-run-*`.")
     server = wandb_server()
     from wandb.errors import AuthenticationError
 

@@ -118,7 +118,7 @@ def build_student(plan: RunPlan, info: DistInfo) -> tuple[torch.nn.Module, dict[
     """The student on this rank's device, from its pre-training's weights in a fine-tune, with a fixed LayerScale
     diagonal where the row asks for one; wrapped in DDP on several ranks."""
     cfg = plan.settings
-    model = build_stage_model(cfg)
+    model = build_stage_model(plan.student)
     model = model.to(info.device)
     if plan.recipe.init_checkpoint is not None and plan.is_transfer:
         heads = load_backbone(model, plan.recipe.init_checkpoint)

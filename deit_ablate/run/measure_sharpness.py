@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Subset
 from deit_ablate.data.datasets import dataset_root, training_split
 from deit_ablate.data.loader import num_workers
 from deit_ablate.data.transforms import build_eval_transform
-from deit_ablate.run.student import build_stage_model
+from deit_ablate.run.student import build_stage_model, student_spec
 from deit_ablate.train.sharpness import Batches, SharpnessSettings, measure
 
 
@@ -30,7 +30,7 @@ def fixed_images(cfg: DictConfig, settings: SharpnessSettings, device: torch.dev
 
 def rebuild_model(cfg: DictConfig, weights: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
     """A fresh eager float32 copy of the run's model (`models.build_model`) holding `weights`, on `device`."""
-    model = build_stage_model(cfg)
+    model = build_stage_model(student_spec(cfg))
     model.load_state_dict(weights)
     return model.to(device=device, dtype=torch.float32)
 

@@ -37,7 +37,7 @@ from deit_ablate.run.stages import (
     teacher_run_dir,
     upstream_run_dir,
 )
-from deit_ablate.run.student import student_model_name
+from deit_ablate.run.student import StudentSpec, student_spec
 from deit_ablate.run.teacher import TeacherSource, run_teacher, with_run_teacher
 from deit_ablate.run.transfer import with_transfer_source
 from deit_ablate.run.validate import BatchPlan, plan_batch
@@ -55,11 +55,15 @@ class RunPlan:
     data: dict[str, Any]  # the data's fingerprint (data/fingerprint.py)
     batch: BatchPlan
     recipe: StageRecipe
-    model_name: str  # the student's timm model (the distilled twin under a token distillation)
+    student: StudentSpec  # the network the stage trains (its timm name: the distilled twin under a token kind)
     upstream: RunDir | None  # the run this stage starts from: a fine-tune's pre-training, a transfer's source
     teacher_run: RunDir | None  # the teacher run a chained student distils from (distill.teacher.chain)
     teacher: TeacherSource | None  # the teacher to load (None: no distillation, or a dry run awaiting its teacher)
     layer_scale_source: RunDir | None  # the LayerScale run whose learned diagonal this run fixes (CaiT appendix A)
+
+    @property
+    def model_name(self) -> str:
+        return self.student.name
 
     @property
     def is_finetune(self) -> bool:
@@ -124,5 +128,5 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     return RunPlan(settings=cfg, declared=declared, overrides=tuple(overrides), identity=identity, run_dir=run_dir,
                    data=data,
                    batch=plan_batch(cfg, info.world_size), recipe=stage_recipe(cfg, upstream),
-                   model_name=student_model_name(cfg), upstream=upstream, teacher_run=teacher_run, teacher=teacher,
+                   student=student_spec(cfg), upstream=upstream, teacher_run=teacher_run, teacher=teacher,
                    layer_scale_source=layer_scale)

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.config.compose import compose_run_config
-from deit_ablate.config.schema import CONF_DIR, DistillKind, Stage
+from deit_ablate.config.schema import CONF_DIR, DistillKind, ModelConfig, Stage
 from deit_ablate.config.stage_config import STAGE_BLOCKS, stage_config
 from deit_ablate.config.studies import study_names
 from deit_ablate.core.errors import ConfigError
@@ -177,10 +177,10 @@ LAYER_SCALE_GROUP = "cait"
 LAYER_SCALE_KEYS = ("model.kwargs.layer_scale_from", "model.kwargs.layer_scale_learned")
 
 
-def layer_scale_row(cfg: DictConfig) -> str | None:
+def layer_scale_row(model: ModelConfig) -> str | None:
     """The row of the cait study named by model.kwargs.layer_scale_from (None when unset); a ConfigError if there
     is no such row."""
-    row = cfg.model.kwargs.get("layer_scale_from")
+    row = model.kwargs.get("layer_scale_from")
     if row is None:
         return None
     if not (CONF_DIR / LAYER_SCALE_GROUP / f"{row}.yaml").is_file():
@@ -193,7 +193,7 @@ def layer_scale_row(cfg: DictConfig) -> str | None:
 def layer_scale_source_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
     """The overrides of the LayerScale run this run takes its diagonal from (None when it takes none). A
     fine-tune takes none: its pre-trained weights hold the diagonal its pre-training fixed."""
-    row = layer_scale_row(cfg)
+    row = layer_scale_row(cfg.model)
     if row is None or cfg.stage != Stage.pretrain:
         return None
     # the same overrides with cait=<row>, without the fixing row's own keys
@@ -313,7 +313,7 @@ def _require_layer_scale_run(cfg: DictConfig, source: RunDir, overrides: list[st
     """`source` when that LayerScale run finished; else a ConfigError naming it and the command that trains it."""
     return require_finished(
         source, f"fixes the LayerScale diagonal at the values the run '{source.name}' learned (model.kwargs."
-        f"layer_scale_from={layer_scale_row(cfg)}, CaiT appendix A)",
+        f"layer_scale_from={layer_scale_row(cfg.model)}, CaiT appendix A)",
         train_command(layer_scale_source_overrides(cfg, overrides) or []),
         "or sweep both in one command, that row listed first (on SLURM the run waits for it).")
 

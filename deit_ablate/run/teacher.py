@@ -15,7 +15,7 @@ import torch
 import yaml
 from torch import nn
 
-from deit_ablate.config.schema import DistillKind, Stage
+from deit_ablate.config.schema import DistillConfig, DistillKind, Stage
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
 from deit_ablate.record.checkpoint import read_weights
@@ -110,11 +110,11 @@ def check_teacher_run(run: RunDir, reference: str, allow_unfinished: bool) -> st
 def check_distill_config(cfg) -> None:
     """Before anything runs: the student model suits the kind, a teacher run has finished (unless allowed) and the
     teacher resolves to a loadable file."""
-    student_model_name(cfg)
-    check_chain_keys(cfg)
+    student_model_name(cfg.model, cfg.distill)  # refuses a model that does not suit the kind
+    check_chain_keys(cfg.distill)
     if not stage_distils(cfg):
         return
-    check_teacher_sizes(cfg)
+    check_teacher_sizes(cfg.distill.teacher.sizes)
     overrides = list(cfg.hydra.overrides.task) if "hydra" in cfg else None
     chained = teacher_run_dir(cfg, overrides)
     if chained is not None and teacher_run_state(chained) != "finished":
@@ -128,21 +128,19 @@ def check_distill_config(cfg) -> None:
     if not timm.is_model(source.model):
         raise ConfigError(f"distill.teacher.model={source.model} is not a timm model; set it to the teacher's "
                           "architecture.")
-    check_resizable_teacher(cfg, source)
+    check_resizable_teacher(cfg.distill.teacher.sizes, source)
 
 
-def check_teacher_sizes(cfg) -> None:
+def check_teacher_sizes(sizes: Sequence[int] | None) -> None:
     """distill.teacher.sizes, when set: at least one size, each once."""
-    sizes = cfg.distill.teacher.sizes
     if sizes is not None and (not sizes or len(set(sizes)) != len(sizes)):
         raise ConfigError(f"distill.teacher.sizes={list(sizes)} must list distinct sizes, at least one: the "
                           "teacher's logits are averaged over the batch resized to each. Name each size once (e.g. "
                           "distill.teacher.sizes=[224,384]), or set it to null for the batch as it is.")
 
 
-def check_resizable_teacher(cfg, source: TeacherSource) -> None:
+def check_resizable_teacher(sizes: Sequence[int] | None, source: TeacherSource) -> None:
     """With distill.teacher.sizes, a ViT teacher built to take other sizes than its own."""
-    sizes = cfg.distill.teacher.sizes
     if sizes and is_vision_transformer(source.model) and not source.kwargs.get("dynamic_img_size"):
         raise ConfigError(f"distill.teacher.sizes={list(sizes)} resizes the batch the teacher sees, but the ViT "
                           f"teacher {source.model} is built for one size. Add "
@@ -150,16 +148,16 @@ def check_resizable_teacher(cfg, source: TeacherSource) -> None:
                           "size), or name the teacher's run folder in distill.teacher.checkpoint, which does so.")
 
 
-def check_chain_keys(cfg) -> None:
+def check_chain_keys(distill: DistillConfig) -> None:
     """A ConfigError when distill.teacher.chain is set with a teacher checkpoint, or without distillation."""
-    chain = cfg.distill.teacher.get("chain")
+    chain = distill.teacher.get("chain")
     if chain is None:
         return
-    if cfg.distill.teacher.checkpoint:
+    if distill.teacher.checkpoint:
         raise ConfigError(f"distill.teacher.chain={chain} and distill.teacher.checkpoint="
-                          f"{cfg.distill.teacher.checkpoint} are both set: chain trains the teacher in the same sweep, "
+                          f"{distill.teacher.checkpoint} are both set: chain trains the teacher in the same sweep, "
                           "checkpoint names one trained already. Set only one of them.")
-    if cfg.distill.type == DistillKind.none:
+    if distill.type == DistillKind.none:
         raise ConfigError(f"distill.teacher.chain={chain} is set but distill=none: there is no student to distil. "
                           "Pick a distillation (e.g. distill=hard_token) or drop distill.teacher.chain.")
 

@@ -11,15 +11,21 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.optim import list_optimizers
 
 from deit_ablate.config.schema import (
+    AugmentConfig,
     Config,
     Criterion,
     CropMode,
     DataBackend,
+    DataConfig,
     DataName,
+    DistillConfig,
     DistillKind,
+    MixConfig,
     MixMode,
+    ResolutionConfig,
     Stage,
     TeacherView,
+    TrackingConfig,
     TrackingMode,
     schema_ranges,
 )
@@ -30,7 +36,7 @@ from deit_ablate.data.datasets import check_data_root
 from deit_ablate.record.rundir import check_output_root
 from deit_ablate.record.tracking import check_tracking
 from deit_ablate.run.stages import layer_scale_row, stage_global_batch, stage_micro_batch
-from deit_ablate.run.student import build_stage_model, student_model_name
+from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.run.teacher import check_distill_config
 from deit_ablate.run.transfer import check_transfer_config
 from deit_ablate.train.batch_plan import BatchPlan
@@ -51,13 +57,6 @@ AUGMENT_FORMS = ("rand-m<magnitude>[-n<ops>][-p<prob>][-mstd<std>][-mmax<max>][-
                  "(DeiT: rand-m9-mstd0.5-inc1), one of " + "|".join(AUTOAUGMENT_POLICIES) + " with an optional "
                  "-mstd<std> (AutoAugment), augmix[-m<m>][-w<w>][-d<d>][-a<a>][-b<0|1>][-mstd<std>], or null (off)")
 
-def _get(cfg: DictConfig, dotted: str):
-    node = cfg
-    for key in dotted.split("."):
-        node = node[key]
-    return node
-
-
 def per_batch_computations(cfg: DictConfig) -> list[str]:
     """What this stage computes per micro-batch (so splitting one over passes would change it): Mixup/CutMix,
     SAM, drop path or dropout in train mode, BatchNorm."""
@@ -70,19 +69,18 @@ def per_batch_computations(cfg: DictConfig) -> list[str]:
     train_mode = cfg.finetune.train_mode if cfg.stage == Stage.finetune else True
     if train_mode and (cfg.model.drop_path > 0 or cfg.model.dropout > 0):
         found.append("drop path and dropout draw their masks per micro-batch")
-    if train_mode and has_batch_norm(cfg):
+    if train_mode and has_batch_norm(student_spec(cfg)):
         found.append("BatchNorm normalises over the micro-batch")
     return found
 
 
-def has_batch_norm(cfg: DictConfig) -> bool:
+def has_batch_norm(student: StudentSpec) -> bool:
     """Whether the stage's student has BatchNorm layers (built on the meta device: no memory, no weights)."""
     import torch
     from torch.nn.modules.batchnorm import _BatchNorm
 
-
     with torch.device("meta"):
-        model = build_stage_model(cfg)
+        model = build_stage_model(student)
     return any(isinstance(module, _BatchNorm) for module in model.modules())
 
 
@@ -153,10 +151,10 @@ def check_ranges(cfg: DictConfig) -> None:
         raise ConfigError(f"{key}={shown} must be {finite}{bounds}{each}{hint}.")
 
 
-def check_names(cfg: DictConfig) -> None:
+def check_names(tracking: TrackingConfig) -> None:
     """runtime.tracking.project and runtime.tracking.entity: names wandb and the file system take as they are."""
-    for key in ("runtime.tracking.project", "runtime.tracking.entity"):
-        value = _get(cfg, key)
+    for name in ("project", "entity"):
+        key, value = f"runtime.tracking.{name}", tracking[name]
         if value is not None and (not SAFE_NAME.fullmatch(str(value)) or ".." in str(value)):
             raise ConfigError(f"{key}={value} is not a safe name: use letters, digits, '.', '_' and '-' "
                               "(at most 128, starting with a letter or digit), e.g. deit-ablate.")
@@ -215,31 +213,29 @@ def check_known_keys(cfg: DictConfig) -> None:
     walk(cfg, schema, "")
 
 
-def check_model_options(cfg: DictConfig) -> None:
+def check_model_options(student: StudentSpec) -> None:
     """The options of deit_ablate.train.deeper, the register tokens in model.kwargs and model.head: known values, on a
     model that takes them."""
     from deit_ablate.train.deeper import split_options
     from deit_ablate.train.models import check_head, check_register_tokens, model_family
 
-    check_head(cfg.model.head, student_model_name(cfg))
-    kwargs = dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True))
-    check_register_tokens(student_model_name(cfg), kwargs)
-    split_options(kwargs, model_family(student_model_name(cfg)))
-    layer_scale_row(cfg)
+    check_head(student.model.head, student.name)
+    kwargs = dict(OmegaConf.to_container(student.model.kwargs, resolve=True))
+    check_register_tokens(student.name, kwargs)
+    split_options(kwargs, model_family(student.name))
+    layer_scale_row(student.model)
 
 
-def check_image_sizes(cfg: DictConfig) -> None:
+def check_image_sizes(student: StudentSpec, size: ResolutionConfig) -> None:
     """A model that takes one image size (a ViT's strict patch embedding) is evaluated at the size it trains at."""
     import torch
     from timm.layers import PatchEmbed
 
-
-    size = cfg.resolution
     if size.eval_size == size.train_size:
         return
-    name = student_model_name(cfg)
+    name = student.name
     with torch.device("meta"):  # the architecture only: no memory, no initialisation cost
-        model = build_stage_model(cfg, size.train_size)
+        model = build_stage_model(student, size.train_size)
     embed = next((m for m in model.modules() if isinstance(m, PatchEmbed)), None)
     if embed is not None and embed.strict_img_size and not getattr(embed, "dynamic_img_pad", False):
         raise ConfigError(
@@ -249,31 +245,30 @@ def check_image_sizes(cfg: DictConfig) -> None:
             f"eval_size / crop_pct), or pick a resolution option that sets both.")
 
 
-def check_mixer_size(cfg: DictConfig) -> None:
+def check_mixer_size(student: StudentSpec, stage: Stage, pretrain_size: int | None) -> None:
     """A Mixer fine-tunes or transfers at the size it pre-trained at, named by finetune.pretrain_size: its
     token-mixing MLPs are sized to its patch grid, with no position table to resample."""
-    name, size = student_model_name(cfg), cfg.resolution.train_size
-    if cfg.stage == Stage.pretrain or not is_mixer(name) or cfg.finetune.pretrain_size == size:
+    name, size = student.name, student.img_size
+    if stage == Stage.pretrain or not is_mixer(name) or pretrain_size == size:
         return
-    raise ConfigError(f"stage={cfg.stage} of {name} at resolution.train_size={size}, but finetune.pretrain_size="
-                      f"{cfg.finetune.pretrain_size}: a Mixer's token-mixing MLPs are sized to the patch grid of "
+    raise ConfigError(f"stage={stage} of {name} at resolution.train_size={size}, but finetune.pretrain_size="
+                      f"{pretrain_size}: a Mixer's token-mixing MLPs are sized to the patch grid of "
                       "the size it pre-trained at (no position table to resample, as a ViT's), so a later stage "
                       "must train at that size. Set resolution=<its size>px and finetune.pretrain_size=<its size> "
                       "(224 for the sam study's mixer rows at paper scale, 32 at demo scale).")
 
 
-def check_pretrain_size(cfg: DictConfig) -> None:
+def check_pretrain_size(stage: Stage, pretrain_size: int | None, train_size: int) -> None:
     """finetune.pretrain_size, where set, is the size the pre-training stage trains at."""
-    size = cfg.finetune.pretrain_size
-    if size is not None and cfg.stage == "pretrain" and size != cfg.resolution.train_size:
+    size = pretrain_size
+    if size is not None and stage == Stage.pretrain and size != train_size:
         raise ConfigError(f"finetune.pretrain_size={size} but this pre-training trains at resolution.train_size="
-                          f"{cfg.resolution.train_size}. Set resolution.train_size={size} for the pre-training "
+                          f"{train_size}. Set resolution.train_size={size} for the pre-training "
                           "(conf/deit3/res_128.yaml shows how), or finetune.pretrain_size=null.")
 
 
-def check_three_augment_and_crop(cfg: DictConfig) -> None:
+def check_three_augment_and_crop(aug: AugmentConfig, data: DataConfig) -> None:
     """augment.three_augment and augment.crop=simple (DeiT III): built on the pil backend's crop and policy only."""
-    aug, data = cfg.augment, cfg.data
     options = [name for name, on in (("augment.three_augment=true", aug.three_augment),
                                      ("augment.crop=simple", aug.crop == CropMode.simple)) if on]
     if not options:
@@ -295,42 +290,40 @@ def check_three_augment_and_crop(cfg: DictConfig) -> None:
                           "(DeiT III's), bilinear or nearest.")
 
 
-def check_criterion(cfg: DictConfig) -> None:
+def check_criterion(mix: MixConfig) -> None:
     """mix.criterion=bce: DeiT III's thresholded targets leave no room for label smoothing."""
-    if cfg.mix.criterion == Criterion.bce and cfg.mix.label_smoothing > 0:
-        raise ConfigError(f"mix.criterion=bce with mix.label_smoothing={cfg.mix.label_smoothing}: binary cross-entropy "
+    if mix.criterion == Criterion.bce and mix.label_smoothing > 0:
+        raise ConfigError(f"mix.criterion=bce with mix.label_smoothing={mix.label_smoothing}: binary cross-entropy "
                           "makes every class above 0 in the mixed target a positive (DeiT III), so every smoothed "
                           "class would be one; set mix.label_smoothing=0, as DeiT III does with BCE.")
 
 
-def check_layer_decay(cfg: DictConfig) -> None:
+def check_layer_decay(zeta: float | None, student: StudentSpec) -> None:
     """finetune.layer_decay (a ratio in (0, 1]: check_ranges) on a model whose layers are `blocks` (a ViT)."""
     import torch
 
-
-    zeta = cfg.finetune.layer_decay
     if zeta is None:
         return
-    name = student_model_name(cfg)
+    name = student.name
     with torch.device("meta"):  # the architecture only
-        model = build_stage_model(cfg)
+        model = build_stage_model(student)
     if not hasattr(model, "blocks"):
         raise ConfigError(f"finetune.layer_decay={zeta} decays the lr over a ViT's `blocks`, which {name} has not; "
                           "unset it (finetune.layer_decay=null) or fine-tune a ViT.")
 
 
-def check_teacher_view(cfg: DictConfig) -> None:
+def check_teacher_view(distill: DistillConfig, mix: MixConfig, data: DataConfig) -> None:
     """distill.teacher_view=fixed (Beyer et al. 2022's fixed teacher): a teacher, unmixed batches, the PIL loader."""
-    if cfg.distill.teacher_view != TeacherView.fixed:
+    if distill.teacher_view != TeacherView.fixed:
         return
-    if cfg.distill.type == DistillKind.none:
+    if distill.type == DistillKind.none:
         raise ConfigError("distill.teacher_view=fixed says what a teacher sees, but distill=none has no teacher: pick "
                           "a distillation kind (e.g. distill=soft) or drop distill.teacher_view.")
-    if cfg.mix.mixup_alpha > 0 or cfg.mix.cutmix_alpha > 0:
+    if mix.mixup_alpha > 0 or mix.cutmix_alpha > 0:
         raise ConfigError("distill.teacher_view=fixed distils towards cached outputs of each unmixed image, which "
                           "a Mixup/CutMix image has none of (Beyer et al.'s fixed teacher trains without mixing): add "
                           "mix=none, or keep teacher_view=same (with mix=function_matching: function matching).")
-    if cfg.data.backend == DataBackend.dali:
+    if data.backend == DataBackend.dali:
         raise ConfigError("distill.teacher_view=fixed needs each image's index, which the DALI loader does not hand "
                           "through: use data.backend=pil (the default) for a fixed teacher.")
 
@@ -342,10 +335,10 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_stage_overrides(cfg)
     cfg = stage_config(cfg)
     check_ranges(cfg)
-    check_names(cfg)
-    check_criterion(cfg)
+    check_names(cfg.runtime.tracking)
+    check_criterion(cfg.mix)
     check_auto_augment(cfg.augment.auto_augment)
-    check_three_augment_and_crop(cfg)
+    check_three_augment_and_crop(cfg.augment, cfg.data)
     if cfg.data.fast_jpeg and cfg.augment.no_aug:
         raise ConfigError("data.fast_jpeg speeds up the random-resized crop, which augment.no_aug=true turns off. "
                           "Set data.fast_jpeg=false.")
@@ -357,18 +350,19 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             close = timm.list_models(f"*{name.split('_')[0]}*")[:8]
             raise ConfigError(f"timm has no model named '{name}'. Close names: {', '.join(close) or 'none'}. "
                               "Pick a `model=` option (see conf/model/) or a timm model name in model.name.")
-    check_model_options(cfg)
-    check_image_sizes(cfg)
-    check_layer_decay(cfg)
-    check_pretrain_size(cfg)
-    check_mixer_size(cfg)
+    student = student_spec(cfg)
+    check_model_options(student)
+    check_image_sizes(student, cfg.resolution)
+    check_layer_decay(cfg.finetune.layer_decay, student)
+    check_pretrain_size(cfg.stage, cfg.finetune.pretrain_size, cfg.resolution.train_size)
+    check_mixer_size(student, cfg.stage, cfg.finetune.pretrain_size)
     optimizers = {cfg.optimizer.name, cfg.finetune.optimizer, cfg.transfer.optimizer}
     for name in optimizers:
         if name not in list_optimizers():
             raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw, sgd or lamb.")
     if cfg.data.name != DataName.builtin:
         check_data_root(cfg)
-    check_teacher_view(cfg)
+    check_teacher_view(cfg.distill, cfg.mix, cfg.data)
     check_transfer_config(cfg)
     check_distill_config(cfg)
     micro_batch_split(cfg)
@@ -382,4 +376,4 @@ def validate_launch(cfg: DictConfig, world_size: int | None = None) -> None:
     call it before Hydra makes a folder or anything is queued)."""
     validate_config(cfg, world_size)
     check_output_root(cfg.runtime.output_root, tracking=cfg.runtime.tracking.mode != TrackingMode.disabled)
-    check_tracking(cfg)
+    check_tracking(cfg.runtime)
