@@ -27,6 +27,7 @@ from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.identity import composed_choices, experiment, run_identity
 from deit_ablate.record.rundir import RunDir, runs_root, wandb_root
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.plan import make_plan
 from deit_ablate.run.stages import layer_scale_run_dir
 from deit_ablate.run.validate import validate_config
@@ -311,7 +312,7 @@ def test_ls_fixed_refuses_to_start_before_its_layerscale_run_has_finished(tmp_pa
                                           rf".* Train it first: python train.py cait=depth18_layerscale "
                                           rf"runtime.output_root={tmp_path};"):
         plan(cfg, overrides)
-    source = layer_scale_run_dir(cfg, overrides).path
+    source = layer_scale_run_dir(Lineage.of(cfg, overrides)).path
     source.mkdir(parents=True)
     RunDir(source).result.write_text(json.dumps({"status": "diverged"}))
     with pytest.raises(ConfigError, match="which ended as diverged"):

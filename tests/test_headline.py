@@ -12,6 +12,7 @@ from deit_ablate.analysis.aggregate.paper import paper_table
 from deit_ablate.config.schema import DistillKind
 from deit_ablate.config.stage_config import stage_config
 from deit_ablate.config.studies import studies
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.stages import teacher_run_overrides
 from deit_ablate.run.student import student_model_name
 from tests.conftest import CONF, compose_config, identity_of, one_class_imagefolder, run_train
@@ -70,7 +71,7 @@ def test_the_crop_row_is_the_1000_epoch_run_evaluated_at_crop_1():
 def test_a_distilled_rows_teacher_run_is_the_plain_regnet_run():
     overrides = ["preset=paper", f"{STUDY}=deit_ti_distilled", "seed=2"]
     cfg = compose_config(overrides)
-    assert teacher_run_overrides(cfg, overrides) == ["model=regnety_160", "preset=paper", "seed=2"]
+    assert teacher_run_overrides(Lineage.of(cfg, overrides)) == ["model=regnety_160", "preset=paper", "seed=2"]
 
 
 @pytest.mark.slow

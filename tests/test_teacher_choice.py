@@ -19,6 +19,7 @@ from deit_ablate.config.schema import DistillKind
 from deit_ablate.config.studies import studies
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import RunDir, wandb_root
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.preflight import check_teacher_trained
 from deit_ablate.run.stages import teacher_run_dir, teacher_run_overrides, upstream_overrides, upstream_role
 from deit_ablate.run.student import student_model_name
@@ -48,16 +49,17 @@ def test_the_teacher_run_is_the_students_run_with_the_teachers_model_and_no_dist
     student = ["teachers=regnety_16gf", "stage=finetune", "resolution=48px", "finetune.lr=1e-5", "distill.alpha=0.3",
                "model.drop_path=0.2", "seed=3", "augment.reprob=0.1", root]
     cfg = _hydra_config(student)
-    assert teacher_run_overrides(cfg, student) == ["model=cnn_demo", "seed=3", "augment.reprob=0.1", root]
+    assert teacher_run_overrides(Lineage.of(cfg, student)) == ["model=cnn_demo", "seed=3", "augment.reprob=0.1", root]
     # At paper scale the same row chains RegNetY-16GF; the run is `python train.py model=regnety_160 ...` itself.
     paper = ["preset=paper", "teachers=regnety_16gf", "seed=3", root]
-    teacher = teacher_run_overrides(_hydra_config(paper), paper)
+    teacher = teacher_run_overrides(Lineage.of(_hydra_config(paper), paper))
     assert teacher == ["model=regnety_160", "preset=paper", "seed=3", root]
-    assert teacher_run_dir(_hydra_config(paper), paper).name == identity_of(teacher).name
+    assert teacher_run_dir(Lineage.of(_hydra_config(paper), paper)).name == identity_of(teacher).name
     # The demo ViT teacher is the plain demo run (shared with every study's), whatever overrides name it.
     demo = ["teachers=deit_b", root]
-    assert teacher_run_dir(_hydra_config(demo), demo).name.endswith(identity_of([root]).digest)
-    assert teacher_run_overrides(_hydra_config([root]), [root]) is None  # an unchained run has no teacher run
+    assert teacher_run_dir(Lineage.of(_hydra_config(demo), demo)).name.endswith(identity_of([root]).digest)
+    # an unchained run has no teacher run
+    assert teacher_run_overrides(Lineage.of(_hydra_config([root]), [root])) is None
 
 
 def test_chain_with_a_checkpoint_or_without_distillation_is_refused():
@@ -98,11 +100,11 @@ def test_chain_order_puts_each_teacher_run_before_its_first_student_once():
 def test_slurm_chains_teacher_then_student_then_finetune(tmp_path):
     common = [f"runtime.output_root={tmp_path}", *TINY]
     student = ["teachers=regnety_16gf", "stage=pretrain", *common]
-    teacher = teacher_run_overrides(_hydra_config(student), student)
+    teacher = teacher_run_overrides(Lineage.of(_hydra_config(student), student))
     jobs = [teacher, student, ["teachers=regnety_16gf", "stage=finetune", *common]]
     configs = [_hydra_config(job) for job in jobs]
-    assert upstream_overrides(configs[1], jobs[1]) == teacher
-    assert [upstream_role(cfg) for cfg in configs[1:]] == ["its teacher run", "its pre-training"]
+    assert upstream_overrides(Lineage.of(configs[1], jobs[1])) == teacher
+    assert [upstream_role(Lineage.of(cfg, ())) for cfg in configs[1:]] == ["its teacher run", "its pre-training"]
     upstream = upstream_jobs(configs, jobs, lambda job: _hydra_config(job).hydra.sweep.subdir)
     assert upstream == {1: 0, 2: 1}
     assert submission_order(upstream) == [(1, 0), (2, 1)]
@@ -309,7 +311,7 @@ def test_the_three_regnet_rows_are_three_demo_experiments_ordered_by_size(tmp_pa
     students = [identity_of([f"teachers={row}"]) for row in REGNETS]
     assert len({s.digest for s in students}) == 3 and len({s.run_id for s in students}) == 3
     assert students[2].name == "teachers=regnety_16gf-9abb340583"  # the 16GF row's demo teacher is the demo CNN
-    teachers = [teacher_run_overrides(_hydra_config([f"teachers={row}", root]), [f"teachers={row}", root])
+    teachers = [teacher_run_overrides(Lineage.of(_hydra_config([f"teachers={row}", root]), [f"teachers={row}", root]))
                 for row in REGNETS]
     assert teachers[2] == ["model=cnn_demo", root]
     assert len({identity_of(t).digest for t in teachers}) == 3  # three teacher runs
@@ -325,7 +327,8 @@ def test_the_three_regnet_rows_are_three_demo_experiments_ordered_by_size(tmp_pa
     for row, option in zip(REGNETS, ("regnety_040", "regnety_080", "regnety_160"), strict=True):
         overrides = ["preset=paper", f"teachers={row}"]
         assert identity_of(overrides).name == f"preset=paper,teachers={row}-{paper[row]}"
-        assert teacher_run_overrides(_hydra_config(overrides), overrides) == [f"model={option}", "preset=paper"]
+        lineage = Lineage.of(_hydra_config(overrides), overrides)
+        assert teacher_run_overrides(lineage) == [f"model={option}", "preset=paper"]
 
 
 def _plan(overrides: list[str], tmp_path: Path):

@@ -37,6 +37,7 @@ from deit_ablate.data.datasets import build_dataset, check_data_root, data_finge
 from deit_ablate.data.transforms import stage_reprob
 from deit_ablate.record.identity import composed_choices, experiment, experiment_digest, transfer_source_overrides
 from deit_ablate.record.rundir import RunDir
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.stages import load_backbone, stage_recipe, upstream_overrides, upstream_role
 from deit_ablate.run.student import student_model_name
 from deit_ablate.run.transfer import check_transfer_config
@@ -211,8 +212,9 @@ def test_source_overrides_drop_the_transfer_and_its_dataset() -> None:
     assert transfer_source_overrides(overrides, "finetune") == ["stage=finetune", *kept]
     assert transfer_source_overrides(overrides, "pretrain") == kept
     cfg = compose_config(["transfer=builtin_b", "transfer.source_stage=pretrain"])
-    assert upstream_overrides(cfg, ["transfer=builtin_b", "transfer.source_stage=pretrain", "seed=2"]) == ["seed=2"]
-    assert upstream_role(cfg) == "its source run"
+    lineage = Lineage.of(cfg, ["transfer=builtin_b", "transfer.source_stage=pretrain", "seed=2"])
+    assert upstream_overrides(lineage) == ["seed=2"]
+    assert upstream_role(Lineage.of(cfg, ())) == "its source run"
     with pytest.raises(ConfigError, match="transfer.source_stage=transfer"):
         check_transfer_config(compose_config(["transfer=builtin_b", "transfer.source_stage=transfer"]))
     with pytest.raises(ConfigError, match="transfer=builtin_b is a transfer .* drop stage=finetune"):

@@ -164,7 +164,7 @@ def _waits_for(plan: RunPlan, source: RunDir | None) -> str | None:
     None."""
     if plan.upstream is not None:
         upstream = previous_result(plan.upstream, is_main=False)
-        role = upstream_role(plan.settings)  # its pre-training, or a transfer's source run
+        role = upstream_role(plan.lineage)  # its pre-training, or a transfer's source run
         if upstream is None:
             return f"wait for {role} {plan.upstream.name}"
         if upstream["status"] != "finished":

@@ -86,7 +86,7 @@ def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
             report_finished(plan, result)
         return result
     if plan.is_finetune or plan.is_transfer:
-        upstream = upstream_status(plan.settings, plan.upstream)
+        upstream = upstream_status(plan.lineage, plan.upstream)
         if upstream != "finished":
             return record_without_training(plan, upstream, info.is_main)
     return _train(plan, info)

@@ -28,6 +28,7 @@ from deit_ablate.record.identity import (
 )
 from deit_ablate.record.resolvers import folder_identity
 from deit_ablate.record.rundir import RunDir
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.stages import (
     StageRecipe,
     check_layer_scale_run,
@@ -49,7 +50,7 @@ class RunPlan:
 
     settings: DictConfig  # the config the stage runs (stage_config.py), checked against the schema, read-only
     declared: DictConfig  # the composed config, which names the run (its identity) and is what wandb logs
-    overrides: tuple[str, ...]  # the launch's task overrides, which name the run and the runs it starts from
+    lineage: Lineage  # the launch's overrides and the keys that name the runs it starts from
     identity: RunIdentity  # folder name, wandb id and group, experiment digest, teacher weights
     run_dir: RunDir
     data: dict[str, Any]  # the data's fingerprint (data/fingerprint.py)
@@ -60,6 +61,11 @@ class RunPlan:
     teacher_run: RunDir | None  # the teacher run a chained student distils from (distill.teacher.chain)
     teacher: TeacherSource | None  # the teacher to load (None: no distillation, or a dry run awaiting its teacher)
     layer_scale_source: RunDir | None  # the LayerScale run whose learned diagonal this run fixes (CaiT appendix A)
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        """The launch's task overrides, which name the run and the runs it starts from."""
+        return self.lineage.overrides
 
     @property
     def model_name(self) -> str:
@@ -88,14 +94,14 @@ def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     return current
 
 
-def pending_id(cfg: DictConfig, identity: RunIdentity, teacher: TeacherSource | None,
+def pending_id(lineage: Lineage, identity: RunIdentity, teacher: TeacherSource | None,
                upstream: RunDir | None) -> str | None:
     """What the wandb id of a dry run's `identity` still waits for (None: it is the id the run will have): the
     weights of a chained teacher run not trained yet, or a transfer's source run not started yet."""
-    if stage_distils(cfg) and teacher is None:
+    if stage_distils(lineage) and teacher is None:
         return "its teacher run's weights digest"
     source_unstarted = upstream is not None and identity.source is None and not upstream.result.exists()
-    if cfg.stage == Stage.transfer and source_unstarted:
+    if lineage.stage == Stage.transfer and source_unstarted:
         return "its source run's data and teacher weights"
     return None
 
@@ -114,18 +120,19 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     choices = composed_choices(cfg) if "hydra" in cfg else task_choices()
     named = folder_identity(declared, run_dir.name, overrides, choices)  # the folder Hydra made, or found
     data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
-    teacher_run = teacher_run_dir(cfg, overrides)  # composes the chained teacher run's config: once
-    teacher = agree(info, lambda: run_teacher(cfg, teacher_run, overrides))
-    upstream = upstream_run_dir(cfg, overrides)
+    lineage = Lineage.of(cfg, overrides)
+    teacher_run = teacher_run_dir(lineage)  # composes the chained teacher run's config: once
+    teacher = agree(info, lambda: run_teacher(cfg, teacher_run, lineage))
+    upstream = upstream_run_dir(lineage)
     source = upstream if cfg.stage == Stage.transfer else None
     # the teacher's weights and a transfer's source, refused when they are not those the run folder records
     identity = agree(info, lambda: with_transfer_source(with_run_teacher(with_data(named, data), teacher, run_dir),
                                                         source, run_dir))
-    identity = replace(identity, pending=pending_id(cfg, identity, teacher, upstream))
-    layer_scale = layer_scale_run_dir(cfg, overrides)
+    identity = replace(identity, pending=pending_id(lineage, identity, teacher, upstream))
+    layer_scale = layer_scale_run_dir(lineage)
     if layer_scale is not None and not cfg.runtime.dry_run:  # the dry run says it waits for it (launch_plan)
-        check_layer_scale_run(cfg, layer_scale, data.get("digest"), overrides)
-    return RunPlan(settings=cfg, declared=declared, overrides=tuple(overrides), identity=identity, run_dir=run_dir,
+        check_layer_scale_run(lineage, layer_scale, data.get("digest"))
+    return RunPlan(settings=cfg, declared=declared, lineage=lineage, identity=identity, run_dir=run_dir,
                    data=data,
                    batch=plan_batch(cfg, info.world_size), recipe=stage_recipe(cfg, upstream),
                    student=student_spec(cfg), upstream=upstream, teacher_run=teacher_run, teacher=teacher,

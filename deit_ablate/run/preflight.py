@@ -40,10 +40,11 @@ def check_teacher_trained(cfg: DictConfig) -> None:
     """A single launch of a chained student (distill.teacher.chain) whose teacher run has not finished: one line
     naming the command that trains it, and exit status 2 (a sweep trains it first instead)."""
     from deit_ablate.core.errors import ConfigError, no_access
+    from deit_ablate.run.lineage import Lineage
     from deit_ablate.run.stages import finished_teacher_run
 
     try:
-        finished_teacher_run(cfg, list(cfg.hydra.overrides.task))
+        finished_teacher_run(Lineage.of(cfg, list(cfg.hydra.overrides.task)))
     except ConfigError as error:
         refuse(error)
     except PermissionError as error:

@@ -10,17 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from deit_ablate.config.compose import compose_run_config
-from deit_ablate.config.schema import CONF_DIR, DistillKind, ModelConfig, Stage
+from deit_ablate.config.schema import CONF_DIR, Stage
 from deit_ablate.config.stage_config import STAGE_BLOCKS, stage_config
 from deit_ablate.config.studies import study_names
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record import checkpoint as ckpt
-from deit_ablate.record.identity import pretrain_overrides, swap_overrides, task_overrides, train_command
+from deit_ablate.record.identity import pretrain_overrides, swap_overrides, train_command
 from deit_ablate.record.resolvers import run_dir_of
 from deit_ablate.record.rundir import LAST, RUNS, RunDir
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.transfer import SOURCE_ROLE, source_overrides, source_run_dir
 from deit_ablate.train.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
 from deit_ablate.train.models import resize_pos_embed_state
@@ -43,10 +44,10 @@ class StageRecipe:
     init_checkpoint: Path | None = None
 
 
-def stage_distils(cfg: DictConfig) -> bool:
+def stage_distils(lineage: Lineage) -> bool:
     """Whether this stage learns from a teacher: a distillation kind is set and the stage is not a transfer (its
     source's teacher knows other classes; there the distill keys only name the source run)."""
-    return cfg.distill.type != DistillKind.none and cfg.stage != Stage.transfer
+    return lineage.distills and lineage.stage != Stage.transfer
 
 
 def _stage_key(cfg: DictConfig, key: str) -> str:
@@ -66,30 +67,30 @@ def stage_micro_batch(cfg: DictConfig) -> tuple[int, str]:
     return stage_config(cfg).train.micro_batch, _stage_key(cfg, "micro_batch")
 
 
-def upstream_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+def upstream_run_dir(lineage: Lineage) -> RunDir | None:
     """The folder of the run this stage starts from: a fine-tune's pre-training or a transfer's source (None for a
     pre-training, or a stage started from an init_checkpoint)."""
-    if cfg.stage == Stage.transfer:
-        return source_run_dir(cfg, overrides)
-    return pretrain_run_dir(cfg, overrides)
+    if lineage.stage == Stage.transfer:
+        return source_run_dir(lineage)
+    return pretrain_run_dir(lineage)
 
 
-def pretrain_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+def pretrain_run_dir(lineage: Lineage) -> RunDir | None:
     """The folder of the pre-training run a fine-tune stage starts from (None for a pre-training, or a fine-tune of
     finetune.init_checkpoint): the run of the same overrides without the stage, resolution and finetune.* ones
     (which never change a pre-training), composed as Hydra would."""
-    if cfg.stage != Stage.finetune or cfg.finetune.init_checkpoint:
+    if lineage.stage != Stage.finetune or lineage.finetune_init:
         return None
-    return run_dir_of(pretrain_overrides(task_overrides() if overrides is None else overrides), cfg.runtime.output_root)
+    return run_dir_of(pretrain_overrides(list(lineage.overrides)), lineage.output_root)
 
 
-def upstream_status(cfg: DictConfig, upstream: RunDir | None) -> str:
+def upstream_status(lineage: Lineage, upstream: RunDir | None) -> str:
     """How the run this stage starts from ended ("finished", "diverged", ...): a fine-tune's pre-training `upstream`
     or a transfer's source, or the stage's init_checkpoint (finished when the file exists); a ConfigError if it has
     not finished."""
-    stage = "transfer" if cfg.stage == Stage.transfer else "finetune"
-    if cfg[stage].init_checkpoint:
-        path = Path(cfg[stage].init_checkpoint).expanduser()
+    stage = "transfer" if lineage.stage == Stage.transfer else "finetune"
+    if lineage.init_checkpoint:
+        path = Path(lineage.init_checkpoint).expanduser()
         if not path.is_file():
             written_by = "a finished run" if stage == "transfer" else "a pre-training run"
             raise ConfigError(f"{stage}.init_checkpoint={path} does not exist. Point it at a checkpoint written by "
@@ -97,15 +98,16 @@ def upstream_status(cfg: DictConfig, upstream: RunDir | None) -> str:
         return "finished"
     result = upstream.read_result()
     if result is None:
-        raise ConfigError(_not_finished(cfg, upstream))
+        raise ConfigError(_not_finished(lineage, upstream))
     return result["status"]
 
 
-def _not_finished(cfg: DictConfig, upstream: RunDir) -> str:
+def _not_finished(lineage: Lineage, upstream: RunDir) -> str:
     """What to do when the run this stage starts from has not finished: train it first, or sweep both."""
-    if cfg.stage == Stage.transfer:
+    if lineage.stage == Stage.transfer:
+        command = train_command(source_overrides(lineage) or [])
         return (f"stage=transfer starts from the run '{upstream.name}', which has not finished ({upstream.result} is "
-                f"missing). Train it first: {train_command(source_overrides(cfg) or [])}; or sweep both in one command "
+                f"missing). Train it first: {command}; or sweep both in one command "
                 "(on SLURM the transfer waits for it), or set transfer.init_checkpoint=/path/to/ckpt.pt.")
     return (f"stage=finetune starts from the pre-training run '{upstream.name}', which has not finished "
             f"({upstream.result} is missing). Run the pre-training first (the same command without stage=finetune), "
@@ -127,7 +129,7 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
     if block.init_checkpoint:
         init = Path(block.init_checkpoint).expanduser()
     else:
-        init = (upstream or upstream_run_dir(cfg)).last_checkpoint
+        init = (upstream or upstream_run_dir(Lineage.of(cfg))).last_checkpoint
     # a transfer trains in train mode, like a pre-training; a fine-tune as finetune.train_mode says
     train_mode = cfg.stage == Stage.transfer or block.train_mode
     return StageRecipe(train.global_batch, opt.name, opt.lr, opt.weight_decay, train.epochs, opt.warmup_epochs,
@@ -177,10 +179,9 @@ LAYER_SCALE_GROUP = "cait"
 LAYER_SCALE_KEYS = ("model.kwargs.layer_scale_from", "model.kwargs.layer_scale_learned")
 
 
-def layer_scale_row(model: ModelConfig) -> str | None:
-    """The row of the cait study named by model.kwargs.layer_scale_from (None when unset); a ConfigError if there
+def layer_scale_row(row: str | None) -> str | None:
+    """The row of the cait study that model.kwargs.layer_scale_from names (None when unset); a ConfigError if there
     is no such row."""
-    row = model.kwargs.get("layer_scale_from")
     if row is None:
         return None
     if not (CONF_DIR / LAYER_SCALE_GROUP / f"{row}.yaml").is_file():
@@ -190,37 +191,36 @@ def layer_scale_row(model: ModelConfig) -> str | None:
     return str(row)
 
 
-def layer_scale_source_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
+def layer_scale_source_overrides(lineage: Lineage) -> list[str] | None:
     """The overrides of the LayerScale run this run takes its diagonal from (None when it takes none). A
     fine-tune takes none: its pre-trained weights hold the diagonal its pre-training fixed."""
-    row = layer_scale_row(cfg.model)
-    if row is None or cfg.stage != Stage.pretrain:
+    row = layer_scale_row(lineage.layer_scale_from)
+    if row is None or lineage.stage != Stage.pretrain:
         return None
     # the same overrides with cait=<row>, without the fixing row's own keys
-    return swap_overrides(task_overrides() if overrides is None else overrides, f"{LAYER_SCALE_GROUP}={row}",
-                          LAYER_SCALE_KEYS)
+    return swap_overrides(list(lineage.overrides), f"{LAYER_SCALE_GROUP}={row}", LAYER_SCALE_KEYS)
 
 
-def upstream_overrides(cfg: DictConfig, overrides: list[str]) -> list[str] | None:
+def upstream_overrides(lineage: Lineage) -> list[str] | None:
     """The overrides of the run that a run launched with `overrides` starts from, which a sweep must train first: a
     fine-tune's pre-training, the teacher run a chained student distils from, or the LayerScale run whose diagonal a
     pre-training fixes (None: no such run)."""
-    if cfg.stage == Stage.finetune:
-        return pretrain_overrides(overrides)
-    if cfg.stage == Stage.transfer:
-        return source_overrides(cfg, overrides)
-    if chained_teacher(cfg) is not None:
-        return teacher_run_overrides(cfg, overrides)
-    return layer_scale_source_overrides(cfg, overrides)
+    if lineage.stage == Stage.finetune:
+        return pretrain_overrides(list(lineage.overrides))
+    if lineage.stage == Stage.transfer:
+        return source_overrides(lineage)
+    if chained_teacher(lineage) is not None:
+        return teacher_run_overrides(lineage)
+    return layer_scale_source_overrides(lineage)
 
 
-def upstream_role(cfg: DictConfig) -> str:
-    """What the run that `cfg` starts from is to it, in words ("its pre-training"), for logs and plans."""
-    if cfg.stage == Stage.finetune:
+def upstream_role(lineage: Lineage) -> str:
+    """What the run `lineage` starts from is to it, in words ("its pre-training"), for logs and plans."""
+    if lineage.stage == Stage.finetune:
         return "its pre-training"
-    if cfg.stage == Stage.transfer:
+    if lineage.stage == Stage.transfer:
         return SOURCE_ROLE
-    if chained_teacher(cfg) is not None:
+    if chained_teacher(lineage) is not None:
         return "its teacher run"
     return "its LayerScale run"
 
@@ -230,11 +230,11 @@ def upstream_role(cfg: DictConfig) -> str:
 CHAIN_DROPPED = ("distill", "model")
 
 
-def chained_teacher(cfg: DictConfig) -> str | None:
+def chained_teacher(lineage: Lineage) -> str | None:
     """The model option of the teacher this run trains first (distill.teacher.chain), or None; a ConfigError when
     conf/model/ has no such option."""
-    chain = cfg.distill.teacher.get("chain")
-    if chain is None or cfg.stage == Stage.transfer:  # a transfer distils from no teacher (transfer.py)
+    chain = lineage.teacher_chain
+    if chain is None or lineage.stage == Stage.transfer:  # a transfer distils from no teacher (transfer.py)
         return None
     if not (CONF_DIR / "model" / f"{chain}.yaml").is_file():
         options = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -243,18 +243,17 @@ def chained_teacher(cfg: DictConfig) -> str | None:
     return str(chain)
 
 
-def teacher_run_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
+def teacher_run_overrides(lineage: Lineage) -> list[str] | None:
     """The overrides of the teacher run a chained student distils from (None when distill.teacher.chain is unset):
     the student's pre-training overrides without study rows, distill.* and model.* ones, plus model=<chain> and
     distill.teacher.kwargs as its model.kwargs (Table 2's demo CNNs of three sizes): the run
     `python train.py model=<chain> ...` trains, with the DeiT recipe (as DeiT trained its RegNetY-16GF)."""
-    chain = chained_teacher(cfg)
+    chain = chained_teacher(lineage)
     if chain is None:
         return None
-    kept = pretrain_overrides(task_overrides() if overrides is None else overrides)
+    kept = pretrain_overrides(list(lineage.overrides))
     dropped = (*CHAIN_DROPPED, *study_names())
-    kwargs = cfg.distill.teacher.kwargs  # an interpolation (a row's ${at_scale:...}) resolves to a plain dict
-    kwargs = OmegaConf.to_container(kwargs, resolve=True) if OmegaConf.is_config(kwargs) else dict(kwargs)
+    kwargs = lineage.teacher_kwargs
     sized = [f"++model.kwargs.{key}={json.dumps(value, separators=(',', ':'))}"
              for key, value in sorted(kwargs.items())]
     return [f"model={chain}", *sized, *(item for item in kept if _override_group(item) not in dropped)]
@@ -265,37 +264,37 @@ def _override_group(item: str) -> str:
     return item.split("=", 1)[0].lstrip("+~").split(".", 1)[0]
 
 
-def teacher_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+def teacher_run_dir(lineage: Lineage) -> RunDir | None:
     """The folder of the teacher run a chained student distils from (None when distill.teacher.chain is unset)."""
-    teacher_overrides = teacher_run_overrides(cfg, overrides)
-    return None if teacher_overrides is None else run_dir_of(teacher_overrides, cfg.runtime.output_root)
+    teacher_overrides = teacher_run_overrides(lineage)
+    return None if teacher_overrides is None else run_dir_of(teacher_overrides, lineage.output_root)
 
 
-def finished_teacher_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+def finished_teacher_run(lineage: Lineage) -> RunDir | None:
     """The finished teacher run a chained student distils from (None when unchained); a ConfigError naming it and
     the command that trains it when it has not finished."""
-    source = teacher_run_dir(cfg, overrides)
+    source = teacher_run_dir(lineage)
     if source is None:
         return None
     return require_finished(
-        source, f"distils from the teacher run '{source.name}' (distill.teacher.chain={chained_teacher(cfg)})",
-        train_command(teacher_run_overrides(cfg, overrides)),
+        source, f"distils from the teacher run '{source.name}' (distill.teacher.chain={chained_teacher(lineage)})",
+        train_command(teacher_run_overrides(lineage)),
         "or sweep the student with -m (the sweep trains its teacher run first; on SLURM the student waits for it).")
 
 
-def layer_scale_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+def layer_scale_run_dir(lineage: Lineage) -> RunDir | None:
     """The folder of the LayerScale run whose learned diagonal this run fixes (CaiT appendix A's control): the run
     of the same overrides with `cait=<model.kwargs.layer_scale_from>`, composed as Hydra would; None when unset."""
-    source_overrides = layer_scale_source_overrides(cfg, overrides)
+    source_overrides = layer_scale_source_overrides(lineage)
     if source_overrides is None:
         return None
     upstream = compose_run_config(source_overrides)
     kwargs = upstream.model.kwargs
     if not kwargs.get("init_values") or kwargs.get("layer_scale_from") or kwargs.get("layer_scale_learned") is False:
-        raise ConfigError(f"model.kwargs.layer_scale_from={cfg.model.kwargs.layer_scale_from}: that row does not learn "
+        raise ConfigError(f"model.kwargs.layer_scale_from={lineage.layer_scale_from}: that row does not learn "
                           "LayerScale from ε (its model.kwargs.init_values is unset, or its diagonal is fixed). Name a "
                           "row that learns it, e.g. depth18_layerscale.")
-    return run_dir_of(source_overrides, cfg.runtime.output_root, upstream)
+    return run_dir_of(source_overrides, lineage.output_root, upstream)
 
 
 def require_finished(source: RunDir, needs: str, command: str, alternative: str) -> RunDir:
@@ -309,27 +308,26 @@ def require_finished(source: RunDir, needs: str, command: str, alternative: str)
     return source
 
 
-def _require_layer_scale_run(cfg: DictConfig, source: RunDir, overrides: list[str] | None) -> RunDir:
+def _require_layer_scale_run(lineage: Lineage, source: RunDir) -> RunDir:
     """`source` when that LayerScale run finished; else a ConfigError naming it and the command that trains it."""
     return require_finished(
         source, f"fixes the LayerScale diagonal at the values the run '{source.name}' learned (model.kwargs."
-        f"layer_scale_from={layer_scale_row(cfg.model)}, CaiT appendix A)",
-        train_command(layer_scale_source_overrides(cfg, overrides) or []),
+        f"layer_scale_from={layer_scale_row(lineage.layer_scale_from)}, CaiT appendix A)",
+        train_command(layer_scale_source_overrides(lineage) or []),
         "or sweep both in one command, that row listed first (on SLURM the run waits for it).")
 
 
-def finished_layer_scale_run(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+def finished_layer_scale_run(lineage: Lineage) -> RunDir | None:
     """The finished LayerScale run whose diagonal this run fixes (None when it fixes none); a ConfigError naming
     it and the command that trains it when it has not finished."""
-    source = layer_scale_run_dir(cfg, overrides)
-    return None if source is None else _require_layer_scale_run(cfg, source, overrides)
+    source = layer_scale_run_dir(lineage)
+    return None if source is None else _require_layer_scale_run(lineage, source)
 
 
-def check_layer_scale_run(cfg: DictConfig, source: RunDir, data_digest: str | None,
-                          overrides: list[str] | None = None) -> None:
+def check_layer_scale_run(lineage: Lineage, source: RunDir, data_digest: str | None) -> None:
     """A ConfigError, before anything trains, when the LayerScale run `source` (`layer_scale_run_dir`) has not
     finished, or trained on other data than `data_digest`."""
-    _require_layer_scale_run(cfg, source, overrides)
+    _require_layer_scale_run(lineage, source)
     recorded = (source.recorded_data() or {}).get("digest")
     if recorded is not None and recorded != data_digest:
         raise ConfigError(f"the LayerScale run '{source.name}' was trained on other data than this run's; train it on "

@@ -13,6 +13,7 @@ from typing import Any
 import timm
 import torch
 import yaml
+from omegaconf import DictConfig
 from torch import nn
 
 from deit_ablate.config.schema import DistillConfig, DistillKind, Stage
@@ -21,6 +22,7 @@ from deit_ablate.core.logs import log
 from deit_ablate.record.checkpoint import read_weights
 from deit_ablate.record.identity import RunIdentity, with_teacher
 from deit_ablate.record.rundir import RunDir, find_run, runs_root
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.stages import finished_teacher_run, stage_distils, teacher_run_dir
 from deit_ablate.run.student import student_model_name
 from deit_ablate.train.models import is_vision_transformer
@@ -107,16 +109,16 @@ def check_teacher_run(run: RunDir, reference: str, allow_unfinished: bool) -> st
         "and records which teacher weights it used).")
 
 
-def check_distill_config(cfg) -> None:
+def check_distill_config(cfg: DictConfig) -> None:
     """Before anything runs: the student model suits the kind, a teacher run has finished (unless allowed) and the
     teacher resolves to a loadable file."""
     student_model_name(cfg.model, cfg.distill)  # refuses a model that does not suit the kind
     check_chain_keys(cfg.distill)
-    if not stage_distils(cfg):
+    lineage = Lineage.of(cfg, list(cfg.hydra.overrides.task) if "hydra" in cfg else None)
+    if not stage_distils(lineage):
         return
     check_teacher_sizes(cfg.distill.teacher.sizes)
-    overrides = list(cfg.hydra.overrides.task) if "hydra" in cfg else None
-    chained = teacher_run_dir(cfg, overrides)
+    chained = teacher_run_dir(lineage)
     if chained is not None and teacher_run_state(chained) != "finished":
         return  # trained first by the sweep; a single launch is refused by preflight (stages.finished_teacher_run)
     reference = str(chained.path) if chained is not None else cfg.distill.teacher.checkpoint
@@ -208,16 +210,17 @@ def _describe(teacher: Mapping[str, Any]) -> str:
     return f"sha1 {teacher['digest'][:12]}, {where}{teacher['checkpoint']}"
 
 
-def run_teacher(cfg, chained: RunDir | None, overrides: list[str] | None = None) -> TeacherSource | None:
+def run_teacher(cfg: DictConfig, chained: RunDir | None, lineage: Lineage | None = None) -> TeacherSource | None:
     """The teacher the run distils from: its chained teacher run `chained` (stages.teacher_run_dir) or
     distill.teacher.checkpoint, resolved; None without distillation, or in a dry run whose chained teacher run has
     not trained yet. A ConfigError, with the command that trains it, when that teacher run has not finished."""
-    if not stage_distils(cfg):
+    lineage = lineage or Lineage.of(cfg)
+    if not stage_distils(lineage):
         return None
     if chained is not None and teacher_run_state(chained) != "finished":
         if cfg.runtime.dry_run:
             return None  # the dry run says it waits for it (lifecycle.launch_plan)
-        finished_teacher_run(cfg, overrides)  # refused, with the command that trains it
+        finished_teacher_run(lineage)  # refused, with the command that trains it
     reference = str(chained.path) if chained is not None else None
     return resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, reference)
 

@@ -17,27 +17,27 @@ from omegaconf import DictConfig, OmegaConf
 from deit_ablate.config.schema import DataName, DistillKind, Stage
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.builtin import CLASS_SETS
-from deit_ablate.record.identity import RunIdentity, task_overrides, transfer_source_overrides, with_source
+from deit_ablate.record.identity import RunIdentity, transfer_source_overrides, with_source
 from deit_ablate.record.resolvers import run_dir_of
 from deit_ablate.record.rundir import DATA, RunDir
+from deit_ablate.run.lineage import Lineage
 
 SOURCE_ROLE = "its source run"
 
 
-def source_overrides(cfg: DictConfig, overrides: list[str] | None = None) -> list[str] | None:
+def source_overrides(lineage: Lineage) -> list[str] | None:
     """The overrides of the run a transfer starts from (None: not a transfer, or one from transfer.init_checkpoint)."""
-    if cfg.stage != Stage.transfer or cfg.transfer.init_checkpoint:
+    if lineage.stage != Stage.transfer or lineage.transfer_init:
         return None
-    return transfer_source_overrides(task_overrides() if overrides is None else overrides,
-                                     str(cfg.transfer.source_stage))
+    return transfer_source_overrides(list(lineage.overrides), lineage.transfer_source_stage)
 
 
-def source_run_dir(cfg: DictConfig, overrides: list[str] | None = None) -> RunDir | None:
+def source_run_dir(lineage: Lineage) -> RunDir | None:
     """The folder of the run a transfer fine-tunes on its new data (None when there is none to find)."""
-    upstream_overrides = source_overrides(cfg, overrides)
+    upstream_overrides = source_overrides(lineage)
     if upstream_overrides is None:
         return None
-    return run_dir_of(upstream_overrides, cfg.runtime.output_root)
+    return run_dir_of(upstream_overrides, lineage.output_root)
 
 
 def source_identity(source: RunDir | None) -> dict[str, Any] | None:

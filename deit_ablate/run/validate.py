@@ -223,7 +223,7 @@ def check_model_options(student: StudentSpec) -> None:
     kwargs = dict(OmegaConf.to_container(student.model.kwargs, resolve=True))
     check_register_tokens(student.name, kwargs)
     split_options(kwargs, model_family(student.name))
-    layer_scale_row(student.model)
+    layer_scale_row(student.model.kwargs.get("layer_scale_from"))
 
 
 def check_image_sizes(student: StudentSpec, size: ResolutionConfig) -> None:

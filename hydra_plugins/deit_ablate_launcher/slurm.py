@@ -73,6 +73,7 @@ class DeitSlurmLauncher(SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Validate all runs, submit them, wait, and return their results in sweep order."""
         from deit_ablate.core.errors import ConfigError
+        from deit_ablate.run.lineage import Lineage
         from deit_ablate.run.stages import upstream_role
 
         assert self.config is not None and self.hydra_context is not None
@@ -105,7 +106,8 @@ class DeitSlurmLauncher(SlurmLauncher):
             executor.update_parameters(slurm_additional_parameters={
                 **extra, "dependency": f"afterok:{jobs[parent].job_id}", "kill-on-invalid-dep": "yes"})
             jobs[i] = executor.submit(self, *params[i])
-            log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} ({upstream_role(configs[i])})")
+            role = upstream_role(Lineage.of(configs[i], ()))
+            log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} ({role})")
         # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
         # which resumes from its own latest checkpoint (deit_ablate/run/main.py).
         return [jobs[i].results()[0] for i in range(len(params))]
@@ -118,20 +120,22 @@ def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],
     student whose LayerScale or teacher run is neither in the sweep nor finished is a ConfigError (the run would
     stop on it once queued)."""
     from deit_ablate.config.schema import Stage
+    from deit_ablate.run.lineage import Lineage
     from deit_ablate.run.stages import finished_layer_scale_run, finished_teacher_run, upstream_overrides
 
     run_index = {cfg.hydra.sweep.subdir: i for i, cfg in enumerate(configs)}
     upstream = {}
     for i, (cfg, overrides) in enumerate(zip(configs, job_overrides, strict=True)):
-        parent_overrides = upstream_overrides(cfg, list(overrides))
+        lineage = Lineage.of(cfg, list(overrides))
+        parent_overrides = upstream_overrides(lineage)
         if parent_overrides is None:
             continue
         parent = subdir_of(parent_overrides)
         if parent in run_index:
             upstream[i] = run_index[parent]
         elif cfg.stage == Stage.pretrain:
-            finished_teacher_run(cfg, list(overrides))
-            finished_layer_scale_run(cfg, list(overrides))
+            finished_teacher_run(lineage)
+            finished_layer_scale_run(lineage)
     return upstream
 
 

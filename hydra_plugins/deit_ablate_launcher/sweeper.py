@@ -58,6 +58,7 @@ class DeitSweeper(BasicSweeper):
     def checked_jobs(self, arguments: list[str]) -> tuple[list[list[str]], list]:
         """Each run's overrides and config, composed as the launcher will and checked, chained teacher runs added
         (chain_order); one line and exit status 2 at the first that cannot run."""
+        from deit_ablate.run.lineage import Lineage
         from deit_ablate.run.stages import teacher_run_overrides
 
         assert self.hydra_context is not None and self.config is not None
@@ -69,7 +70,7 @@ class DeitSweeper(BasicSweeper):
         teachers: dict[str, tuple[list[str], Any]] = {}
         needs: list[str | None] = []
         for cfg, job in zip(configs, jobs, strict=True):
-            overrides = teacher_run_overrides(cfg, job)
+            overrides = teacher_run_overrides(Lineage.of(cfg, job))
             if overrides is None:
                 needs.append(None)
                 continue
