@@ -232,11 +232,12 @@ def redo_predictions(run: RunDir, data_cache: Path, monkeypatch) -> dict[str, np
     from deit_ablate.data.transforms import build_eval_transform
     from deit_ablate.record.checkpoint import read_weights
     from deit_ablate.run.measure_sharpness import rebuild_model
+    from deit_ablate.run.student import student_spec
     from deit_ablate.train.losses import distilled_head_logits, fuse_predictions
 
     monkeypatch.setenv("DEIT_ABLATE_CACHE", str(data_cache))
     cfg = load_run_config(run)
-    model = rebuild_model(cfg, read_weights(run.last_checkpoint), torch.device("cpu"))
+    model = rebuild_model(student_spec(cfg), read_weights(run.last_checkpoint), torch.device("cpu"))
     model.eval()
     dataset = build_dataset(cfg, "val", build_eval_transform(cfg), dataset_root(cfg))
     images = torch.stack([dataset[i][0] for i in range(len(dataset))])

@@ -15,7 +15,8 @@ from timm.data import Mixup
 
 from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.errors import ConfigError
-from deit_ablate.run.assemble import grad_scaler, stage_sam_rho
+from deit_ablate.run.assemble import grad_scaler
+from deit_ablate.run.stages import stage_recipe
 from deit_ablate.run.validate import validate_config
 from deit_ablate.train.models import build_model
 from deit_ablate.train.optim import build_optimizer, build_scheduler
@@ -259,8 +260,9 @@ def test_negative_or_non_finite_rho_is_refused_and_a_finetune_runs_without_sam()
     for rho in ("-0.1", "nan", "inf"):
         with pytest.raises(ConfigError, match=r"optimizer.sam_rho=.* must be (a finite number )?>= 0: SAM.s radius"):
             validate_config(compose_config([f"optimizer.sam_rho={rho}"]))
-    assert stage_sam_rho(compose_config(["optimizer.sam_rho=0.2"])) == 0.2
-    assert stage_sam_rho(compose_config(["optimizer.sam_rho=0.2", "stage=finetune"])) == 0.0
+    assert stage_recipe(compose_config(["optimizer.sam_rho=0.2"])).sam_rho == 0.2
+    finetune = compose_config(["optimizer.sam_rho=0.2", "stage=finetune", "finetune.init_checkpoint=/x.pt"])
+    assert stage_recipe(finetune).sam_rho == 0.0
 
 
 def _history_rows(outputs) -> list[dict]:

@@ -154,7 +154,7 @@ def _built_lr(overrides: list[str]) -> float:
     cfg = compose_config([*overrides, "preset=paper", "finetune.init_checkpoint=/nowhere.pt",
                           "transfer.init_checkpoint=/nowhere.pt"])
     recipe = stage_recipe(cfg)
-    optimizer = stage_optimizer(stage_config(cfg), recipe, torch.nn.Linear(2, 2), DistInfo())
+    optimizer = stage_optimizer(stage_config(cfg).optimizer, recipe, torch.nn.Linear(2, 2), DistInfo())
     return optimizer.param_groups[0]["lr"]
 
 

@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
-from deit_ablate.config.schema import DistillKind, Precision, Stage, TeacherView
+from deit_ablate.config.schema import DistillKind, OptimizerConfig, Precision, TeacherView
 from deit_ablate.core.distributed import DistInfo, barrier
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
@@ -145,7 +145,7 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
     loaders = build_loaders(plan, info)
     model, layer_scale = build_student(plan, info)
     module = model.module if info.enabled else model
-    optimizer = stage_optimizer(cfg, recipe, module, info)
+    optimizer = stage_optimizer(cfg.optimizer, recipe, module, info)
     scheduler = stage_scheduler(optimizer, recipe, loaders.steps_per_epoch)
     mixup = build_mixup(cfg.mix, cfg.data.num_classes)
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None  # starts from the loaded weights
@@ -158,7 +158,7 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
                       batch_transform=loaders.batch_transform, train_mode=recipe.train_mode,
                       amp_dtype=amp_dtype(precision, info.device), scaler=grad_scaler(precision, info.device),
                       clip_grad=cfg.optimizer.clip_grad, log_interval=cfg.runtime.log_interval,
-                      sam_rho=stage_sam_rho(cfg))
+                      sam_rho=recipe.sam_rho)
     if trainer.sam_rho and info.is_main:
         log.info(f"[run] SAM on: rho {trainer.sam_rho} around {recipe.optimizer} (Foret et al. 2021), two forward and "
                  f"backward passes per step, each chunk of {plan.batch.micro_batch} images perturbed by its own "
@@ -176,23 +176,17 @@ def transfer_source(plan: RunPlan, module: torch.nn.Module) -> dict[str, Any] | 
             "num_classes": int(plan.settings.data.num_classes)}
 
 
-def stage_optimizer(cfg: DictConfig, recipe: StageRecipe, module: torch.nn.Module, info: DistInfo
+def stage_optimizer(opt: OptimizerConfig, recipe: StageRecipe, module: torch.nn.Module, info: DistInfo
                     ) -> torch.optim.Optimizer:
-    """This stage's optimizer at its batch-scaled lr; a fine-tune with finetune.layer_decay gets one lr scale per
-    layer, logged."""
+    """This stage's optimizer at its batch-scaled lr (momentum, betas and eps from the stage's `opt` block); a
+    fine-tune with finetune.layer_decay gets one lr scale per layer, logged."""
     lr = scaled_lr(recipe.lr, recipe.global_batch, recipe.lr_base_batch)
-    layer_decay = cfg.finetune.layer_decay if cfg.stage == Stage.finetune else None  # checked: validate.py
-    optimizer = build_optimizer(module, recipe.optimizer, lr, recipe.weight_decay, cfg.optimizer.momentum,
-                                tuple(cfg.optimizer.betas), cfg.optimizer.eps, layer_decay=layer_decay)
+    layer_decay = recipe.layer_decay  # checked: validate.py
+    optimizer = build_optimizer(module, recipe.optimizer, lr, recipe.weight_decay, opt.momentum,
+                                tuple(opt.betas), opt.eps, layer_decay=layer_decay)
     if layer_decay is not None and info.is_main:
         log.info(f"[run] {describe_layer_decay(optimizer, layer_decay)}")
     return optimizer
-
-
-def stage_sam_rho(cfg: DictConfig) -> float:
-    """SAM's radius for this stage: optimizer.sam_rho in the pre-training, whose optimizer it wraps; 0 in a
-    fine-tune, which steps with finetune.optimizer."""
-    return float(cfg.optimizer.sam_rho) if cfg.stage == Stage.pretrain else 0.0
 
 
 def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps_per_epoch: int):

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Subset
 from deit_ablate.data.datasets import dataset_root, training_split
 from deit_ablate.data.loader import num_workers
 from deit_ablate.data.transforms import build_eval_transform
-from deit_ablate.run.student import build_stage_model, student_spec
+from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.train.sharpness import Batches, SharpnessSettings, measure
 
 
@@ -28,9 +28,9 @@ def fixed_images(cfg: DictConfig, settings: SharpnessSettings, device: torch.dev
     return [(images.to(device), labels.to(device)) for images, labels in loader]
 
 
-def rebuild_model(cfg: DictConfig, weights: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
-    """A fresh eager float32 copy of the run's model (`models.build_model`) holding `weights`, on `device`."""
-    model = build_stage_model(student_spec(cfg))
+def rebuild_model(student: StudentSpec, weights: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """A fresh eager float32 copy of the run's model (`student.build_stage_model`) holding `weights`, on `device`."""
+    model = build_stage_model(student)
     model.load_state_dict(weights)
     return model.to(device=device, dtype=torch.float32)
 
@@ -40,6 +40,6 @@ def measure_weights(cfg: DictConfig, weights: dict[str, torch.Tensor], device: t
     """The figures of the run `cfg` describes at `weights`, on its fixed images (settings: `cfg.sharpness`)."""
     settings = settings or SharpnessSettings.from_config(cfg.sharpness)
 
-    model = rebuild_model(cfg, weights, device)
+    model = rebuild_model(student_spec(cfg), weights, device)
     batches = fixed_images(cfg, settings, device, num_workers(cfg))
     return measure(model, batches, settings, show_progress)

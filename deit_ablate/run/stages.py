@@ -42,6 +42,8 @@ class StageRecipe:
     lr_base_batch: int = 512  # lr is per this many images: the stage's own rule
     train_mode: bool = True  # False: the model stays in eval mode while it trains (DeiT's fine-tune)
     init_checkpoint: Path | None = None
+    sam_rho: float = 0.0  # SAM's radius: optimizer.sam_rho in a pre-training, whose optimizer it wraps; else 0
+    layer_decay: float | None = None  # finetune.layer_decay in a fine-tune: one lr scale per layer
 
 
 def stage_distils(lineage: Lineage) -> bool:
@@ -50,21 +52,25 @@ def stage_distils(lineage: Lineage) -> bool:
     return lineage.distills and lineage.stage != Stage.transfer
 
 
-def _stage_key(cfg: DictConfig, key: str) -> str:
-    """The key that sets the run's `train.<key>` in this stage: its block's, when that one is set."""
+@dataclass(frozen=True)
+class StageBatch:
+    """This stage's global batch and micro-batch, with the keys that set them (for errors that name the fix)."""
+
+    global_batch: int
+    global_key: str  # finetune.global_batch in a fine-tune that sets it, else train.global_batch
+    micro_batch: int
+    micro_key: str  # finetune.micro_batch / transfer.micro_batch where set, else train.micro_batch
+
+
+def stage_batch(cfg: DictConfig) -> StageBatch:
+    """The batch this stage runs (stage_config) and the keys that set it."""
     block = STAGE_BLOCKS.get(str(cfg.stage))
-    return f"{block}.{key}" if block is not None and cfg[block].get(key) is not None else f"train.{key}"
 
+    def key(name: str) -> str:
+        return f"{block}.{name}" if block is not None and cfg[block].get(name) is not None else f"train.{name}"
 
-def stage_global_batch(cfg: DictConfig) -> tuple[int, str]:
-    """This stage's global batch and the key that sets it (finetune.global_batch, else train.global_batch)."""
-    return stage_config(cfg).train.global_batch, _stage_key(cfg, "global_batch")
-
-
-def stage_micro_batch(cfg: DictConfig) -> tuple[int, str]:
-    """This stage's micro-batch and the key that sets it (finetune.micro_batch in a fine-tune, transfer.micro_batch
-    in a transfer unless it is unset, else train.micro_batch)."""
-    return stage_config(cfg).train.micro_batch, _stage_key(cfg, "micro_batch")
+    train = stage_config(cfg).train
+    return StageBatch(train.global_batch, key("global_batch"), train.micro_batch, key("micro_batch"))
 
 
 def upstream_run_dir(lineage: Lineage) -> RunDir | None:
@@ -124,7 +130,7 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
     opt, train = applied.optimizer, applied.train
     if cfg.stage == Stage.pretrain:
         return StageRecipe(train.global_batch, opt.name, opt.lr, opt.weight_decay, train.epochs, opt.warmup_epochs,
-                           opt.warmup_lr, opt.min_lr, opt.lr_base_batch)
+                           opt.warmup_lr, opt.min_lr, opt.lr_base_batch, sam_rho=float(opt.sam_rho))
     block = cfg.transfer if cfg.stage == Stage.transfer else cfg.finetune
     if block.init_checkpoint:
         init = Path(block.init_checkpoint).expanduser()
@@ -133,7 +139,8 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
     # a transfer trains in train mode, like a pre-training; a fine-tune as finetune.train_mode says
     train_mode = cfg.stage == Stage.transfer or block.train_mode
     return StageRecipe(train.global_batch, opt.name, opt.lr, opt.weight_decay, train.epochs, opt.warmup_epochs,
-                       opt.warmup_lr, opt.min_lr, opt.lr_base_batch, train_mode=train_mode, init_checkpoint=init)
+                       opt.warmup_lr, opt.min_lr, opt.lr_base_batch, train_mode=train_mode, init_checkpoint=init,
+                       layer_decay=cfg.finetune.layer_decay if cfg.stage == Stage.finetune else None)
 
 
 def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:

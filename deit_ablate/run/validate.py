@@ -35,7 +35,7 @@ from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_data_root
 from deit_ablate.record.rundir import check_output_root
 from deit_ablate.record.tracking import check_tracking
-from deit_ablate.run.stages import layer_scale_row, stage_global_batch, stage_micro_batch
+from deit_ablate.run.stages import layer_scale_row, stage_batch
 from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.run.teacher import check_distill_config
 from deit_ablate.run.transfer import check_transfer_config
@@ -87,8 +87,9 @@ def has_batch_norm(student: StudentSpec) -> bool:
 def micro_batch_split(cfg: DictConfig) -> tuple[int, int]:
     """The stage's micro-batch and the passes each needs on one device (runtime.max_batch_per_device), checked
     without the world size: before anything is written or queued."""
-    global_batch, global_key = stage_global_batch(cfg)
-    micro, micro_key = stage_micro_batch(cfg)
+    batch = stage_batch(cfg)
+    global_batch, global_key = batch.global_batch, batch.global_key
+    micro, micro_key = batch.micro_batch, batch.micro_key
     cap = cfg.runtime.max_batch_per_device
     if global_batch <= 0 or micro <= 0 or cap <= 0:
         raise ConfigError(f"{global_key}={global_batch}, {micro_key}={micro} and runtime.max_batch_per_device={cap} "
@@ -118,9 +119,9 @@ def micro_batch_split(cfg: DictConfig) -> tuple[int, int]:
 
 def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
     """Deal this stage's virtual slots to `world_size` processes: each runs slots / world_size of them per step."""
-    global_batch, global_key = stage_global_batch(cfg)
+    batch = stage_batch(cfg)
+    global_batch, global_key, micro_key = batch.global_batch, batch.global_key, batch.micro_key
     micro, split = micro_batch_split(cfg)
-    micro_key = stage_micro_batch(cfg)[1]
     slots = global_batch // micro
     if slots % world_size:
         fits = [w for w in range(min(world_size, slots), 0, -1) if slots % w == 0][0]
