@@ -5,16 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from deit_ablate.bench.compose import TRAIN_PY, compose_run
 from deit_ablate.bench.env import matmul_rate
 from deit_ablate.bench.report import Figure, Report, median
-
-if TYPE_CHECKING:
-    from deit_ablate.data.transforms import TransformSpec
+from deit_ablate.data.transforms import TransformSpec
 
 SECTIONS = ("matmul", "step", "pipeline", "workers", "e2e", "e2e_run", "startup")
 
@@ -264,16 +262,12 @@ def section_workers(s: Settings, report: Report) -> None:
     """Worker startup per epoch at the demo scale, ours (started once, reseeded) against torch's persistent workers
     and workers started each epoch, and whether resume stays exact with each."""
     from deit_ablate.bench import pipeline
-    from deit_ablate.config.stage_config import stage_config
-    from deit_ablate.data.datasets import build_dataset, dataset_root
-    from deit_ablate.data.transforms import TransformSpec, build_train_pipeline
+    from deit_ablate.data.datasets import dataset_root
 
     workers = _workers(s)
     overrides = [f"runtime.num_workers={workers}", *builtin_overrides(s)]
-    cfg = stage_config(compose_run(overrides))
-    setup = pipeline.LoaderSetup(TransformSpec(cfg.data, cfg.augment, cfg.resolution), cfg.runtime, cfg.seed)
-    dataset = build_dataset(cfg.data, "train", build_train_pipeline(setup.spec)[0], dataset_root(cfg.data),
-                            on_bad_image=cfg.runtime.on_bad_image)
+    cfg, setup = compose_run(overrides), pipeline.loader_setup(overrides)
+    dataset, _ = pipeline.jpeg_dataset(dataset_root(cfg.data), setup)  # the built-in set, as run.py builds it
     epochs = 2 if s.quick else 3
     kinds = ("ours", "persistent", "per_epoch")  # ours: started once, reseeded per epoch (data/loader.py)
     rows: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
