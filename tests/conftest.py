@@ -16,6 +16,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from deit_ablate.config.compose import register_configs
+from deit_ablate.config.stage_config import stage_config
+from deit_ablate.data.transforms import TransformSpec
 from deit_ablate.record.identity import RunIdentity, composed_choices, run_identity
 from deit_ablate.record.resolvers import register_resolvers
 from deit_ablate.record.rundir import RunDir
@@ -54,6 +56,12 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """The config `python train.py <overrides>` would run, composed without running it."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=overrides or [], return_hydra_config=False)
+
+
+def transform_spec(cfg: DictConfig) -> TransformSpec:
+    """The pieces of `cfg` the image transforms read, as a run hands them down: its stage's (stage_config.py)."""
+    applied = stage_config(cfg)
+    return TransformSpec(applied.data, applied.augment, applied.resolution)
 
 
 def one_class_imagefolder(root: Path) -> list[str]:

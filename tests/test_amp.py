@@ -192,8 +192,8 @@ def test_run_builds_the_scaler_only_for_fp16(data_cache, tmp_path):
 
 
 def test_timm_reference_gets_fp16_with_its_loss_scaler_on_a_gpu(tmp_path):
-    cfg = compose_config(["augment.repeated_aug=1", "train.amp=fp16"])
-    args = " ".join(timm_args(cfg, tmp_path, tmp_path / "out", workers=2, device="cuda"))
+    overrides = ["augment.repeated_aug=1", "train.amp=fp16"]
+    args = " ".join(timm_args(overrides, tmp_path, tmp_path / "out", workers=2, device="cuda"))
     assert "--amp --amp-dtype float16" in args
 
 

@@ -11,7 +11,7 @@ from timm.data.auto_augment import AugmentOp, RandAugment
 
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.transforms import build_eval_transform, build_train_transform
-from tests.conftest import compose_config
+from tests.conftest import compose_config, transform_spec
 
 
 def test_posterize_at_magnitude_10_keeps_zero_bits_as_deit_trained():
@@ -24,7 +24,7 @@ def test_posterize_at_magnitude_10_keeps_zero_bits_as_deit_trained():
 
 def test_deit_train_transform_survives_enough_images_to_draw_magnitude_10(monkeypatch):
     cfg = compose_config([])
-    transform = build_train_transform(cfg)
+    transform = build_train_transform(transform_spec(cfg))
     rand_augment = next(t for t in transform.transforms if isinstance(t, RandAugment))
     assert len(rand_augment.ops) == 15 and rand_augment.num_layers == 2
     assert all(op.magnitude == 9 and op.magnitude_std == 0.5 for op in rand_augment.ops)
@@ -48,15 +48,17 @@ def test_deit_train_transform_survives_enough_images_to_draw_magnitude_10(monkey
 
 def test_random_erasing_and_eval_transform_follow_the_config():
     cfg = compose_config([])
-    names = [type(t).__name__ for t in build_train_transform(cfg).transforms]
+    names = [type(t).__name__ for t in build_train_transform(transform_spec(cfg)).transforms]
     assert names[0] == "RandomResizedCropAndInterpolation" and "RandomErasing" in names
-    erasing = next(t for t in build_train_transform(cfg).transforms if type(t).__name__ == "RandomErasing")
+    erasing = next(t for t in build_train_transform(transform_spec(cfg)).transforms
+                   if type(t).__name__ == "RandomErasing")
     assert erasing.probability == 0.25 and erasing.mode == "pixel"
-    no_erasing = [type(t).__name__ for t in build_train_transform(compose_config(["ablation=no_erasing"])).transforms]
+    no_erasing = [type(t).__name__
+                  for t in build_train_transform(transform_spec(compose_config(["ablation=no_erasing"]))).transforms]
     assert "RandomErasing" not in no_erasing
-    auto = build_train_transform(compose_config(["ablation=autoaugment"])).transforms
+    auto = build_train_transform(transform_spec(compose_config(["ablation=autoaugment"]))).transforms
     assert any(type(t).__name__ == "AutoAugment" for t in auto)
-    assert not any(type(t).__name__ in ("AutoAugment", "RandAugment")
-                   for t in build_train_transform(compose_config(["ablation=no_randaugment"])).transforms)
-    paper_eval = build_eval_transform(compose_config(["preset=paper"])).transforms
+    no_randaugment = build_train_transform(transform_spec(compose_config(["ablation=no_randaugment"]))).transforms
+    assert not any(type(t).__name__ in ("AutoAugment", "RandAugment") for t in no_randaugment)
+    paper_eval = build_eval_transform(transform_spec(compose_config(["preset=paper"]))).transforms
     assert paper_eval[0].size == 256 and paper_eval[1].size == (224, 224)  # DeiT: resize 224 / 0.875, crop 224

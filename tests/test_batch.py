@@ -14,7 +14,7 @@ from torchvision import transforms
 from deit_ablate.data.batch import BatchNormalize, split_for_batches, to_uint8_hwc
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline, build_train_transform
-from tests.conftest import compose_config
+from tests.conftest import compose_config, transform_spec
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def _seeded(seed: int) -> None:
 @pytest.mark.parametrize("overrides", [[], ["resolution=224px"], ["augment.no_aug=true"]])
 def test_split_transform_gives_timms_pixels_without_erasing(pictures, overrides):
     cfg = compose_config([*overrides, "augment.reprob=0"])
-    timm_transform = build_train_transform(cfg)
-    per_image, per_batch = build_train_pipeline(cfg)
+    timm_transform = build_train_transform(transform_spec(cfg))
+    per_image, per_batch = build_train_pipeline(transform_spec(cfg))
     assert per_batch.erasing is None
     for seed, picture in enumerate(pictures):
         _seeded(seed)
@@ -87,13 +87,13 @@ def test_normalizing_into_a_reused_tensor_gives_the_same_batch():
 
 
 def test_the_pipeline_follows_the_erasing_config():
-    per_image, per_batch = build_train_pipeline(compose_config([]))
+    per_image, per_batch = build_train_pipeline(transform_spec(compose_config([])))
     assert per_batch.erasing.probability == 0.25 and per_batch.erasing.mode == "pixel"
     assert per_image.transforms[-1] is to_uint8_hwc
-    assert build_train_pipeline(compose_config(["ablation=no_erasing"]))[1].erasing is None
+    assert build_train_pipeline(transform_spec(compose_config(["ablation=no_erasing"])))[1].erasing is None
 
 
 def test_a_transform_that_does_more_after_normalizing_is_refused():
-    transform = build_eval_transform(compose_config([]))
+    transform = build_eval_transform(transform_spec(compose_config([])))
     with pytest.raises(ValueError, match="ending in to-tensor, normalize"):
         split_for_batches(transforms.Compose([*transform.transforms, transforms.RandomHorizontalFlip()]))

@@ -12,7 +12,7 @@ import pytest
 from deit_ablate.bench.pipeline import speedup_bound
 from deit_ablate.bench.report import Figure, Report
 from deit_ablate.bench.timm_ref import parse_step, timm_args
-from tests.conftest import REPO, compose_config
+from tests.conftest import REPO
 
 
 @pytest.mark.slow
@@ -63,8 +63,7 @@ def test_speedup_bound_is_amdahl():
 
 
 def test_timm_command_carries_our_model_batch_and_recipe(tmp_path):
-    cfg = compose_config(["augment.repeated_aug=1"])
-    args = timm_args(cfg, tmp_path, tmp_path / "out", workers=2, device="cpu")
+    args = timm_args(["augment.repeated_aug=1"], tmp_path, tmp_path / "out", workers=2, device="cpu")
     text = " ".join(args)
     for flag in ["--model deit_tiny_patch16_224", "-b 128", "-j 2", "--aa rand-m9-mstd0.5-inc1", "--reprob 0.25",
                  "--remode pixel", "--mixup 0.8", "--cutmix 1.0", "--smoothing 0.1", "--drop-path 0.1", "--opt adamw",

@@ -29,7 +29,7 @@ from deit_ablate.data.datasets import build_dataset, dataset_root
 from deit_ablate.data.loader import SkipFirst, build_train_sampler
 from deit_ablate.record.identity import experiment, experiment_digest
 from deit_ablate.run.validate import validate_config
-from tests.conftest import TINY, compose_config, train_straight_and_resumed
+from tests.conftest import TINY, compose_config, train_straight_and_resumed, transform_spec
 
 SIZE = 40
 PICTURES = [np.asarray(draw_image(label, SIZE, np.random.default_rng(label))) for label in (0, 3, 6, 9)]
@@ -127,7 +127,8 @@ def test_policy_strings():
 def tiny_train_set(data_cache, monkeypatch_module):
     monkeypatch_module.setenv("DEIT_ABLATE_CACHE", str(data_cache))
     cfg = compose_config(TINY + ["data.backend=dali", "resolution=32px"])
-    return cfg, build_dataset(cfg, "train", None, dataset_root(cfg))
+    dataset = build_dataset(cfg.data, "train", None, dataset_root(cfg.data), on_bad_image=cfg.runtime.on_bad_image)
+    return cfg, dataset
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_loader_follows_each_ranks_sampler_and_hands_uint8_hwc_batches(tiny_trai
     for rank in range(2):
         sampler = build_train_sampler(len(dataset), 3, 2, (rank,), batch)  # 2 slots of 16, one per rank
         sampler.set_epoch(1)
-        loader = DaliTrainLoader(dataset, sampler, batch, cfg, torch.device("cpu"), threads=1)
+        loader = DaliTrainLoader(dataset, sampler, batch, transform_spec(cfg), torch.device("cpu"), threads=1)
         expected = [dataset.targets[i] for i in sampler]
         batches = _epoch(loader, seed=5)
         # timm cuts the epoch to whole 256s of the dataset (300 -> 256) split over 2 ranks: 128 each, 8 batches
@@ -162,12 +163,13 @@ def test_loader_follows_each_ranks_sampler_and_hands_uint8_hwc_batches(tiny_trai
 def test_same_seed_same_batches_other_seed_other_augmentation(tiny_train_set):
     cfg, dataset = tiny_train_set
     sampler = build_train_sampler(len(dataset), 3, 1, (0,), 32)
-    loader = DaliTrainLoader(dataset, sampler, 32, cfg, torch.device("cpu"), threads=2)
+    spec = transform_spec(cfg)
+    loader = DaliTrainLoader(dataset, sampler, 32, spec, torch.device("cpu"), threads=2)
     first, again, other = _epoch(loader, 7), _epoch(loader, 7), _epoch(loader, 8)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))
     assert all(torch.equal(a[1], c[1]) for a, c in zip(first, other, strict=True))  # the sampler decides the order
     assert not torch.equal(first[0][0], other[0][0])
-    rest = _epoch(DaliTrainLoader(dataset, SkipFirst(sampler, 64), 32, cfg, torch.device("cpu"), threads=2), 7)
+    rest = _epoch(DaliTrainLoader(dataset, SkipFirst(sampler, 64), 32, spec, torch.device("cpu"), threads=2), 7)
     assert len(rest) == len(first) - 2 and torch.equal(rest[0][1], first[2][1])
 
 
@@ -214,7 +216,7 @@ def test_an_unreadable_image_stops_with_its_name(tmp_path):
             Image.fromarray(PICTURES[index % 4]).save(folder / f"{index}.png")
     (tmp_path / "train" / "b" / "3.png").write_bytes(b"not an image at all")
     cfg.data.num_classes = 2
-    dataset = build_dataset(cfg, "train", None, tmp_path)
-    loader = DaliTrainLoader(dataset, list(range(16)), 8, cfg, torch.device("cpu"), threads=1)
+    dataset = build_dataset(cfg.data, "train", None, tmp_path, on_bad_image=cfg.runtime.on_bad_image)
+    loader = DaliTrainLoader(dataset, list(range(16)), 8, transform_spec(cfg), torch.device("cpu"), threads=1)
     with pytest.raises(ConfigError, match=r"b/3.png cannot be read as an image .*data.backend=pil"):
         _epoch(loader, 0)

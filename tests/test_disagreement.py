@@ -24,7 +24,7 @@ from deit_ablate.data.loader import ShardSampler
 from deit_ablate.record.predictions import INDEX, LocalPredictions, compact, gather_in_order, in_dataset_order
 from deit_ablate.record.rundir import PREDICTIONS, RunDir
 from deit_ablate.train.trainer import evaluate
-from tests.conftest import TINY, run_train
+from tests.conftest import TINY, run_train, transform_spec
 
 BUILTIN = {"image_size": 40, "train_per_class": 30, "val_per_class": 10, "seed": 0}
 OTHER = {**BUILTIN, "seed": 1}
@@ -239,7 +239,8 @@ def redo_predictions(run: RunDir, data_cache: Path, monkeypatch) -> dict[str, np
     cfg = load_run_config(run)
     model = rebuild_model(student_spec(cfg), read_weights(run.last_checkpoint), torch.device("cpu"))
     model.eval()
-    dataset = build_dataset(cfg, "val", build_eval_transform(cfg), dataset_root(cfg))
+    dataset = build_dataset(cfg.data, "val", build_eval_transform(transform_spec(cfg)), dataset_root(cfg.data),
+                            on_bad_image=cfg.runtime.on_bad_image)
     images = torch.stack([dataset[i][0] for i in range(len(dataset))])
     with torch.inference_mode():
         if hasattr(model, "head_dist"):

@@ -28,7 +28,7 @@ from deit_ablate.data.fast_jpeg import (
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline
 from deit_ablate.record.rundir import RESULT, runs_root
 from deit_ablate.run.validate import validate_config
-from tests.conftest import TINY, compose_config, run_train
+from tests.conftest import TINY, compose_config, run_train, transform_spec
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_greyscale_jpegs_come_out_rgb(images):
 @pytest.mark.parametrize("reprob", [0.0, 1.0])
 def test_the_full_deit_train_transform_with_the_fast_path(images, reprob):
     cfg = compose_config(["resolution=224px", f"augment.reprob={reprob}", "data.fast_jpeg=true"])
-    transform, batch_step = build_train_pipeline(cfg)
+    transform, batch_step = build_train_pipeline(transform_spec(cfg))
     kinds = [type(step).__name__ for step in transform.transforms]
     assert kinds[0] == "FastRandomResizedCrop" and transform.transforms[0].hflip == 0.5
     assert not {"RandomHorizontalFlip", "MaybeToTensor", "Normalize", "RandomErasing"} & set(kinds)
@@ -152,12 +152,12 @@ def test_the_full_deit_train_transform_with_the_fast_path(images, reprob):
         assert low - 1e-5 <= out.min() and out.max() <= high + 1e-5
     else:  # erased pixels are N(0, 1) draws
         assert out.abs().max() < 10
-    default = build_train_pipeline(compose_config(["resolution=224px"]))[0].transforms  # off by default
+    default = build_train_pipeline(transform_spec(compose_config(["resolution=224px"])))[0].transforms  # off by default
     assert not any(isinstance(step, FastRandomResizedCrop) for step in default)
 
 
 def test_a_transform_without_a_random_resized_crop_is_refused():
-    per_image, _ = split_for_batches(build_eval_transform(compose_config(["resolution=224px"])))
+    per_image, _ = split_for_batches(build_eval_transform(transform_spec(compose_config(["resolution=224px"]))))
     with pytest.raises(ValueError, match="speeds up a random-resized crop, and this transform has none"):
         fast_train_transform(per_image)
 
@@ -174,9 +174,11 @@ def test_train_py_trains_on_jpegs_with_the_fast_path_and_workers(tmp_path, data_
         "data=imagefolder", f"data.root={tmp_path / 'jpegs'}", "data.num_classes=2", "data.fast_jpeg=true",
         "runtime.num_workers=2", "train.global_batch=8", "train.max_steps=3"]
     cfg = compose_config(args)
-    dataset = build_dataset(cfg, "train", build_train_pipeline(cfg)[0])
+    spec, on_bad_image = transform_spec(cfg), cfg.runtime.on_bad_image
+    dataset = build_dataset(cfg.data, "train", build_train_pipeline(spec)[0], on_bad_image=on_bad_image)
     assert dataset.loader is lazy_loader and isinstance(dataset.transform.transforms[0], FastRandomResizedCrop)
-    assert build_dataset(cfg, "val", build_eval_transform(cfg)).loader is not lazy_loader
+    val = build_dataset(cfg.data, "val", build_eval_transform(spec), on_bad_image=on_bad_image)
+    assert val.loader is not lazy_loader
     run_train(args, tmp_path, data_cache)
     result = json.loads(next((runs_root(tmp_path / "outputs")).glob(f"*/{RESULT}")).read_text())
     assert result["status"] == "finished" and result["steps_done"] == 3

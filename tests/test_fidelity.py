@@ -21,7 +21,7 @@ from deit_ablate.run.validate import plan_batch
 from deit_ablate.train.models import build_model
 from deit_ablate.train.optim import build_optimizer, build_scheduler, scaled_lr
 from deit_ablate.train.trainer import Trainer
-from tests.conftest import compose_config
+from tests.conftest import compose_config, transform_spec
 
 FINETUNE = ["stage=finetune", "finetune.init_checkpoint=/pretrained.pt"]  # no pre-training run needed to compose
 IMAGENET_TRAIN = 1_281_167
@@ -138,7 +138,7 @@ def test_distilled_student_returns_both_heads_when_fine_tuned_in_eval_mode():
 def test_eval_resizes_as_the_released_datasets_py(size, resize):
     # datasets.build_transform: Resize(int(256 / 224 * input_size), bicubic), CenterCrop(input_size).
     cfg = compose_config(["preset=paper", f"resolution={size}px"])
-    steps = build_eval_transform(cfg).transforms
+    steps = build_eval_transform(transform_spec(cfg)).transforms
     resizes = [t for t in steps if isinstance(t, transforms.Resize)]
     crops = [t for t in steps if isinstance(t, transforms.CenterCrop)]
     assert resize == int(256 / 224 * size)
@@ -148,7 +148,7 @@ def test_eval_resizes_as_the_released_datasets_py(size, resize):
 
 def test_paper_finetune_evaluates_at_384_from_438():
     cfg = compose_config(["preset=paper", *FINETUNE])
-    steps = build_eval_transform(cfg).transforms
+    steps = build_eval_transform(transform_spec(cfg)).transforms
     assert next(t for t in steps if isinstance(t, transforms.Resize)).size in (438, [438])
 
 
@@ -200,9 +200,9 @@ def test_sgd_rows_change_only_their_own_stage_optimizer(row, pretrain, finetune)
 def test_no_randaugment_row_falls_back_to_the_paper_era_colour_jitter():
     # facebookresearch/deit 1d38fa4 (Dec 2020) main.py: --color-jitter default 0.4 (0.3 only since 2022).
     cfg = compose_config(["ablation=no_randaugment"])
-    jitter = [t for t in build_train_transform(cfg).transforms if isinstance(t, transforms.ColorJitter)]
+    jitter = [t for t in build_train_transform(transform_spec(cfg)).transforms if isinstance(t, transforms.ColorJitter)]
     assert cfg.augment.color_jitter == 0.4 and jitter and jitter[0].brightness == pytest.approx((0.6, 1.4))
-    baseline = build_train_transform(compose_config([])).transforms
+    baseline = build_train_transform(transform_spec(compose_config([]))).transforms
     assert not any(isinstance(t, transforms.ColorJitter) for t in baseline)  # RandAugment replaces it
 
 

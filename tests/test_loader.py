@@ -28,7 +28,7 @@ def _loaded_niceness(overrides: list[str]) -> set[int]:
     cfg = compose_config(overrides)
     dataset = Niceness()
     pairs = [(index, 0) for index in SequentialSampler(dataset)]  # a training loader's items: (index, seed)
-    loader = build_loader(dataset, pairs, 2, cfg, train=True)
+    loader = build_loader(dataset, pairs, 2, cfg.runtime, train=True)
     return {int(value) for batch in loader for value in batch}
 
 

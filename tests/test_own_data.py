@@ -103,11 +103,11 @@ def test_the_dataset_and_the_fingerprint_read_the_same_files(tmp_path):
     (root / "train" / ".hidden_class").mkdir()  # a hidden class folder: not a class
     Image.new("L", (8, 8)).save(root / "train" / ".hidden_class" / "x.png")
     cfg = compose_config(folder_args(root, 2))
-    dataset = build_dataset(cfg, "train", None)
+    dataset = build_dataset(cfg.data, "train", None, on_bad_image=cfg.runtime.on_bad_image)
     read = sorted(str(Path(path).relative_to(root / "train")) for path, _ in dataset.samples)
     assert read == ["cat/0000.png", "cat/0001.png", "cat/LOUD.PNG", "cat/sub/deep.png", "dog/0000.png", "dog/0001.png"]
     assert dataset.classes == ["cat", "dog"]
-    fp = data_fingerprint(cfg)
+    fp = data_fingerprint(cfg.data)
     assert fp["images"] == {"train": len(read), "val": 4} and fp["classes"] == 2
 
 
@@ -118,7 +118,7 @@ def test_files_that_are_not_read_are_named_once_at_start(tmp_path, caplog):
     Image.new("L", (8, 8)).save(root / "train" / "cat" / "no_extension", format="PNG")
     (root / "val" / "cat" / "notes.txt").write_text("x")
     with caplog.at_level(logging.WARNING):
-        data_fingerprint(compose_config(folder_args(root, 1)))
+        data_fingerprint(compose_config(folder_args(root, 1)).data)
     [line] = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
     assert "3 file(s) under" in line and str(root) in line
     for name in ("train/cat/anim.gif", "train/cat/no_extension", "val/cat/notes.txt"):

@@ -225,7 +225,7 @@ def test_a_folder_with_the_old_names_skips_and_still_refuses_other_data(tmp_path
     from deit_ablate.run.plan import data_identity, make_plan
 
     cfg = compose_config(TINY + [f"runtime.output_root={tmp_path}"])
-    current = data_fingerprint(cfg)
+    current = data_fingerprint(cfg.data)
     run = _old_folder(tmp_path, current)
     assert data_identity(cfg, run) == current  # the same data: the run is this one
     assert launch_plan(make_plan(cfg, DistInfo(), run, [])) == "skip (already finished)"

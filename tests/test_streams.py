@@ -31,7 +31,7 @@ from deit_ablate.data.transforms import build_train_pipeline
 from deit_ablate.record.rundir import RunDir
 from deit_ablate.train.losses import build_mixup
 from deit_ablate.train.teacher import teacher_forward
-from tests.conftest import compose_config, run_train
+from tests.conftest import compose_config, run_train, transform_spec
 
 CLASSES, TRAIN_PER_CLASS = 4, 24
 RANDAUGMENT_OPS = 15  # timm's rand-m9-mstd0.5-inc1: 2 of 15 ops, drawn with replacement
@@ -107,19 +107,20 @@ SLOTS, MICRO = 8, 4  # 96 images (under 256: ceil(96 / 8) = 12 positions per slo
 def layout_epoch(cfg, root: Path, world: int, rank: int, epoch: int = 0, skip_steps: int = 0) -> dict[int, tuple]:
     """position -> (image index, uint8 pixels, drawn ops) of each training sample process `rank` of `world` loads in
     `epoch` (its share of the 8 slots), seeded as run.py seeds an epoch; after `skip_steps` steps when resumed."""
-    per_image, _ = build_train_pipeline(cfg)
-    dataset = build_dataset(cfg, "train", per_image, root)
+    spec = transform_spec(cfg)
+    per_image, _ = build_train_pipeline(spec)
+    dataset = build_dataset(cfg.data, "train", per_image, root, on_bad_image=cfg.runtime.on_bad_image)
     dali = cfg.data.backend == "dali"
     dataset = dataset if dali else Recorded(dataset)
     per_process = SLOTS // world
     own = tuple(range(rank * per_process, (rank + 1) * per_process))
     slots = build_train_sampler(len(dataset), cfg.augment.repeated_aug, SLOTS, own, MICRO)
     sampler = SeededSamples(slots, RunStreams(cfg.seed, rank))
-    seed_epoch_data(sampler, build_train_loader(dataset, sampler, 4, cfg, torch.device("cpu")),
+    seed_epoch_data(sampler, build_train_loader(dataset, sampler, 4, spec, cfg.runtime, torch.device("cpu")),
                     RunStreams(cfg.seed, rank), epoch)
     skipped = skip_steps * per_process * MICRO
     loader = build_train_loader(dataset, SkipFirst(sampler, skipped) if skipped else sampler, per_process * MICRO,
-                                cfg, torch.device("cpu"))
+                                spec, cfg.runtime, torch.device("cpu"))
     seed_epoch_data(sampler, loader, RunStreams(cfg.seed, rank), epoch)
     positions, order = slots.positions()[skipped:], list(slots)[skipped:]
     records = []
@@ -204,7 +205,7 @@ def test_a_micro_batch_draws_by_epoch_step_and_slot_alone():
 
 
 def test_random_erasing_draws_per_sample_whatever_the_batch():
-    _, batch_step = build_train_pipeline(compose_config(["augment.reprob=1.0"]))
+    _, batch_step = build_train_pipeline(transform_spec(compose_config(["augment.reprob=1.0"])))
     images = torch.randint(0, 256, (6, 8, 8, 3), dtype=torch.uint8)
     seeds = [EpochStreams(RunStreams(STREAM_SEED), 0).sample_seed(Stream.ERASING, position) for position in range(6)]
     whole = batch_step(images, seeds=seeds)

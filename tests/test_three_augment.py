@@ -15,7 +15,7 @@ from torchvision import transforms
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.transforms import build_train_pipeline, build_train_transform
 from deit_ablate.run.validate import validate_config
-from tests.conftest import TINY, compose_config, run_train
+from tests.conftest import TINY, compose_config, run_train, transform_spec
 
 SIZE = 32  # the demo preset's train size
 
@@ -45,13 +45,13 @@ def test_the_config_composes_with_deit_iii_values():
     aug = cfg.augment
     assert (aug.three_augment, aug.auto_augment, aug.color_jitter, aug.reprob, aug.crop) == (True, None, 0.3, 0.0,
                                                                                             "simple")
-    names = [type(step).__name__ for step in build_train_transform(cfg).transforms]
+    names = [type(step).__name__ for step in build_train_transform(transform_spec(cfg)).transforms]
     assert names == ["Resize", "RandomCrop", "RandomHorizontalFlip", "AutoAugment", "ColorJitter", "MaybeToTensor",
                      "Normalize"]
 
 
 def test_three_augment_keeps_the_random_resized_crop_and_adds_flip_and_jitter_03():
-    transform = build_train_transform(compose_config(["augment=three_augment"]))
+    transform = build_train_transform(transform_spec(compose_config(["augment=three_augment"])))
     crop = transform.transforms[0]
     assert isinstance(crop, RandomResizedCropAndInterpolation) and crop.scale == (0.08, 1.0)
     assert _step(transform, transforms.RandomHorizontalFlip).p == 0.5
@@ -63,7 +63,7 @@ def test_three_augment_keeps_the_random_resized_crop_and_adds_flip_and_jitter_03
 
 
 def test_exactly_one_of_grayscale_solarize_blur_per_image_chosen_uniformly(monkeypatch):
-    ops = _step(build_train_transform(compose_config(["augment=three_augment"])), AutoAugment)
+    ops = _step(build_train_transform(transform_spec(compose_config(["augment=three_augment"]))), AutoAugment)
     pixels = _noise(SIZE, SIZE)
     image = Image.fromarray(pixels)
     radii, uniform = [], random.uniform
@@ -93,7 +93,7 @@ def test_exactly_one_of_grayscale_solarize_blur_per_image_chosen_uniformly(monke
 
 
 def test_grayscale_gives_equal_channels_and_solarize_inverts_from_128():
-    ops = _step(build_train_transform(compose_config(["augment=three_augment"])), AutoAugment)
+    ops = _step(build_train_transform(transform_spec(compose_config(["augment=three_augment"]))), AutoAugment)
     by_name = {sub[0].name: sub[0] for sub in ops.policy}
     grayscale, solarize = by_name["Desaturate"], by_name["Solarize"]
     ramp = np.repeat(np.arange(256, dtype=np.uint8)[None, :, None], 3, axis=2)
@@ -114,7 +114,7 @@ def _window_of(out: np.ndarray, padded: np.ndarray) -> tuple[int, int]:
 
 @pytest.mark.parametrize("shape", [(SIZE, 48), (64, 96), (80, 40)])
 def test_simple_crop_is_a_window_of_the_resized_reflect_padded_image(shape):
-    transform = build_train_transform(compose_config(["augment.crop=simple"]))
+    transform = build_train_transform(transform_spec(compose_config(["augment.crop=simple"])))
     crop = transforms.Compose(transform.transforms[:2])
     image = Image.fromarray(_noise(*shape))
     scale = SIZE / min(shape)  # the smaller side to the train size, the aspect kept
@@ -135,7 +135,7 @@ def test_simple_crop_is_a_window_of_the_resized_reflect_padded_image(shape):
 def test_simple_crop_works_with_either_policy_and_the_batch_split(augment):
     cfg = compose_config([f"augment={augment}", "augment.crop=simple"])
     validate_config(cfg)
-    per_image, per_batch = build_train_pipeline(cfg)
+    per_image, per_batch = build_train_pipeline(transform_spec(cfg))
     image = Image.fromarray(_noise(40, 56))
     random.seed(0)
     pixels = per_image(image)
@@ -144,8 +144,9 @@ def test_simple_crop_works_with_either_policy_and_the_batch_split(augment):
 
 
 def test_defaults_keep_the_random_resized_crop_and_no_three_augment():
-    default = build_train_transform(compose_config([]))
-    explicit = build_train_transform(compose_config(["augment.crop=rrc", "augment.three_augment=false"]))
+    default = build_train_transform(transform_spec(compose_config([])))
+    explicit = build_train_transform(transform_spec(compose_config(["augment.crop=rrc",
+                                                                    "augment.three_augment=false"])))
     assert repr(default) == repr(explicit)
     assert isinstance(default.transforms[0], RandomResizedCropAndInterpolation)
     assert not any(isinstance(step, (AutoAugment, transforms.ColorJitter)) for step in default.transforms)

@@ -34,7 +34,6 @@ from deit_ablate.data.cifar10 import (
     CIFAR10Pickles,
 )
 from deit_ablate.data.datasets import build_dataset, check_data_root, data_fingerprint
-from deit_ablate.data.transforms import stage_reprob
 from deit_ablate.record.identity import composed_choices, experiment, experiment_digest, transfer_source_overrides
 from deit_ablate.record.rundir import RunDir
 from deit_ablate.run.lineage import Lineage
@@ -86,14 +85,14 @@ def write_cifar100(root: Path, train_per_class: int = 1) -> None:
 def test_cifar100_is_fingerprinted_by_its_files_and_a_missing_one_is_named(tmp_path: Path) -> None:
     for name, per_class in (("a", 1), ("copy_of_a", 1), ("b", 2)):
         write_cifar100(tmp_path / name, per_class)
-    prints = {name: data_fingerprint(compose_config(["data=cifar100", f"data.root={tmp_path / name}"]))
+    prints = {name: data_fingerprint(compose_config(["data=cifar100", f"data.root={tmp_path / name}"]).data)
               for name in ("a", "copy_of_a", "b")}
     assert prints["a"]["classes"] == 100 and prints["a"]["images"] == {"train": 100, "val": 100}
     assert prints["a"]["digest"] == prints["copy_of_a"]["digest"]  # the files, not where they lie
     assert prints["b"]["digest"] != prints["a"]["digest"] and prints["b"]["images"]["train"] == 200
     (tmp_path / "a" / CIFAR100_FOLDER / "test").unlink()
     with pytest.raises(ConfigError, match=r"data=cifar100 found no test under .*cifar-100-python"):
-        check_data_root(compose_config(["data=cifar100", f"data.root={tmp_path / 'a'}"]))
+        check_data_root(compose_config(["data=cifar100", f"data.root={tmp_path / 'a'}"]).data)
 
 
 def test_cifar10_reader_reads_the_pickle_files_it_is_given(tmp_path: Path) -> None:
@@ -105,11 +104,12 @@ def test_cifar10_reader_reads_the_pickle_files_it_is_given(tmp_path: Path) -> No
     assert isinstance(image, Image.Image) and image.size == (32, 32) and label == 3
     assert np.asarray(image)[5, 9].tolist() == [2, 3, 7]
     cfg = compose_config(["data=cifar10", f"data.root={tmp_path}"])
-    assert check_data_root(cfg) == tmp_path and len(build_dataset(cfg, "val", lambda x: x)) == 20
-    fingerprint = data_fingerprint(cfg)
+    val = build_dataset(cfg.data, "val", lambda x: x, on_bad_image=cfg.runtime.on_bad_image)
+    assert check_data_root(cfg.data) == tmp_path and len(val) == 20
+    fingerprint = data_fingerprint(cfg.data)
     assert fingerprint["classes"] == 10 and fingerprint["images"] == {"train": 100, "val": 20}
     (tmp_path / FOLDER / TRAIN_FILES[0]).write_bytes((tmp_path / FOLDER / TRAIN_FILES[0]).read_bytes() + b"\0")
-    assert data_fingerprint(cfg)["digest"] != fingerprint["digest"]  # another file size: other data
+    assert data_fingerprint(cfg.data)["digest"] != fingerprint["digest"]  # another file size: other data
 
 
 def test_cifar10_reader_names_a_missing_file_and_the_layout(tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ def test_cifar10_reader_names_a_missing_file_and_the_layout(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"found no test_batch under .*cifar-10-batches-py.*data.root"):
         CIFAR10Pickles(tmp_path, train=True)
     with pytest.raises(ConfigError, match="test_batch"):
-        check_data_root(compose_config(["data=cifar10", f"data.root={tmp_path}"]))
+        check_data_root(compose_config(["data=cifar10", f"data.root={tmp_path}"]).data)
 
 
 class _WritesAMarker:
@@ -152,9 +152,9 @@ def test_a_crafted_cifar_file_is_never_unpickled_and_is_named(tmp_path: Path, da
     overrides, refused, marker = _crafted(tmp_path, data, crafted)
     cfg = compose_config(overrides)
     with pytest.raises(ConfigError, match=refused):
-        data_fingerprint(cfg)
+        data_fingerprint(cfg.data)
     with pytest.raises(ConfigError, match=refused):
-        build_dataset(cfg, "train", lambda x: x)
+        build_dataset(cfg.data, "train", lambda x: x, on_bad_image=cfg.runtime.on_bad_image)
     assert not marker.exists()  # nothing it names ran
 
 
@@ -198,8 +198,8 @@ def test_default_builtin_digest_is_unchanged_and_the_second_set_is_other_data() 
     cfg = compose_config([])
     before = {"image_size": 40, "train_per_class": 500, "val_per_class": 100, "seed": 0}  # main's formula
     digest = hashlib.sha1(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
-    assert data_fingerprint(cfg) == {"digest": digest, "builtin": before}
-    assert data_fingerprint(compose_config(["transfer=builtin_b"]))["digest"] != digest
+    assert data_fingerprint(cfg.data) == {"digest": digest, "builtin": before}
+    assert data_fingerprint(compose_config(["transfer=builtin_b"]).data)["digest"] != digest
     assert "classes" not in experiment(cfg)["data"]["builtin"]  # runs before the key keep their digest
 
 
@@ -227,7 +227,8 @@ def test_paper_transfer_recipe_is_issue_45s(tmp_path: Path) -> None:
     assert (recipe.optimizer, recipe.lr, recipe.weight_decay, recipe.global_batch) == ("sgd", 0.01, 1e-4, 768)
     assert (recipe.epochs, recipe.warmup_epochs, recipe.min_lr, recipe.train_mode) == (1000, 5.0, 1e-5, True)
     assert recipe.init_checkpoint == RunDir(tmp_path / "source").last_checkpoint
-    assert stage_reprob(cfg) == 0.0 and stage_config(cfg).model.drop_path == 0.0
+    applied = stage_config(cfg)  # what the run's pieces are taken from (plan.settings)
+    assert applied.augment.reprob == 0.0 and applied.model.drop_path == 0.0
     assert cfg.augment.reprob == 0.25 and cfg.model.drop_path == 0.1  # the source's own, left as they were
     assert cfg.resolution.train_size == 384 and cfg.augment.auto_augment == "rand-m9-mstd0.5-inc1"
     assert (cfg.mix.mixup_alpha, cfg.mix.cutmix_alpha, cfg.augment.repeated_aug) == (0.8, 1.0, 3)

@@ -64,7 +64,7 @@ def check_same_data(cfg: DictConfig, run: RunDir) -> None:
     recorded = run.recorded_data()
     if recorded is None:
         return
-    current = data_fingerprint(cfg)
+    current = data_fingerprint(cfg.data)
     if recorded.get("digest") != current.get("digest"):
         raise ConfigError(f"{run.path} trained on {describe_data(recorded)}, but data.root={cfg.data.root} now "
                           f"holds {describe_data(current)}: point --data-root at the data it trained on.")

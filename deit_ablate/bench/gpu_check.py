@@ -80,11 +80,12 @@ def measure_train_steps(sizes: dict[str, Any], device: torch.device, data_root: 
     from deit_ablate.bench.compose import compose_run
     from deit_ablate.bench.report import median
 
-    cfg = compose_run(_step_overrides(sizes, data_root, device.type, sizes["model"]))
+    overrides = _step_overrides(sizes, data_root, device.type, sizes["model"])
+    cfg = compose_run(overrides)
     for name, compile_model in (("eager", False), ("compile", True)):
         _reset_peak(device)
         start = time.perf_counter()
-        setup = step.build_trainer(cfg, device, compile_model=compile_model)
+        setup = step.build_trainer(overrides, device, compile_model=compile_model)
         if compile_model:
             step.run_steps(setup, 1)
         rates = step.alternate({name: setup}, sizes["steps"], sizes["repeats"], sizes["warmup"])[name]
@@ -110,10 +111,11 @@ def measure_fp16(sizes: dict[str, Any], device: torch.device, data_root: str, re
     from deit_ablate.bench.compose import compose_run
     from deit_ablate.bench.report import median
 
-    cfg = compose_run(_step_overrides(sizes, data_root, device.type, sizes["model"], amp="fp16"))
+    overrides = _step_overrides(sizes, data_root, device.type, sizes["model"], amp="fp16")
+    cfg = compose_run(overrides)
     _reset_peak(device)
     start = time.perf_counter()
-    setup = step.build_trainer(cfg, device)
+    setup = step.build_trainer(overrides, device)
     trainer = setup.trainer
     loss_first = trainer.train_step(setup.images.clone(), setup.targets).item()
     rates = step.alternate({"fp16": setup}, sizes["steps"], sizes["repeats"], sizes["warmup"])["fp16"]
@@ -154,7 +156,7 @@ def measure_distillation(sizes: dict[str, Any], device: torch.device, data_root:
     cfg = compose_run(overrides)
     _reset_peak(device)
     start = time.perf_counter()
-    setup = step.build_trainer(cfg, device)
+    setup = step.build_trainer(overrides, device)
     rates = step.alternate({"distill": setup}, sizes["steps"], sizes["repeats"], sizes["warmup"])["distill"]
     results["distill_hard_token_step"] = {
         "images_per_s": median(rates), "samples": rates, "student": type(setup.trainer.module).__name__,
@@ -167,7 +169,6 @@ def measure_pipelines(sizes: dict[str, Any], device: torch.device, data_root: st
                       results: dict[str, Any]) -> None:
     """Input pipeline at 224 on drawn 500x375 JPEGs: pil (DataLoader on every core) and dali (on the device)."""
     from deit_ablate.bench import pipeline
-    from deit_ablate.bench.compose import compose_run
     from deit_ablate.bench.report import median
     from deit_ablate.data.dali import dali_available
     from deit_ablate.data.loader import default_num_workers
@@ -184,14 +185,14 @@ def measure_pipelines(sizes: dict[str, Any], device: torch.device, data_root: st
     else:
         results["pipeline_dali"] = {"error": "DALI is not importable here (bash scripts/install.sh installs it)"}
     for name, extra in backends.items():
-        cfg = compose_run([*base, *extra])
-        dataset, batch_step = pipeline.jpeg_dataset(root, cfg)
-        loader = pipeline.our_loader(cfg, dataset, sizes["pipeline_batch"], batch_step, device)
+        setup = pipeline.loader_setup([*base, *extra])
+        dataset, batch_step = pipeline.jpeg_dataset(root, setup)
+        loader = pipeline.our_loader(setup, dataset, sizes["pipeline_batch"], batch_step, device)
         rows = [pipeline.epoch_rate(loader) for _ in range(1 + sizes["repeats"])][1:]  # the first: warm-up
         rates = [row["images_per_s"] for row in rows]
         results[f"pipeline_{name}"] = {
             "images_per_s": median(rates), "samples": rates, "workers_or_threads": workers, "train_size": size,
-            "batch": sizes["pipeline_batch"], "jpegs": jpegs, "repeated_aug": cfg.augment.repeated_aug,
+            "batch": sizes["pipeline_batch"], "jpegs": jpegs, "repeated_aug": setup.spec.augment.repeated_aug,
             "where": "DALI on the GPU (mixed decoder)" if name == "dali" and device.type == "cuda" else
             ("DALI on the CPU" if name == "dali" else "DataLoader workers, BatchNormalize on the device")}
         _log(f"pipeline {name}: {median(rates):.0f} images/s")

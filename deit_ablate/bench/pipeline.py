@@ -6,6 +6,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from deit_ablate.bench.env import synchronize, torch_threads
+from deit_ablate.config.schema import RuntimeConfig
+from deit_ablate.config.stage_config import stage_config
 from deit_ablate.core.atomic import atomic_folder
 from deit_ablate.core.streams import RunStreams
 from deit_ablate.data.builtin import CLASSES, draw_image
@@ -28,9 +31,27 @@ from deit_ablate.data.loader import (
     build_train_sampler,
     seed_epoch_data,
 )
-from deit_ablate.data.transforms import build_train_pipeline, build_train_transform
+from deit_ablate.data.transforms import TransformSpec, build_train_pipeline, build_train_transform
 
 JPEG_WIDTH, JPEG_HEIGHT, JPEG_QUALITY = 500, 375, 90  # about the mean ImageNet training image
+
+
+@dataclass(frozen=True)
+class LoaderSetup:
+    """What the input-pipeline benchmarks read of one run config: the transforms' groups, how loading runs, the
+    seed."""
+
+    spec: TransformSpec
+    runtime: RuntimeConfig
+    seed: int
+
+
+def loader_setup(overrides: list[str]) -> LoaderSetup:
+    """The loader pieces of the config `python train.py <overrides>` runs (its stage's, stage_config.py)."""
+    from deit_ablate.bench.compose import compose_run
+
+    cfg = stage_config(compose_run(overrides))
+    return LoaderSetup(TransformSpec(cfg.data, cfg.augment, cfg.resolution), cfg.runtime, cfg.seed)
 
 
 def cache_root() -> Path:
@@ -63,45 +84,46 @@ def ensure_jpeg_set(count: int, root: Path | None = None, seed: int = 0) -> Path
     return target
 
 
-def jpeg_dataset(root: Path, cfg, whole_timm_transform: bool = False) -> tuple[Dataset, Callable | None]:
-    """The JPEG set as run.py builds a training set for `cfg` (data.fast_jpeg on or off), and the per-batch step
+def jpeg_dataset(root: Path, setup: LoaderSetup, whole_timm_transform: bool = False) -> tuple[Dataset, Callable | None]:
+    """The JPEG set as run.py builds a training set for `setup` (data.fast_jpeg on or off), and the per-batch step
     the trainer adds; with `whole_timm_transform`, timm's transform whole in the workers (DeiT's main.py), no step."""
+    spec, on_bad_image = setup.spec, setup.runtime.on_bad_image
     if whole_timm_transform:
-        return build_dataset(cfg, "train", build_train_transform(cfg), root), None
-    per_image, per_batch = build_train_pipeline(cfg)
-    return build_dataset(cfg, "train", per_image, root), per_batch
+        return build_dataset(spec.data, "train", build_train_transform(spec), root, on_bad_image=on_bad_image), None
+    per_image, per_batch = build_train_pipeline(spec)
+    return build_dataset(spec.data, "train", per_image, root, on_bad_image=on_bad_image), per_batch
 
 
-def timm_loader(root: Path, cfg, batch: int, workers: int) -> DataLoader:
+def timm_loader(root: Path, spec: TransformSpec, batch: int, workers: int) -> DataLoader:
     """timm's create_loader as timm's train.py sets it up on this device (prefetcher on, DeiT flags)."""
     from timm.data import create_dataset, create_loader
 
-    aug = cfg.augment
+    aug, size = spec.augment, spec.resolution.train_size
     dataset = create_dataset("", root=str(root), split="train", is_training=True)
-    return create_loader(dataset, input_size=(3, cfg.resolution.train_size, cfg.resolution.train_size),
+    return create_loader(dataset, input_size=(3, size, size),
                          batch_size=batch, is_training=True, use_prefetcher=True, re_prob=aug.reprob,
                          re_mode=aug.remode, re_count=aug.recount, scale=tuple(aug.scale), hflip=aug.hflip,
                          color_jitter=aug.color_jitter, auto_augment=aug.auto_augment, interpolation=aug.interpolation,
-                         mean=tuple(cfg.data.mean), std=tuple(cfg.data.std), num_workers=workers,
+                         mean=tuple(spec.data.mean), std=tuple(spec.data.std), num_workers=workers,
                          device=torch.device("cpu"), pin_memory=False, persistent_workers=True)
 
 
-def our_loader(cfg, dataset: Dataset, batch: int, batch_step: Callable | None = None,
+def our_loader(setup: LoaderSetup, dataset: Dataset, batch: int, batch_step: Callable | None = None,
                device: torch.device | None = None) -> Loader:
     """Our training loader (data.loader.build_train_loader: a DataLoader, or DALI's with data.backend=dali) over our
     training sampler, as run.py builds it; each batch is moved to `device` and given the trainer's per-batch step,
     as train_steps does (this counts as pipeline time)."""
-    sampler = one_process_sampler(cfg, dataset, batch)
+    sampler = one_process_sampler(setup, dataset, batch)
     device = device or torch.device("cpu")
-    loader = build_train_loader(dataset, sampler, batch, cfg, device)
-    seed_epoch_data(sampler, loader, RunStreams(cfg.seed), 0)
+    loader = build_train_loader(dataset, sampler, batch, setup.spec, setup.runtime, device)
+    seed_epoch_data(sampler, loader, RunStreams(setup.seed), 0)
     return Loader(loader, batch_step, device)
 
 
-def one_process_sampler(cfg, dataset: Dataset, batch: int) -> SeededSamples:
+def one_process_sampler(setup: LoaderSetup, dataset: Dataset, batch: int) -> SeededSamples:
     """Our training sampler for one process computing one slot of `batch` images per step (as run.py seeds it)."""
-    slots = build_train_sampler(len(dataset), cfg.augment.repeated_aug, 1, (0,), batch)
-    return SeededSamples(slots, RunStreams(cfg.seed))
+    slots = build_train_sampler(len(dataset), setup.spec.augment.repeated_aug, 1, (0,), batch)
+    return SeededSamples(slots, RunStreams(setup.seed))
 
 
 class Loader:
@@ -157,18 +179,19 @@ def alternate_loaders(loaders: dict[str, Any], repeats: int, max_batches: int | 
     return results
 
 
-def worker_startup(cfg, dataset: Dataset, batch: int, epochs: int, workers: str) -> list[dict[str, float]]:
+def worker_startup(setup: LoaderSetup, dataset: Dataset, batch: int, epochs: int,
+                   workers: str) -> list[dict[str, float]]:
     """Per-epoch first-batch latency and epoch time, reseeding like run.py, with loader workers that are `ours`
     (started once, reseeded per epoch: data/loader.py), `persistent` (torch's, started once) or `per_epoch`."""
-    sampler = one_process_sampler(cfg, dataset, batch)
-    loader = build_loader(dataset, sampler, batch, cfg, train=True)
+    sampler = one_process_sampler(setup, dataset, batch)
+    loader = build_loader(dataset, sampler, batch, setup.runtime, train=True)
     if workers != "ours":
         loader = DataLoader(dataset, batch_size=batch, sampler=IndicesOnly(sampler), num_workers=loader.num_workers,
                             drop_last=True, persistent_workers=workers == "persistent" and loader.num_workers > 0,
                             pin_memory=loader.pin_memory, prefetch_factor=loader.prefetch_factor)
     rows = []
     for epoch in range(epochs):
-        seed_epoch_data(sampler, loader, RunStreams(cfg.seed), epoch)  # as run.py does
+        seed_epoch_data(sampler, loader, RunStreams(setup.seed), epoch)  # as run.py does
         rows.append(epoch_rate(loader))
     return rows
 

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from deit_ablate.bench.compose import compose_run
 from deit_ablate.bench.env import synchronize, torch_threads
+from deit_ablate.config.schema import ModelConfig, ResolutionConfig
 from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.streams import RunStreams
 from deit_ablate.record.rundir import RunDir
@@ -40,9 +42,11 @@ class StepSetup:
     threads: int | None = None  # torch intra-op threads while this setup runs (None: leave as is)
 
 
-def build_trainer(cfg, device: torch.device, optimizer_impl: str = "default", compile_model: bool = False,
-                  threads: int | None = None) -> StepSetup:
-    """build_pieces() on `cfg` (data loaders are built but never iterated), then a synthetic batch on device."""
+def build_trainer(overrides: list[str], device: torch.device, optimizer_impl: str = "default",
+                  compile_model: bool = False, threads: int | None = None) -> StepSetup:
+    """build_pieces() on the config of `python train.py <overrides>` (data loaders are built but never iterated),
+    then a synthetic batch on device."""
+    cfg = compose_run(overrides)
     RunStreams(cfg.seed).seed_init()
     info = DistInfo(device=device)
     plan = make_plan(cfg, info, RunDir(Path(tempfile.gettempdir()) / "deit-bench-no-run"), [])  # nothing is written
@@ -154,25 +158,26 @@ def count_syncs_per_step(setup: StepSetup, steps: int = 6) -> float | None:
     return max(syncs - 1, 0) / steps  # minus the epoch-end loss .item()
 
 
-def step_settings(cfg, setup: StepSetup) -> dict[str, Any]:
+def step_settings(model: ModelConfig, resolution: ResolutionConfig, setup: StepSetup) -> dict[str, Any]:
     """The settings a train-step figure depends on."""
     trainer = setup.trainer
     group = trainer.optimizer.param_groups[0]
-    return {"model": cfg.model.name, "model_kwargs": dict(cfg.model.kwargs), "train_size": cfg.resolution.train_size,
+    return {"model": model.name, "model_kwargs": dict(model.kwargs), "train_size": resolution.train_size,
             "batch": setup.batch, "accum_steps": trainer.accum_steps, "amp": str(trainer.amp_dtype),
             "optimizer": type(trainer.optimizer).__name__, "foreach": group.get("foreach"), "fused": group.get("fused"),
-            "mixup": trainer.mixup is not None, "ema": trainer.ema is not None, "drop_path": cfg.model.drop_path,
+            "mixup": trainer.mixup is not None, "ema": trainer.ema is not None, "drop_path": model.drop_path,
             "compiled": setup.compiled, "torch_threads": setup.threads or torch.get_num_threads()}
 
 
-def measure(cfg, device: torch.device, variants: dict[str, dict[str, Any]], steps: int, repeats: int,
-            warmup: int, log: Callable[[str], None] = print) -> tuple[dict[str, list[float]], dict[str, StepSetup]]:
-    """Build one Trainer per variant (kwargs of build_trainer) and measure them alternately."""
+def measure(overrides: list[str], device: torch.device, variants: dict[str, dict[str, Any]], steps: int,
+            repeats: int, warmup: int,
+            log: Callable[[str], None] = print) -> tuple[dict[str, list[float]], dict[str, StepSetup]]:
+    """Build one Trainer per variant (kwargs of build_trainer) on the config of `overrides`; measure them in turn."""
     setups = {}
     for name, kwargs in variants.items():
         log(f"[bench] building train step '{name}' ...")
         start = time.perf_counter()
-        setups[name] = build_trainer(cfg, device, **kwargs)
+        setups[name] = build_trainer(overrides, device, **kwargs)
         if setups[name].compiled:
             run_steps(setups[name], 1)  # compiles forward and backward
             log(f"[bench] compiled '{name}' in {time.perf_counter() - start:.0f}s")

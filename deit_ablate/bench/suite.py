@@ -12,6 +12,7 @@ import torch
 from deit_ablate.bench.compose import TRAIN_PY, compose_run
 from deit_ablate.bench.env import matmul_rate
 from deit_ablate.bench.report import Figure, Report, median
+from deit_ablate.data.transforms import TransformSpec
 
 SECTIONS = ("matmul", "step", "pipeline", "workers", "e2e", "e2e_run", "startup")
 
@@ -94,7 +95,7 @@ def section_step(s: Settings, report: Report) -> None:
     if s.compile:
         variants["ours+compile"] = {"compile_model": True}
     steps, warmup = (3, 2) if s.quick else (10 if s.device.type == "cpu" else 30, 5)
-    rates, setups = step.measure(cfg, s.device, variants, steps, 1 if s.quick else s.repeats, warmup, _log)
+    rates, setups = step.measure(overrides, s.device, variants, steps, 1 if s.quick else s.repeats, warmup, _log)
     flops = step.train_flops_per_image(setups["ours"].trainer.model, s.size, s.device)
     peak = report.get("matmul_rate", "bfloat16" if s.device.type == "cuda" else "float32")
     syncs = step.count_syncs_per_step(setups["ours"])
@@ -108,7 +109,7 @@ def section_step(s: Settings, report: Report) -> None:
         if name == "ours":
             extra["host_syncs_per_step"] = syncs if syncs is not None else "n/a on CPU"
             extra["optimizer_runs_as"] = step.default_optimizer_impl(setups[name].trainer.optimizer)
-        settings = {**step.step_settings(cfg, setups[name]), "overrides": overrides}
+        settings = {**step.step_settings(cfg.model, cfg.resolution, setups[name]), "overrides": overrides}
         report.add(Figure("train_step", name, value, "images/s", report.device["summary"],
                           f"{s.command}  (in-process: Trainer.train_step on synthetic batches)", settings, samples,
                           extra))
@@ -122,7 +123,7 @@ def section_step(s: Settings, report: Report) -> None:
             ms = [x * 1e3 for x in samples]
             report.add(Figure("optimizer_step", name, median(ms), "ms", report.device["summary"],
                               f"{s.command}  (in-process: optimizer.step() on random gradients)",
-                              step.step_settings(cfg, impls[name]), ms,
+                              step.step_settings(cfg.model, cfg.resolution, impls[name]), ms,
                               {"runs_as": step.default_optimizer_impl(impls[name].trainer.optimizer)}))
         for name in impls:
             if name != "ours":
@@ -140,8 +141,8 @@ def section_pipeline(s: Settings, report: Report) -> None:
     root = pipeline.ensure_jpeg_set(count)
     workers = _workers(s)
     overrides = ["resolution=224px", f"runtime.num_workers={workers}", f"data.root={builtin_root(s)}"]
-    cfg = compose_run(overrides)
-    loaders = _pipeline_loaders(s, root, overrides, cfg, batch, workers)
+    spec = pipeline.loader_setup(overrides).spec
+    loaders = _pipeline_loaders(s, root, overrides, spec, batch, workers)
     results = pipeline.alternate_loaders(loaders, 1 if s.quick else s.repeats, log=_log)
     for name, rows in results.items():
         n_workers = 0 if name.endswith("1-process") else workers
@@ -156,11 +157,11 @@ def section_pipeline(s: Settings, report: Report) -> None:
                           {"per_worker_images_per_s": value / max(n_workers, 1),
                            "first_batch_s": median([row["first_batch_s"] for row in rows])}))
     _compare_pipelines(report)
-    _add_stage_costs(s, report, root, *build_train_pipeline(cfg), count)
+    _add_stage_costs(s, report, root, *build_train_pipeline(spec), count)
     _add_crop_difference(s, report, root, count)
 
 
-def _pipeline_loaders(s: Settings, root: Path, overrides: list[str], cfg: Any, batch: int,
+def _pipeline_loaders(s: Settings, root: Path, overrides: list[str], spec: TransformSpec, batch: int,
                       workers: int) -> dict[str, Any]:
     """The input_pipeline variants, by name: ours, fast JPEG, DALI where importable, timm's transform and loader,
     without the per-batch step (CPU), and each held to one process."""
@@ -174,9 +175,9 @@ def _pipeline_loaders(s: Settings, root: Path, overrides: list[str], cfg: Any, b
         _log("[bench] DALI is not importable: no dali variant (bash scripts/install.sh installs it)")
 
     def loader(name: str, n_workers: int = workers) -> pipeline.Loader:
-        config = compose_run([*overrides, f"runtime.num_workers={n_workers}", *paths[name]])
-        dataset, batch_step = pipeline.jpeg_dataset(root, config, whole_timm_transform=name == "timm_transform")
-        return pipeline.our_loader(config, dataset, batch, batch_step, s.device)
+        setup = pipeline.loader_setup([*overrides, f"runtime.num_workers={n_workers}", *paths[name]])
+        dataset, batch_step = pipeline.jpeg_dataset(root, setup, whole_timm_transform=name == "timm_transform")
+        return pipeline.our_loader(setup, dataset, batch, batch_step, s.device)
 
     loaders: dict[str, Any] = {"ours": loader("ours"), "ours+fast_jpeg": loader("ours+fast_jpeg")}
     if "dali" in paths:
@@ -187,7 +188,7 @@ def _pipeline_loaders(s: Settings, root: Path, overrides: list[str], cfg: Any, b
         for name in ("ours", "ours+fast_jpeg"):
             loaders[f"{name}/no-batch-step"] = pipeline.Loader(loaders[name].loader, None, s.device)
     if s.timm_train is not None and not s.quick:
-        loaders["timm_loader"] = pipeline.timm_loader(root, cfg, batch, workers)
+        loaders["timm_loader"] = pipeline.timm_loader(root, spec, batch, workers)
     if not s.quick and workers > 0:
         for name in paths:  # one core, as a worker
             loaders[f"{name}/1-process"] = loader(name, n_workers=0).one_thread()
@@ -261,19 +262,18 @@ def section_workers(s: Settings, report: Report) -> None:
     """Worker startup per epoch at the demo scale, ours (started once, reseeded) against torch's persistent workers
     and workers started each epoch, and whether resume stays exact with each."""
     from deit_ablate.bench import pipeline
-    from deit_ablate.data.datasets import build_dataset, dataset_root
-    from deit_ablate.data.transforms import build_train_pipeline
+    from deit_ablate.data.datasets import dataset_root
 
     workers = _workers(s)
     overrides = [f"runtime.num_workers={workers}", *builtin_overrides(s)]
-    cfg = compose_run(overrides)
-    dataset = build_dataset(cfg, "train", build_train_pipeline(cfg)[0], dataset_root(cfg))
+    cfg, setup = compose_run(overrides), pipeline.loader_setup(overrides)
+    dataset, _ = pipeline.jpeg_dataset(dataset_root(cfg.data), setup)  # the built-in set, as run.py builds it
     epochs = 2 if s.quick else 3
     kinds = ("ours", "persistent", "per_epoch")  # ours: started once, reseeded per epoch (data/loader.py)
     rows: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     for _ in range(1 if s.quick else max(s.repeats - 1, 1)):
         for kind in kinds:
-            rows[kind] += pipeline.worker_startup(cfg, dataset, cfg.train.global_batch, epochs, kind)[1:]
+            rows[kind] += pipeline.worker_startup(setup, dataset, cfg.train.global_batch, epochs, kind)[1:]
     for kind, samples in rows.items():
         first = [row["first_batch_s"] for row in samples]
         exact = pipeline.resume_exact_with_workers(kind, max(workers, 1))
@@ -307,7 +307,7 @@ def section_e2e(s: Settings, report: Report) -> None:
     steps, warmup = (6, 2) if s.quick else (s.e2e_steps, s.e2e_warmup)
     workers = _workers(s)
     cfg = compose_run(e2e_overrides(s, workers, False))
-    data_dir = dataset_root(cfg)  # draws the built-in set once, before any timing
+    data_dir = dataset_root(cfg.data)  # draws the built-in set once, before any timing
     plan: list[tuple[str, str, Any, dict[str, str] | None]] = []  # name, side, overrides or command, env
     variants = [("", workers, None)]
     if not s.quick:
@@ -317,7 +317,7 @@ def section_e2e(s: Settings, report: Report) -> None:
     for suffix, w, env in variants:
         plan.append((f"ours{suffix}", "ours", e2e_overrides(s, w, False), env))
         if s.timm_train is not None:
-            command = timm_ref.timm_command(s.timm_train, compose_run(e2e_overrides(s, w, False)), data_dir,
+            command = timm_ref.timm_command(s.timm_train, e2e_overrides(s, w, False), data_dir,
                                             Path("timm-out"), w, s.device_name)
             plan.append((f"timm{suffix}", "timm", command, env))
     if not s.quick:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from deit_ablate.train.models import is_vision_transformer
 from deit_ablate.train.optim import scaled_lr
@@ -24,11 +24,15 @@ from deit_ablate.train.optim import scaled_lr
 STEP_LINE = re.compile(r"Train: (\d+) \[\s*(\d+)/(\d+).*?Time: ([\d.]+)s,.*?Data: ([\d.]+)")
 
 
-def timm_args(cfg: DictConfig, data_dir: Path, out_dir: Path, workers: int, device: str) -> list[str]:
-    """train.py flags for the same model, data, batch and DeiT recipe as `cfg` (repeated augmentation off).
+def timm_args(overrides: list[str], data_dir: Path, out_dir: Path, workers: int, device: str) -> list[str]:
+    """train.py flags for the same model, data, batch and DeiT recipe as `python train.py <overrides>` (repeated
+    augmentation off).
 
     timm takes whole warm-up epochs only; a fractional optimizer.warmup_epochs is rounded (the schedule does not
     change the speed)."""
+    from deit_ablate.bench.compose import compose_run
+
+    cfg = compose_run(overrides)
     model, aug, mix, opt, train, runtime = cfg.model, cfg.augment, cfg.mix, cfg.optimizer, cfg.train, cfg.runtime
     kwargs = dict(OmegaConf.to_container(model.kwargs, resolve=True))
     if is_vision_transformer(model.name):
@@ -64,10 +68,10 @@ def timm_args(cfg: DictConfig, data_dir: Path, out_dir: Path, workers: int, devi
     return args
 
 
-def timm_command(timm_train: Path, cfg: DictConfig, data_dir: Path, out_dir: Path, workers: int,
+def timm_command(timm_train: Path, overrides: list[str], data_dir: Path, out_dir: Path, workers: int,
                  device: str) -> list[str]:
-    """The full command line."""
-    return [sys.executable, str(timm_train), *timm_args(cfg, data_dir, out_dir, workers, device)]
+    """The full command line of timm's train.py for the run of `overrides`."""
+    return [sys.executable, str(timm_train), *timm_args(overrides, data_dir, out_dir, workers, device)]
 
 
 def parse_step(line: str) -> dict[str, Any] | None:

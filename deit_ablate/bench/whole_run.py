@@ -47,8 +47,7 @@ def whole_run_commands(overrides: list[str], epochs: int, timm_train: Path | Non
     ours = [*overrides, f"train.epochs={epochs}"]
     sides: dict[str, Callable[[Path], list[str]]] = {"ours": lambda work: our_run_command(ours, work)}
     if timm_train is not None:
-        cfg = compose_run(ours)
-        sides["timm"] = lambda work: timm_command(timm_train, cfg, data_dir, work / "timm-out", workers, device)
+        sides["timm"] = lambda work: timm_command(timm_train, ours, data_dir, work / "timm-out", workers, device)
     return sides
 
 
@@ -87,7 +86,7 @@ def measure(report: Report, overrides: list[str], epochs: int, timm_train: Path 
     from deit_ablate.data.datasets import dataset_root
 
     cfg = compose_run([*overrides, f"train.epochs={epochs}"])
-    data_dir = dataset_root(cfg)  # draws the built-in set once, before any timing
+    data_dir = dataset_root(cfg.data)  # draws the built-in set once, before any timing
     sides = whole_run_commands(overrides, epochs, timm_train, data_dir, workers, device)
     results = alternate_runs(sides, pairs, cache, log)
     commands = {name: "python " + " ".join(command(Path("WORK"))[1:]) for name, command in sides.items()}

@@ -12,14 +12,17 @@ A pipeline is built per epoch, its seed drawn from the loader's `generator`, whi
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from torch.utils.data import Sampler
 
-from deit_ablate.config.schema import DataName
+from deit_ablate.config.schema import AugmentConfig, DataConfig, DataName
 from deit_ablate.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from deit_ablate.data.transforms import TransformSpec
 
 DALI_PACKAGE = "nvidia-dali-cuda130"
 
@@ -37,11 +40,10 @@ def require_dali() -> None:
         ) from None
 
 
-def dali_config_problem(cfg: DictConfig) -> str | None:
-    """What in `cfg` the DALI backend cannot run, with the fix, or None."""
+def dali_config_problem(data: DataConfig, aug: AugmentConfig) -> str | None:
+    """What of these data and augment settings the DALI backend cannot run, with the fix, or None."""
     from deit_ablate.data.dali_augment import parse_rand_augment
 
-    data, aug = cfg.data, cfg.augment
     if data.name == DataName.cifar100:
         return ("data=cifar100 is held in memory as arrays; the DALI backend reads image files. Use "
                 "data.backend=pil for CIFAR-100, or an ImageFolder tree (data=imagefolder).")
@@ -61,10 +63,10 @@ def dali_config_problem(cfg: DictConfig) -> str | None:
     return None
 
 
-def check_dali_config(cfg: DictConfig) -> None:
-    """Raise a ConfigError before anything runs when data.backend=dali cannot run `cfg`."""
+def check_dali_config(data: DataConfig, augment: AugmentConfig) -> None:
+    """Raise a ConfigError before anything runs when data.backend=dali cannot run these data and augment settings."""
     require_dali()
-    problem = dali_config_problem(cfg)
+    problem = dali_config_problem(data, augment)
     if problem:
         raise ConfigError(f"data.backend=dali: {problem}")
 
@@ -90,8 +92,9 @@ def fill_value(mean: Sequence[float]) -> int:
 class DaliTrainLoader:
     """The training loader of data.backend=dali: iterates (uint8 B x H x W x 3 images, labels) like a DataLoader."""
 
-    def __init__(self, dataset, sampler: Sampler, batch_size: int, cfg: DictConfig,
+    def __init__(self, dataset, sampler: Sampler, batch_size: int, spec: TransformSpec,
                  device: torch.device | None = None, threads: int = 1) -> None:
+        """DALI's loader over `dataset` in `sampler`'s order, augmenting as `spec` says, on `device`."""
         from deit_ablate.data.dali_augment import parse_rand_augment
 
         require_dali()
@@ -100,10 +103,10 @@ class DaliTrainLoader:
         self.device_id = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else None
         self.threads = threads  # DALI's CPU threads: data.loader gives it the loader workers' count
-        aug = cfg.augment
-        self.graph = {"size": cfg.resolution.train_size, "scale": tuple(aug.scale), "ratio": (3 / 4, 4 / 3),
+        aug = spec.augment
+        self.graph = {"size": spec.resolution.train_size, "scale": tuple(aug.scale), "ratio": (3 / 4, 4 / 3),
                       "hflip": aug.hflip, "rand_spec": parse_rand_augment(aug.auto_augment),
-                      "fill_value": fill_value(cfg.data.mean), "interpolation": aug.interpolation}
+                      "fill_value": fill_value(spec.data.mean), "interpolation": aug.interpolation}
         self.generator: torch.Generator | None = None  # set per epoch by loader.seed_epoch_data
 
     def __len__(self) -> int:

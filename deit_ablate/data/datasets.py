@@ -11,11 +11,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from PIL import ImageFile
 from torch.utils.data import Dataset, Subset
 
-from deit_ablate.config.schema import DataName
+from deit_ablate.config.schema import BuiltinDataConfig, DataConfig, DataName
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
 from deit_ablate.data.bad_images import GONE_HINT, SkippingImageFolder
@@ -40,19 +39,17 @@ BUILTIN_GONE = ("the built-in cache was removed while the run used it. Relaunch 
                 "again and resumes the run from its last checkpoint.")
 
 
-def dataset_root(cfg: DictConfig) -> Path:
+def dataset_root(data: DataConfig) -> Path:
     """The folder holding train/ and val/, drawing the built-in set first if needed."""
-    data = cfg.data
     if data.name == DataName.builtin:
         b = data.builtin
         root = data.root or Path(os.environ.get("DEIT_ABLATE_CACHE", ".cache")) / "builtin"
         return ensure_builtin_dataset(root, b.image_size, b.train_per_class, b.val_per_class, b.seed, b.classes)
-    return check_data_root(cfg)
+    return check_data_root(data)
 
 
-def check_data_root(cfg: DictConfig) -> Path:
+def check_data_root(data: DataConfig) -> Path:
     """The configured data.root, or a ConfigError saying what is missing there and how to fix it."""
-    data = cfg.data
     if not data.root:
         raise ConfigError(
             f"data={data.name} needs data.root, the folder that holds the dataset; none was given. "
@@ -123,21 +120,23 @@ def check_same_classes(root: Path, num_classes: int) -> None:
                           f"({_first(train)}) under data.root={root}. Set data.num_classes={len(train)}.")
 
 
-def build_dataset(cfg: DictConfig, split: str, transform: Callable, root: Path | None = None) -> Dataset:
-    """The `split` ("train" or "val") of the configured dataset with `transform` applied."""
-    root = root or dataset_root(cfg)
-    if cfg.data.name == DataName.cifar10:
+def build_dataset(data: DataConfig, split: str, transform: Callable, root: Path | None = None, *,
+                  on_bad_image: str) -> Dataset:
+    """The `split` ("train" or "val") of the configured dataset with `transform` applied; an unreadable image is
+    skipped or fails as `on_bad_image` (runtime.on_bad_image) says."""
+    root = root or dataset_root(data)
+    if data.name == DataName.cifar10:
         dataset = CIFAR10Pickles(root, train=split == "train", transform=transform)
-    elif cfg.data.name == DataName.cifar100:
+    elif data.name == DataName.cifar100:
         dataset = CIFAR100Pickles(root, train=split == "train", transform=transform)
     else:
-        loader = lazy_loader if cfg.data.fast_jpeg and split == "train" else load_rgb  # fast_jpeg: the crop decodes
-        gone_hint = BUILTIN_GONE if cfg.data.name == DataName.builtin else GONE_HINT
-        dataset = SkippingImageFolder(str(root / split), cfg.runtime.on_bad_image, gone_hint, transform=transform,
+        loader = lazy_loader if data.fast_jpeg and split == "train" else load_rgb  # fast_jpeg: the crop decodes
+        gone_hint = BUILTIN_GONE if data.name == DataName.builtin else GONE_HINT
+        dataset = SkippingImageFolder(str(root / split), on_bad_image, gone_hint, transform=transform,
                                       loader=loader)
     num_classes = len(dataset.classes)
-    if num_classes != cfg.data.num_classes:
-        raise ConfigError(f"data.num_classes={cfg.data.num_classes} but {root / split} holds {num_classes} "
+    if num_classes != data.num_classes:
+        raise ConfigError(f"data.num_classes={data.num_classes} but {root / split} holds {num_classes} "
                           f"classes ({_first(list(dataset.classes))}). Set data.num_classes={num_classes}.")
     return dataset
 
@@ -169,13 +168,14 @@ class FractionSubset(Subset):
             self.samples = [dataset.samples[i] for i in self.indices]
 
 
-def training_split(cfg: DictConfig, transform: Callable, root: Path | None = None) -> Dataset:
+def training_split(data: DataConfig, transform: Callable, root: Path | None = None, *,
+                   on_bad_image: str) -> Dataset:
     """The training images a run trains on: the configured dataset's train split, or the share data.fraction keeps."""
-    dataset = build_dataset(cfg, "train", transform, root)
-    return dataset if cfg.data.fraction == 1 else FractionSubset(dataset, cfg.data.fraction)
+    dataset = build_dataset(data, "train", transform, root, on_bad_image=on_bad_image)
+    return dataset if data.fraction == 1 else FractionSubset(dataset, data.fraction)
 
 
-def builtin_params(builtin: DictConfig) -> dict:
+def builtin_params(builtin: BuiltinDataConfig) -> dict:
     """The built-in set's drawing parameters as its fingerprint hashes them: the default class set left out, so
     the digests (and wandb ids) of runs from before data.builtin.classes stay what they were."""
     params = dict(builtin)
@@ -184,18 +184,18 @@ def builtin_params(builtin: DictConfig) -> dict:
     return params
 
 
-def data_fingerprint(cfg: DictConfig) -> dict:
+def data_fingerprint(data: DataConfig) -> dict:
     """Which data a run trains on, by content: the built-in set by its drawing parameters, a folder by its
     fingerprint (class names, image counts, relative paths and sizes; cached next to the data)."""
-    if cfg.data.name == DataName.builtin and not cfg.data.root:
-        params = builtin_params(cfg.data.builtin)
+    if data.name == DataName.builtin and not data.root:
+        params = builtin_params(data.builtin)
         digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
         return {"digest": digest, "builtin": params}
-    if cfg.data.name == DataName.cifar10:
-        return cifar10_fingerprint(check_data_root(cfg))
-    if cfg.data.name == DataName.cifar100:  # before session 10 a folder scan: one digest for every CIFAR-100
-        return cifar100_fingerprint(check_data_root(cfg))
-    root = dataset_root(cfg) if cfg.data.name != DataName.builtin else Path(cfg.data.root).expanduser()
+    if data.name == DataName.cifar10:
+        return cifar10_fingerprint(check_data_root(data))
+    if data.name == DataName.cifar100:  # before session 10 a folder scan: one digest for every CIFAR-100
+        return cifar100_fingerprint(check_data_root(data))
+    root = dataset_root(data) if data.name != DataName.builtin else Path(data.root).expanduser()
     fingerprint = dataset_fingerprint(root)
     if "not_read" in fingerprint:
         left_out = fingerprint["not_read"]

@@ -6,13 +6,16 @@ import functools
 import itertools
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from deit_ablate.config.schema import DataBackend
+from deit_ablate.config.schema import DataBackend, RuntimeConfig
 from deit_ablate.core.streams import EpochStreams, RunStreams, Stream, seed_sample, slot_positions
+
+if TYPE_CHECKING:
+    from deit_ablate.data.transforms import TransformSpec
 
 # The released RASampler keeps floor(|data| / 256) * 256 images of each epoch (timm's selected_round).
 SELECTED_ROUND = 256
@@ -154,9 +157,9 @@ def default_num_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def num_workers(cfg: DictConfig) -> int:
-    """runtime.num_workers, or the cores this process may use when it is unset."""
-    return cfg.runtime.num_workers if cfg.runtime.num_workers is not None else default_num_workers()
+def num_workers(configured: int | None) -> int:
+    """`configured` (runtime.num_workers), or the cores this process may use when it is unset (None)."""
+    return configured if configured is not None else default_num_workers()
 
 
 def lower_worker_priority(niceness: int, worker_id: int) -> None:
@@ -165,14 +168,15 @@ def lower_worker_priority(niceness: int, worker_id: int) -> None:
         os.nice(niceness)
 
 
-def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictConfig, train: bool) -> DataLoader:
+def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: RuntimeConfig,
+                 train: bool) -> DataLoader:
     """A DataLoader with workers that live through the run, pinned memory on GPU and prefetch; a training one's
     items are (index, seed) pairs (`SeededSamples`), each augmented from its own seed.
 
     The workers run at runtime.worker_nice below the training process's CPU priority: where cores are short they
     fill the time the training step leaves idle instead of preempting its threads (docs/PERFORMANCE.md, section 8).
     """
-    workers = num_workers(cfg)
+    workers = num_workers(runtime.num_workers)
     if train:
         dataset = SeededItems(dataset)
     return DataLoader(
@@ -186,20 +190,20 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, cfg: DictC
         # (docs/PERFORMANCE.md); every training item carries its own seed.
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
-        worker_init_fn=functools.partial(lower_worker_priority, cfg.runtime.worker_nice) if workers > 0 else None,
+        worker_init_fn=functools.partial(lower_worker_priority, runtime.worker_nice) if workers > 0 else None,
     )
 
 
-def build_train_loader(dataset: Dataset, sampler: SeededSamples | SkipFirst, batch_size: int, cfg: DictConfig,
-                       device: torch.device | None = None):
-    """The training loader of data.backend: a DataLoader over the PIL transform, or DALI's (on `device`), which
-    takes the plain indices and draws per pipeline."""
-    if cfg.data.backend == DataBackend.dali:
+def build_train_loader(dataset: Dataset, sampler: SeededSamples | SkipFirst, batch_size: int, spec: TransformSpec,
+                       runtime: RuntimeConfig, device: torch.device | None = None):
+    """The training loader of data.backend: a DataLoader over the PIL transform, or DALI's (on `device`, augmenting
+    as `spec` says), which takes the plain indices and draws per pipeline."""
+    if spec.data.backend == DataBackend.dali:
         from deit_ablate.data.dali import DaliTrainLoader
 
-        return DaliTrainLoader(dataset, IndicesOnly(sampler), batch_size, cfg, device,
-                               threads=max(1, num_workers(cfg)))
-    return build_loader(dataset, sampler, batch_size, cfg, train=True)
+        return DaliTrainLoader(dataset, IndicesOnly(sampler), batch_size, spec, device,
+                               threads=max(1, num_workers(runtime.num_workers)))
+    return build_loader(dataset, sampler, batch_size, runtime, train=True)
 
 
 class IndicesOnly(Sampler):

@@ -22,7 +22,7 @@ from deit_ablate.data.loader import (
     build_train_loader,
     build_train_sampler,
 )
-from deit_ablate.data.transforms import BatchNormalize, build_eval_transform, build_train_pipeline
+from deit_ablate.data.transforms import BatchNormalize, TransformSpec, build_eval_transform, build_train_pipeline
 from deit_ablate.run.plan import RunPlan
 from deit_ablate.run.stages import (
     StageRecipe,
@@ -89,24 +89,25 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
     cfg, per_rank = plan.settings, plan.batch.per_rank_batch
     # the first rank of every node draws the built-in set if its cache lacks it (a node-local cache is filled
     # on each node; on a shared file system the second finds it there or loses the atomic rename harmlessly)
-    root = dataset_root(cfg) if info.local_rank == 0 else None
+    root = dataset_root(cfg.data) if info.local_rank == 0 else None
     barrier(info)
-    root = dataset_root(cfg) if root is None else root
-    train_transform, batch_transform = build_train_pipeline(cfg)
-    train_set = training_split(cfg, train_transform, root)
+    root = dataset_root(cfg.data) if root is None else root
+    spec = TransformSpec(cfg.data, cfg.augment, cfg.resolution)  # the stage's: plan.settings is stage_config's
+    train_transform, batch_transform = build_train_pipeline(spec)
+    train_set = training_split(cfg.data, train_transform, root, on_bad_image=cfg.runtime.on_bad_image)
     if cfg.data.fraction < 1 and info.is_main:
         log.info(f"[data] data.fraction={cfg.data.fraction}: training on {len(train_set)} of the "
                  f"{len(train_set.dataset)} training images (a share of each class); evaluating on all of val/")
     if cfg.distill.type != DistillKind.none and cfg.distill.teacher_view == TeacherView.fixed:
         train_set = WithIndex(train_set)  # the loss looks up each image's cached teacher outputs by its index
-    val_set = build_dataset(cfg, "val", build_eval_transform(cfg), root)
+    val_set = build_dataset(cfg.data, "val", build_eval_transform(spec), root, on_bad_image=cfg.runtime.on_bad_image)
     batch = plan.batch
     slots = build_train_sampler(len(train_set), cfg.augment.repeated_aug, batch.slots, batch.slots_of(info.rank),
                                 batch.micro_batch)
     train_sampler = SeededSamples(slots, RunStreams(cfg.seed, info.rank))
-    train_loader = build_train_loader(train_set, train_sampler, per_rank, cfg, info.device)
+    train_loader = build_train_loader(train_set, train_sampler, per_rank, spec, cfg.runtime, info.device)
     val_loader = build_loader(val_set, ShardSampler(len(val_set), info.world_size, info.rank),
-                              cfg.runtime.eval_batch, cfg, train=False)
+                              cfg.runtime.eval_batch, cfg.runtime, train=False)
     if len(train_loader) == 0:
         raise ConfigError(f"an epoch of {len(train_set)} images (x{cfg.augment.repeated_aug} repeats) dealt to "
                           f"{batch.slots} micro-batches of {batch.micro_batch} holds no full step; lower the global "

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Subset
 
 from deit_ablate.data.datasets import dataset_root, training_split
 from deit_ablate.data.loader import num_workers
-from deit_ablate.data.transforms import build_eval_transform
+from deit_ablate.data.transforms import TransformSpec, build_eval_transform
 from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.train.sharpness import Batches, SharpnessSettings, measure
 
@@ -21,7 +21,9 @@ def fixed_images(cfg: DictConfig, settings: SharpnessSettings, device: torch.dev
     """The images every figure is measured on: the first `settings.images` of a permutation of the training split
     drawn from `settings.seed`, through the eval transform, in batches of `settings.batch_size` on `device`."""
 
-    dataset = training_split(cfg, build_eval_transform(cfg), dataset_root(cfg))  # the images the run trained on
+    transform = build_eval_transform(TransformSpec(cfg.data, cfg.augment, cfg.resolution))
+    dataset = training_split(cfg.data, transform, dataset_root(cfg.data),  # the images the run trained on
+                             on_bad_image=cfg.runtime.on_bad_image)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(settings.seed))
     chosen = Subset(dataset, order[: min(settings.images, len(dataset))].tolist())
     loader = DataLoader(chosen, batch_size=settings.batch_size, shuffle=False, num_workers=workers)
@@ -41,5 +43,5 @@ def measure_weights(cfg: DictConfig, weights: dict[str, torch.Tensor], device: t
     settings = settings or SharpnessSettings.from_config(cfg.sharpness)
 
     model = rebuild_model(student_spec(cfg), weights, device)
-    batches = fixed_images(cfg, settings, device, num_workers(cfg))
+    batches = fixed_images(cfg, settings, device, num_workers(cfg.runtime.num_workers))
     return measure(model, batches, settings, show_progress)

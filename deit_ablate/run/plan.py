@@ -83,7 +83,7 @@ class RunPlan:
 def data_identity(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     """The data's fingerprint, checked against the one the run folder recorded: another dataset under the same
     settings is refused, never resumed or skipped with the other data's result."""
-    current = data_fingerprint(cfg)
+    current = data_fingerprint(cfg.data)
     recorded = run_dir.recorded_data()
     if recorded is not None and recorded.get("digest") != current.get("digest"):
         raise ConfigError(

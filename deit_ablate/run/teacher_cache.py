@@ -25,7 +25,7 @@ from deit_ablate.core.distributed import DistInfo, all_reduce_sum
 from deit_ablate.core.logs import log
 from deit_ablate.data.datasets import dataset_root, training_split
 from deit_ablate.data.loader import ShardSampler, build_loader
-from deit_ablate.data.transforms import build_eval_transform
+from deit_ablate.data.transforms import TransformSpec, build_eval_transform
 from deit_ablate.train.teacher import teacher_forward
 
 
@@ -46,12 +46,13 @@ class WithIndex(Dataset):
 def fixed_view_transform(cfg: DictConfig):
     """The teacher's fixed view: the evaluation transform at the training size (resize to train_size / crop_pct,
     centre-crop train_size, normalize)."""
-    return build_eval_transform(cfg, size=cfg.resolution.train_size)
+    return build_eval_transform(TransformSpec(cfg.data, cfg.augment, cfg.resolution), size=cfg.resolution.train_size)
 
 
 def fixed_view_dataset(cfg: DictConfig) -> Dataset:
     """The training images, each in its fixed view (same files and order as the training set)."""
-    return training_split(cfg, fixed_view_transform(cfg), dataset_root(cfg))
+    return training_split(cfg.data, fixed_view_transform(cfg), dataset_root(cfg.data),
+                          on_bad_image=cfg.runtime.on_bad_image)
 
 
 def teacher_table(teacher: nn.Module, dataset: Dataset, batch_size: int, cfg: DictConfig,
@@ -60,7 +61,7 @@ def teacher_table(teacher: nn.Module, dataset: Dataset, batch_size: int, cfg: Di
     sampler = ShardSampler(len(dataset), info.world_size, info.rank)
     table = None
     done = 0
-    for images, _ in build_loader(dataset, sampler, batch_size, cfg, train=False):
+    for images, _ in build_loader(dataset, sampler, batch_size, cfg.runtime, train=False):
         logits = teacher_forward(teacher, images.to(info.device, non_blocking=True))
         if table is None:
             table = torch.zeros(len(dataset), logits.shape[1], device=info.device)

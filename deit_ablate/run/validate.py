@@ -344,7 +344,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         raise ConfigError("data.fast_jpeg speeds up the random-resized crop, which augment.no_aug=true turns off. "
                           "Set data.fast_jpeg=false.")
     if cfg.data.backend == DataBackend.dali:
-        check_dali_config(cfg)
+        check_dali_config(cfg.data, cfg.augment)
     for name in {cfg.model.name, cfg.model.distilled_name or cfg.model.name,
                  cfg.distill.teacher.model if cfg.distill.type != DistillKind.none else cfg.model.name}:
         if not timm.is_model(name):
@@ -362,7 +362,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
         if name not in list_optimizers():
             raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw, sgd or lamb.")
     if cfg.data.name != DataName.builtin:
-        check_data_root(cfg)
+        check_data_root(cfg.data)
     check_teacher_view(cfg.distill, cfg.mix, cfg.data)
     check_transfer_config(cfg)
     check_distill_config(cfg)

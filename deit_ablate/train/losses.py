@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
-from deit_ablate.config.schema import Criterion, DistillKind, FusionRule, KLNormalization
+from deit_ablate.config.schema import Criterion, DistillKind, FusionRule, KLNormalization, MixConfig
 from deit_ablate.core.errors import ConfigError
 
 TOKEN_KINDS = (DistillKind.hard_token, DistillKind.soft_token)
@@ -167,7 +166,7 @@ def distilled_head_logits(model: nn.Module, images: torch.Tensor) -> tuple[torch
 # --- the criterion of the (mixed) targets ---------------------------------------------------------------
 
 
-def build_mixup(mix: DictConfig, num_classes: int) -> Mixup | None:
+def build_mixup(mix: MixConfig, num_classes: int) -> Mixup | None:
     """timm's Mixup with DeiT's Beta alphas and switch probability; None when both alphas are 0."""
     if mix.mixup_alpha <= 0 and mix.cutmix_alpha <= 0:
         return None
@@ -182,7 +181,7 @@ def build_mixup(mix: DictConfig, num_classes: int) -> Mixup | None:
     )
 
 
-def build_criterion(mix: DictConfig, mixup: Mixup | None) -> torch.nn.Module:
+def build_criterion(mix: MixConfig, mixup: Mixup | None) -> torch.nn.Module:
     """Soft-target CE when Mixup makes (smoothed) soft targets, else label-smoothed CE on integer labels; or
     DeiT III's binary cross-entropy (mix.criterion=bce)."""
     if mix.criterion == Criterion.bce:

@@ -8,14 +8,14 @@ from typing import Any
 
 import timm
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from timm.layers import resample_abs_pos_embed
 from timm.models import build_model_with_cfg, model_entrypoint
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
-from deit_ablate.config.schema import HeadKind
+from deit_ablate.config.schema import HeadKind, ModelConfig
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.train.architecture import describe_architecture  # noqa: F401 (its name here, as before)
 from deit_ablate.train.deeper import OPTIONS, _init_linear, apply_options, split_options
@@ -149,7 +149,7 @@ def check_head(head: str, name: str) -> None:
                       "distill=none, hard or soft).")
 
 
-def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, name: str | None = None) -> torch.nn.Module:
+def build_model(model_cfg: ModelConfig, num_classes: int, img_size: int, name: str | None = None) -> torch.nn.Module:
     """A freshly initialised timm model (`name`, else model.name); never loads weights from a hub."""
     name = name or model_cfg.name
     kwargs = dict(OmegaConf.to_container(model_cfg.kwargs, resolve=True))
