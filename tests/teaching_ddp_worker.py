@@ -28,7 +28,7 @@ def main(out: str) -> None:
     info = init_distributed("cpu")
     cfg = OmegaConf.create({"runtime": {"num_workers": 0, "worker_nice": 0}, "data": {"num_classes": 10}})
     dataset = [(image, 0) for image in images()]
-    torch.save(teacher_table(teacher(), dataset, 2, cfg, info), f"{out}.{info.rank}.pt")
+    torch.save(teacher_table(teacher(), dataset, 2, cfg.runtime, 10, info), f"{out}.{info.rank}.pt")
     dist.destroy_process_group()
 
 

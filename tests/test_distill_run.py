@@ -14,12 +14,14 @@ from timm.loss import SoftTargetCrossEntropy
 import deit_ablate.run.assemble as assemble_module
 from deit_ablate.core.distributed import DistInfo
 from deit_ablate.record.rundir import LAST, RESULT, RunDir, runs_root
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.student import student_model_name
 from deit_ablate.run.teacher import run_teacher
+from deit_ablate.run.teacher_cache import FixedView
 from deit_ablate.train.models import build_model
 from deit_ablate.train.optim import build_optimizer, build_scheduler
 from deit_ablate.train.trainer import Trainer
-from tests.conftest import TINY, compose_config, run_train
+from tests.conftest import TINY, compose_config, run_train, transform_spec
 
 DATA = [item for item in TINY if not item.startswith("model.")]
 STUDENT = ["model=vit_demo", "model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]
@@ -46,8 +48,14 @@ def test_teacher_receives_exactly_the_mixed_batch_the_student_sees(teacher_check
         return real_forward(teacher, images)
 
     monkeypatch.setattr(assemble_module, "teacher_forward", recording_forward)
-    loss_fn = assemble_module.build_loss_fn(cfg, run_teacher(cfg, None), student, SoftTargetCrossEntropy(),
-                                            torch.device("cpu"))
+    loss_fn = assemble_module.build_loss_fn(
+        cfg.distill,
+        FixedView(transform_spec(cfg), cfg.runtime),
+        run_teacher(Lineage.of(cfg, ()), cfg.distill.teacher),
+        student,
+        SoftTargetCrossEntropy(),
+        torch.device("cpu"),
+    )
     optimizer = build_optimizer(student, "adamw", 1e-3, 0.05)
     trainer = Trainer(model=student, optimizer=optimizer, loss_fn=loss_fn, info=DistInfo(),
                       scheduler=build_scheduler(optimizer, 10, 0, 1e-5, 1e-6),

@@ -17,6 +17,7 @@ from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.checkpoint import read_weights
 from deit_ablate.record.identity import with_teacher
 from deit_ablate.record.rundir import RunDir, runs_root, wandb_root
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.teacher import run_teacher, teacher_identity, weights_digest
 from tests.conftest import TINY, SharedRun, compose_config, identity_of, run_train
 
@@ -115,7 +116,7 @@ def test_a_replaced_teacher_file_is_another_teacher(tmp_path):
     cfg = compose_config(overrides)
     run_dir = RunDir(tmp_path / "student")
     run_dir.path.mkdir()
-    source = run_teacher(cfg, None)
+    source = run_teacher(Lineage.of(cfg, ()), cfg.distill.teacher)
     first = teacher_identity(source, run_dir)
     assert first["run"] is None and first["checkpoint"] == str(path.resolve())
     assert first["digest"] == weights_digest(read_weights(path))
@@ -123,7 +124,7 @@ def test_a_replaced_teacher_file_is_another_teacher(tmp_path):
     assert teacher_identity(source, run_dir)["digest"] == first["digest"]
     _file_teacher(path, 1)  # replaced by another teacher's weights
     with pytest.raises(ConfigError, match="other teacher weights"):
-        teacher_identity(run_teacher(cfg, None), run_dir)
+        teacher_identity(run_teacher(Lineage.of(cfg, ()), cfg.distill.teacher), run_dir)
 
 
 def test_the_weights_digest_is_of_the_weights_not_of_the_file(tmp_path):

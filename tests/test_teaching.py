@@ -23,9 +23,10 @@ import deit_ablate.run.assemble as assemble_module
 from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import LAST, RunDir, runs_root
+from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.student import student_model_name
 from deit_ablate.run.teacher import TeacherSource, check_resizable_teacher, check_teacher_sizes, run_teacher
-from deit_ablate.run.teacher_cache import WithIndex, fixed_view_transform, teacher_table
+from deit_ablate.run.teacher_cache import FixedView, WithIndex, fixed_view_transform, teacher_table
 from deit_ablate.run.validate import check_ranges, check_teacher_view
 from deit_ablate.train.losses import DistillationLoss, FixedTeacherLoss, build_criterion, build_mixup, split_targets
 from deit_ablate.train.models import build_model
@@ -33,7 +34,7 @@ from deit_ablate.train.optim import build_optimizer, build_scheduler
 from deit_ablate.train.teacher import MultiSizeTeacher, teacher_forward
 from deit_ablate.train.trainer import Trainer
 from tests import teaching_ddp_worker
-from tests.conftest import REPO, TINY, compose_config, identity_of, run_train
+from tests.conftest import REPO, TINY, compose_config, identity_of, run_train, transform_spec
 
 STUDENT = ["model=vit_demo", "model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]
 
@@ -62,6 +63,10 @@ def teacher_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+def _view(cfg) -> FixedView:
+    return FixedView(transform_spec(cfg), cfg.runtime)
+
+
 def _check_view(cfg):
     check_teacher_view(cfg.distill, cfg.mix, cfg.data)
 
@@ -75,15 +80,15 @@ def test_the_fixed_view_is_resize_then_centre_crop_at_the_training_size():
         transforms.CenterCrop(size), transforms.ToTensor(),
         transforms.Normalize(tuple(cfg.data.mean), tuple(cfg.data.std))])
     assert cfg.augment.interpolation == "bicubic"
-    torch.testing.assert_close(fixed_view_transform(cfg)(image), by_hand(image))
+    torch.testing.assert_close(fixed_view_transform(transform_spec(cfg))(image), by_hand(image))
 
 
 def test_the_cached_outputs_are_the_teachers_outputs_on_each_images_fixed_view():
     cfg = compose_config(["runtime.num_workers=0"])
     teacher = timm.create_model("resnet10t", num_classes=10).eval()
-    view = fixed_view_transform(cfg)
+    view = fixed_view_transform(transform_spec(cfg))
     dataset = Pictures(view)
-    table = teacher_table(teacher, dataset, 2, cfg, DistInfo())  # batches of 2: rows filled across batches
+    table = teacher_table(teacher, dataset, 2, cfg.runtime, 10, DistInfo())  # batches of 2: rows filled across batches
     assert table.shape == (5, 10) and table.dtype == torch.float32
     with torch.no_grad():
         for i, picture in enumerate(dataset.images):
@@ -153,8 +158,14 @@ def test_under_function_matching_the_teacher_sees_the_students_mixed_images(teac
 
     monkeypatch.setattr(assemble_module, "teacher_forward", recording_forward)
     mixup = build_mixup(cfg.mix, 10)
-    loss_fn = assemble_module.build_loss_fn(cfg, run_teacher(cfg, None), student, build_criterion(cfg.mix, mixup),
-                                            torch.device("cpu"))
+    loss_fn = assemble_module.build_loss_fn(
+        cfg.distill,
+        _view(cfg),
+        run_teacher(Lineage.of(cfg, ()), cfg.distill.teacher),
+        student,
+        build_criterion(cfg.mix, mixup),
+        torch.device("cpu"),
+    )
     optimizer = build_optimizer(student, "adamw", 1e-3, 0.05)
     trainer = Trainer(model=student, optimizer=optimizer, loss_fn=loss_fn, info=DistInfo(), mixup=mixup,
                       scheduler=build_scheduler(optimizer, 10, 0, 1e-5, 1e-6))
@@ -252,9 +263,9 @@ def test_a_teacher_at_several_sizes_averages_its_logits_over_the_batch_resized_t
 
 def test_the_fixed_views_cached_outputs_average_the_teacher_over_its_sizes():
     cfg = compose_config(["runtime.num_workers=0"])
-    view = fixed_view_transform(cfg)
+    view = fixed_view_transform(transform_spec(cfg))
     dataset = Pictures(view)
-    table = teacher_table(MultiSizeTeacher(SizeProbe(), [32, 48]), dataset, 2, cfg, DistInfo())
+    table = teacher_table(MultiSizeTeacher(SizeProbe(), [32, 48]), dataset, 2, cfg.runtime, 10, DistInfo())
     size = cfg.resolution.train_size
     for i, picture in enumerate(dataset.images):
         image = view(picture)[None]
@@ -274,8 +285,14 @@ def test_the_runs_teacher_sees_each_batch_at_the_sizes_it_names(teacher_checkpoi
 
     monkeypatch.setattr(assemble_module, "teacher_forward", recording_forward)
     student = build_model(cfg.model, 10, 32, name=student_model_name(cfg.model, cfg.distill))
-    loss_fn = assemble_module.build_loss_fn(cfg, run_teacher(cfg, None), student, torch.nn.CrossEntropyLoss(),
-                                            torch.device("cpu"))
+    loss_fn = assemble_module.build_loss_fn(
+        cfg.distill,
+        _view(cfg),
+        run_teacher(Lineage.of(cfg, ()), cfg.distill.teacher),
+        student,
+        torch.nn.CrossEntropyLoss(),
+        torch.device("cpu"),
+    )
     assert torch.isfinite(loss_fn(torch.randn(2, 3, 32, 32), torch.randn(2, 10), torch.tensor([0, 1])))
     teacher = seen["teacher"]
     assert isinstance(teacher, MultiSizeTeacher) and teacher.sizes == (32, 48) and not teacher.training

@@ -82,6 +82,11 @@ def write_cifar100(root: Path, train_per_class: int = 1) -> None:
         pickle.dump({b"fine_label_names": [f"c{k}".encode() for k in range(100)]}, handle)
 
 
+def _check_transfer(cfg):
+    row = OmegaConf.select(cfg, "hydra.runtime.choices.transfer", default=None)
+    check_transfer_config(cfg.stage, cfg.transfer, cfg.data, cfg.distill, row)
+
+
 def test_cifar100_is_fingerprinted_by_its_files_and_a_missing_one_is_named(tmp_path: Path) -> None:
     for name, per_class in (("a", 1), ("copy_of_a", 1), ("b", 2)):
         write_cifar100(tmp_path / name, per_class)
@@ -191,7 +196,7 @@ def test_second_builtin_class_set_draws_other_distinct_shapes(tmp_path: Path) ->
     assert default.name == "s16-n2-1-seed0" and second != default  # the default keeps its cache folder
     assert sorted(p.name for p in (second / "train").iterdir()) == sorted(CLASSES_B)
     with pytest.raises(ConfigError, match="data.builtin.classes=circles"):
-        check_transfer_config(compose_config(["data.builtin.classes=circles"]))
+        _check_transfer(compose_config(["data.builtin.classes=circles"]))
 
 
 def test_default_builtin_digest_is_unchanged_and_the_second_set_is_other_data() -> None:
@@ -216,9 +221,9 @@ def test_source_overrides_drop_the_transfer_and_its_dataset() -> None:
     assert upstream_overrides(lineage) == ["seed=2"]
     assert upstream_role(Lineage.of(cfg, ())) == "its source run"
     with pytest.raises(ConfigError, match="transfer.source_stage=transfer"):
-        check_transfer_config(compose_config(["transfer=builtin_b", "transfer.source_stage=transfer"]))
+        _check_transfer(compose_config(["transfer=builtin_b", "transfer.source_stage=transfer"]))
     with pytest.raises(ConfigError, match="transfer=builtin_b is a transfer .* drop stage=finetune"):
-        check_transfer_config(compose_run_config(["transfer=builtin_b", "stage=finetune"]))
+        _check_transfer(compose_run_config(["transfer=builtin_b", "stage=finetune"]))
 
 
 def test_paper_transfer_recipe_is_issue_45s(tmp_path: Path) -> None:

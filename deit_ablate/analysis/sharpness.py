@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from deit_ablate.config.schema import DataConfig
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import RunDir, find_run, runs_root, wandb_root
 from deit_ablate.run.commands import command
@@ -57,16 +58,16 @@ def finished_run(reference: str) -> RunDir:
     return run
 
 
-def check_same_data(cfg: DictConfig, run: RunDir) -> None:
-    """The data under the run's config is the data it trained on (its identity.json's fingerprint)."""
+def check_same_data(data: DataConfig, run: RunDir) -> None:
+    """The data block of the run's config (`data`) is the data it trained on (its identity.json's fingerprint)."""
     from deit_ablate.data.datasets import data_fingerprint, describe_data
 
     recorded = run.recorded_data()
     if recorded is None:
         return
-    current = data_fingerprint(cfg.data)
+    current = data_fingerprint(data)
     if recorded.get("digest") != current.get("digest"):
-        raise ConfigError(f"{run.path} trained on {describe_data(recorded)}, but data.root={cfg.data.root} now "
+        raise ConfigError(f"{run.path} trained on {describe_data(recorded)}, but data.root={data.root} now "
                           f"holds {describe_data(current)}: point --data-root at the data it trained on.")
 
 
@@ -78,7 +79,7 @@ def measure_run(run: RunDir, settings: SharpnessSettings, device: torch.device, 
     cfg = load_run_config(run)
     if data_root is not None:
         cfg.data.root = data_root
-    check_same_data(cfg, run)
+    check_same_data(cfg.data, run)
     weights = read_weights(run.last_checkpoint)
     record = measure_weights(cfg, weights, device, settings, show_progress)
     record["settings"]["checkpoint"] = run.last_checkpoint.name

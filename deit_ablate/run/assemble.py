@@ -6,10 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from timm.utils import ModelEmaV3
 
-from deit_ablate.config.schema import DistillKind, OptimizerConfig, Precision, TeacherView
+from deit_ablate.config.schema import DistillConfig, DistillKind, OptimizerConfig, Precision, TeacherView
 from deit_ablate.core.distributed import DistInfo, barrier
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
@@ -33,7 +32,7 @@ from deit_ablate.run.stages import (
 )
 from deit_ablate.run.student import build_stage_model
 from deit_ablate.run.teacher import TeacherSource, build_teacher
-from deit_ablate.run.teacher_cache import WithIndex, build_fixed_teacher_table
+from deit_ablate.run.teacher_cache import FixedView, WithIndex, build_fixed_teacher_table
 from deit_ablate.train.losses import TOKEN_KINDS, DistillationLoss, FixedTeacherLoss, build_criterion, build_mixup
 from deit_ablate.train.models import compile_in_place
 from deit_ablate.train.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
@@ -152,7 +151,8 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None  # starts from the loaded weights
     if cfg.runtime.compile:
         compile_in_place(module)  # after the EMA copy, which is only evaluated and stays eager
-    loss_fn = build_loss_fn(cfg, plan.teacher, module, build_criterion(cfg.mix, mixup), info.device, info)
+    view = FixedView(TransformSpec(cfg.data, cfg.augment, cfg.resolution), cfg.runtime)
+    loss_fn = build_loss_fn(cfg.distill, view, plan.teacher, module, build_criterion(cfg.mix, mixup), info.device, info)
     precision = cfg.train.amp
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,
                       batch=plan.batch, mixup=mixup, ema=ema,
@@ -197,22 +197,23 @@ def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps
     return build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, recipe.warmup_lr)
 
 
-def build_loss_fn(cfg: DictConfig, teacher_source: TeacherSource | None, model: torch.nn.Module,
-                  criterion: torch.nn.Module, device: torch.device, info: DistInfo | None = None):
-    """The loss of one (mixed) batch: the class criterion, plus the term of the plan's teacher when distilling."""
-    distill = cfg.distill
+def build_loss_fn(distill: DistillConfig, view: FixedView, teacher_source: TeacherSource | None,
+                  model: torch.nn.Module, criterion: torch.nn.Module, device: torch.device,
+                  info: DistInfo | None = None):
+    """The loss of one (mixed) batch: the class criterion, plus the term of the plan's teacher when distilling
+    (`view`: the stage's data, for the teacher's classes and a fixed teacher's table)."""
     # a transfer trains on its new labels only (stages.stage_distils, teacher.run_teacher): a distilled model's two
     # new heads learn them through the mean of their logits, timm's output when not distilling
     if teacher_source is None:
         return lambda images, outputs, targets: criterion(outputs, targets)
-    teacher = build_teacher(teacher_source, cfg.data.num_classes, device, distill.teacher.sizes)
+    teacher = build_teacher(teacher_source, view.spec.data.num_classes, device, distill.teacher.sizes)
     distill_loss = DistillationLoss(criterion, distill.type, distill.alpha, distill.tau, distill.kl_normalization)
     if hasattr(model, "set_distilled_training"):
         model.set_distilled_training(distill.type in TOKEN_KINDS)
     if distill.teacher_view == TeacherView.fixed:
         # Beyer et al. 2022's fixed teacher: its outputs on one view per image, computed once (teacher_cache.py).
         info = info if info is not None else DistInfo(device=device)
-        return FixedTeacherLoss(distill_loss, build_fixed_teacher_table(teacher, cfg, info))
+        return FixedTeacherLoss(distill_loss, build_fixed_teacher_table(teacher, view, info))
     # Consistent teaching (Beyer et al. 2022): the teacher sees exactly the student's batch, augmented, then mixed
     # by Mixup/CutMix.
     return lambda images, outputs, targets: distill_loss(outputs, teacher_forward(teacher, images), targets)

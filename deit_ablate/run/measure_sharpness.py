@@ -17,13 +17,13 @@ from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.train.sharpness import Batches, SharpnessSettings, measure
 
 
-def fixed_images(cfg: DictConfig, settings: SharpnessSettings, device: torch.device, workers: int = 0) -> Batches:
+def fixed_images(spec: TransformSpec, on_bad_image: str, settings: SharpnessSettings, device: torch.device,
+                 workers: int = 0) -> Batches:
     """The images every figure is measured on: the first `settings.images` of a permutation of the training split
     drawn from `settings.seed`, through the eval transform, in batches of `settings.batch_size` on `device`."""
 
-    transform = build_eval_transform(TransformSpec(cfg.data, cfg.augment, cfg.resolution))
-    dataset = training_split(cfg.data, transform, dataset_root(cfg.data),  # the images the run trained on
-                             on_bad_image=cfg.runtime.on_bad_image)
+    dataset = training_split(spec.data, build_eval_transform(spec), dataset_root(spec.data),  # as the run trained
+                             on_bad_image=on_bad_image)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(settings.seed))
     chosen = Subset(dataset, order[: min(settings.images, len(dataset))].tolist())
     loader = DataLoader(chosen, batch_size=settings.batch_size, shuffle=False, num_workers=workers)
@@ -43,5 +43,6 @@ def measure_weights(cfg: DictConfig, weights: dict[str, torch.Tensor], device: t
     settings = settings or SharpnessSettings.from_config(cfg.sharpness)
 
     model = rebuild_model(student_spec(cfg), weights, device)
-    batches = fixed_images(cfg, settings, device, num_workers(cfg.runtime.num_workers))
+    spec = TransformSpec(cfg.data, cfg.augment, cfg.resolution)
+    batches = fixed_images(spec, cfg.runtime.on_bad_image, settings, device, num_workers(cfg.runtime.num_workers))
     return measure(model, batches, settings, show_progress)

@@ -122,7 +122,7 @@ def make_plan(cfg: DictConfig, info: DistInfo, run_dir: RunDir | None = None,
     data = agree(info, lambda: data_identity(cfg, run_dir))  # one scan of the data, not one per rank
     lineage = Lineage.of(cfg, overrides)
     teacher_run = teacher_run_dir(lineage)  # composes the chained teacher run's config: once
-    teacher = agree(info, lambda: run_teacher(cfg, teacher_run, lineage))
+    teacher = agree(info, lambda: run_teacher(lineage, cfg.distill.teacher, teacher_run, cfg.runtime.dry_run))
     upstream = upstream_run_dir(lineage)
     source = upstream if cfg.stage == Stage.transfer else None
     # the teacher's weights and a transfer's source, refused when they are not those the run folder records

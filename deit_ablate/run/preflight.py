@@ -66,7 +66,7 @@ def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None
     from deit_ablate.run.lifecycle import dry_run_line
     from deit_ablate.run.plan import make_plan
 
-    configure_job_log(configs[0])
+    configure_job_log(configs[0].hydra.job_logging, configs[0].hydra.verbose)
     saved = HydraConfig.instance().cfg
     try:
         for cfg, run_dir in zip(configs, run_dirs, strict=True):
@@ -81,11 +81,12 @@ def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None
         HydraConfig.instance().cfg = saved
 
 
-def configure_job_log(cfg: DictConfig) -> None:
-    """The run's console logging (conf/hydra/job_logging), which Hydra sets up only once it runs a job."""
+def configure_job_log(job_logging: Any, verbose: Any) -> None:
+    """The run's console logging (conf/hydra/job_logging, Hydra's `hydra.job_logging` and `hydra.verbose`), which
+    Hydra sets up only once it runs a job."""
     from hydra.core.utils import configure_log
 
-    configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
+    configure_log(job_logging, verbose)
 
 
 class Preflight(Callback):

@@ -16,7 +16,7 @@ import yaml
 from omegaconf import DictConfig
 from torch import nn
 
-from deit_ablate.config.schema import DistillConfig, DistillKind, Stage
+from deit_ablate.config.schema import DistillConfig, DistillKind, Stage, TeacherConfig
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
 from deit_ablate.record.checkpoint import read_weights
@@ -210,19 +210,19 @@ def _describe(teacher: Mapping[str, Any]) -> str:
     return f"sha1 {teacher['digest'][:12]}, {where}{teacher['checkpoint']}"
 
 
-def run_teacher(cfg: DictConfig, chained: RunDir | None, lineage: Lineage | None = None) -> TeacherSource | None:
+def run_teacher(lineage: Lineage, teacher: TeacherConfig, chained: RunDir | None = None,
+                dry_run: bool = False) -> TeacherSource | None:
     """The teacher the run distils from: its chained teacher run `chained` (stages.teacher_run_dir) or
-    distill.teacher.checkpoint, resolved; None without distillation, or in a dry run whose chained teacher run has
-    not trained yet. A ConfigError, with the command that trains it, when that teacher run has not finished."""
-    lineage = lineage or Lineage.of(cfg)
+    distill.teacher.checkpoint (`teacher`), resolved; None without distillation, or in a dry run whose chained teacher
+    run has not trained yet. A ConfigError, with the command that trains it, when that teacher run has not finished."""
     if not stage_distils(lineage):
         return None
     if chained is not None and teacher_run_state(chained) != "finished":
-        if cfg.runtime.dry_run:
+        if dry_run:
             return None  # the dry run says it waits for it (lifecycle.launch_plan)
         finished_teacher_run(lineage)  # refused, with the command that trains it
     reference = str(chained.path) if chained is not None else None
-    return resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, reference)
+    return resolve_teacher(teacher, lineage.output_root, reference)
 
 
 def teacher_identity(source: TeacherSource | None, run_dir: RunDir) -> dict[str, Any] | None:

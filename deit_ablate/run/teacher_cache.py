@@ -15,12 +15,13 @@ epoch.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import Dataset
 
+from deit_ablate.config.schema import RuntimeConfig
 from deit_ablate.core.distributed import DistInfo, all_reduce_sum
 from deit_ablate.core.logs import log
 from deit_ablate.data.datasets import dataset_root, training_split
@@ -43,25 +44,34 @@ class WithIndex(Dataset):
         return image, torch.tensor([label, index])
 
 
-def fixed_view_transform(cfg: DictConfig):
+@dataclass(frozen=True)
+class FixedView:
+    """What the fixed teacher's table is computed from: the stage's transform pieces and how the run reads data."""
+
+    spec: TransformSpec
+    runtime: RuntimeConfig
+
+
+def fixed_view_transform(spec: TransformSpec):
     """The teacher's fixed view: the evaluation transform at the training size (resize to train_size / crop_pct,
     centre-crop train_size, normalize)."""
-    return build_eval_transform(TransformSpec(cfg.data, cfg.augment, cfg.resolution), size=cfg.resolution.train_size)
+    return build_eval_transform(spec, size=spec.resolution.train_size)
 
 
-def fixed_view_dataset(cfg: DictConfig) -> Dataset:
+def fixed_view_dataset(view: FixedView) -> Dataset:
     """The training images, each in its fixed view (same files and order as the training set)."""
-    return training_split(cfg.data, fixed_view_transform(cfg), dataset_root(cfg.data),
-                          on_bad_image=cfg.runtime.on_bad_image)
+    data = view.spec.data
+    return training_split(data, fixed_view_transform(view.spec), dataset_root(data),
+                          on_bad_image=view.runtime.on_bad_image)
 
 
-def teacher_table(teacher: nn.Module, dataset: Dataset, batch_size: int, cfg: DictConfig,
+def teacher_table(teacher: nn.Module, dataset: Dataset, batch_size: int, runtime: RuntimeConfig, num_classes: int,
                   info: DistInfo) -> torch.Tensor:
     """The teacher's float32 logits of every image of `dataset`, row i for image i, on `info.device`."""
     sampler = ShardSampler(len(dataset), info.world_size, info.rank)
     table = None
     done = 0
-    for images, _ in build_loader(dataset, sampler, batch_size, cfg.runtime, train=False):
+    for images, _ in build_loader(dataset, sampler, batch_size, runtime, train=False):
         logits = teacher_forward(teacher, images.to(info.device, non_blocking=True))
         if table is None:
             table = torch.zeros(len(dataset), logits.shape[1], device=info.device)
@@ -69,14 +79,15 @@ def teacher_table(teacher: nn.Module, dataset: Dataset, batch_size: int, cfg: Di
         table[rows] = logits
         done += len(logits)
     if table is None:  # a rank with no image (more ranks than images) still joins the sum
-        table = torch.zeros(len(dataset), cfg.data.num_classes, device=info.device)
+        table = torch.zeros(len(dataset), num_classes, device=info.device)
     return all_reduce_sum(table, info)  # each row was filled on exactly one rank
 
 
-def build_fixed_teacher_table(teacher: nn.Module, cfg: DictConfig, info: DistInfo) -> torch.Tensor:
+def build_fixed_teacher_table(teacher: nn.Module, view: FixedView, info: DistInfo) -> torch.Tensor:
     """The run's cached fixed-view teacher outputs, computed now (logged with their size and time)."""
     start = time.perf_counter()
-    table = teacher_table(teacher, fixed_view_dataset(cfg), cfg.runtime.eval_batch, cfg, info)
+    table = teacher_table(teacher, fixed_view_dataset(view), view.runtime.eval_batch, view.runtime,
+                          view.spec.data.num_classes, info)
     if info.is_main:
         log.info(f"[run] fixed teacher (Beyer et al. 2022): outputs of {table.shape[0]} training images on their "
                  f"centre crop cached in {time.perf_counter() - start:.1f} s "

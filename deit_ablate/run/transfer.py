@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from deit_ablate.config.schema import DataName, DistillKind, Stage
+from deit_ablate.config.schema import DataConfig, DataName, DistillConfig, DistillKind, Stage, TransferConfig
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.builtin import CLASS_SETS
 from deit_ablate.record.identity import RunIdentity, transfer_source_overrides, with_source
@@ -71,22 +69,23 @@ def with_transfer_source(identity: RunIdentity, source: RunDir | None, run_dir: 
     return with_source(identity, current, recorded)
 
 
-def check_transfer_config(cfg: DictConfig) -> None:
-    """The transfer block and the built-in class set make sense, before anything is queued."""
-    classes = cfg.data.builtin.classes
-    if cfg.data.name == DataName.builtin and classes not in CLASS_SETS:
+def check_transfer_config(stage: Stage, transfer: TransferConfig, data: DataConfig, distill: DistillConfig,
+                          row: str | None = None) -> None:
+    """The transfer block and the built-in class set make sense, before anything is queued (`row`: the transfer
+    study's row the launch chose, if any)."""
+    classes = data.builtin.classes
+    if data.name == DataName.builtin and classes not in CLASS_SETS:
         raise ConfigError(f"data.builtin.classes={classes} is not a built-in class set; use one of "
                           f"{', '.join(CLASS_SETS)} (data/builtin.py).")
-    row = OmegaConf.select(cfg, "hydra.runtime.choices.transfer", default=None)
-    if row is not None and cfg.stage != Stage.transfer:
-        raise ConfigError(f"transfer={row} is a transfer to another dataset (stage=transfer), but stage={cfg.stage} "
-                          f"was given too: drop stage={cfg.stage} to transfer, or drop transfer={row} to train "
+    if row is not None and stage != Stage.transfer:
+        raise ConfigError(f"transfer={row} is a transfer to another dataset (stage=transfer), but stage={stage} "
+                          f"was given too: drop stage={stage} to transfer, or drop transfer={row} to train "
                           "that stage on the source's own data.")
-    if cfg.stage != Stage.transfer:
+    if stage != Stage.transfer:
         return
-    if cfg.transfer.source_stage == Stage.transfer:
+    if transfer.source_stage == Stage.transfer:
         raise ConfigError("transfer.source_stage=transfer: a transfer starts from a pre-training or a fine-tune; set "
                           "transfer.source_stage=finetune (Table 7's ↑384 model) or pretrain.")
-    if cfg.distill.teacher_view != "same" and cfg.distill.type != DistillKind.none:
+    if distill.teacher_view != "same" and distill.type != DistillKind.none:
         raise ConfigError("distill.teacher_view names what a teacher sees, but the transfer stage trains without its "
                           "source's teacher (other classes): drop distill.teacher_view.")
