@@ -62,6 +62,7 @@ def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None
 
     from deit_ablate.core.distributed import DistInfo
     from deit_ablate.core.errors import ConfigError, RunError, no_access
+    from deit_ablate.record.resolvers import remember_sweep_run
     from deit_ablate.record.rundir import RunDir
     from deit_ablate.run.lifecycle import dry_run_line
     from deit_ablate.run.plan import make_plan
@@ -69,6 +70,8 @@ def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None
     configure_job_log(configs[0].hydra.job_logging, configs[0].hydra.verbose)
     saved = HydraConfig.instance().cfg
     try:
+        for cfg in configs:  # a fine-tune finds its pre-training in the sweep instead of composing it again
+            remember_sweep_run(cfg, list(cfg.hydra.overrides.task))
         for cfg, run_dir in zip(configs, run_dirs, strict=True):
             HydraConfig.instance().set_config(cfg)  # as Hydra's run_job does: stages.py reads the overrides there
             plan = make_plan(cfg, DistInfo(), RunDir(run_dir), list(cfg.hydra.overrides.task))
