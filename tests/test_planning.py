@@ -23,3 +23,25 @@ def test_a_pretraining_that_is_not_the_finetunes_is_not_kept(monkeypatch):
     job = ["resolution=160px", "stage=pretrain"]  # its fine-tune names the pre-training without the resolution
     resolvers.remember_sweep_run(compose_run_config(job), job)
     assert resolvers._composed == {}
+
+
+def test_config_files_read_once_compose_each_run_as_hydra_does(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from deit_ablate.config import compose
+
+    def composed(runs):  # in one Hydra app, as a sweep composes its runs
+        from hydra import initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(compose.CONF_DIR), version_base="1.3"):
+            configs = [compose.compose_run_config(run) for run in runs]
+        return [OmegaConf.to_yaml(cfg, resolve=True) for cfg in configs]  # after all: a run's config is its own
+
+    runs = [["ablation=no_mixup"], ["ablation=sgd", "seed=1"], ["ablation=dropout", "augment=autoaugment"], []]
+    with monkeypatch.context() as hydra_alone:
+        hydra_alone.setattr(compose, "read_config_files_once", lambda config_loader: None)
+        expected = composed(runs)
+    monkeypatch.setattr(compose, "_LOADED", {})
+    # a file read once and handed to every composition as it is: each run's config changes with the next ones
+    assert composed(runs) == expected and composed(runs) == expected
+    assert "\nseed: 0\n" in expected[0] and "\nseed: 1\n" in expected[1]

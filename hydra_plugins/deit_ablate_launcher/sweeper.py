@@ -58,10 +58,12 @@ class DeitSweeper(BasicSweeper):
     def checked_jobs(self, arguments: list[str]) -> tuple[list[list[str]], list]:
         """Each run's overrides and config, composed as the launcher will and checked, chained teacher runs added
         (chain_order); one line and exit status 2 at the first that cannot run."""
+        from deit_ablate.config.compose import read_config_files_once
         from deit_ablate.run.lineage import Lineage
         from deit_ablate.run.stages import teacher_run_overrides
 
         assert self.hydra_context is not None and self.config is not None
+        read_config_files_once(self.hydra_context.config_loader)  # every run of the sweep is composed here
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         batches = self.split_arguments(parser.parse_overrides(self._parse_config() + list(arguments)),
                                        self.max_batch_size)
