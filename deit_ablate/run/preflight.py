@@ -9,12 +9,15 @@ files of finished runs. The checks and the dry run therefore come first: in the 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from deit_ablate.run.plan import RunPlan
 
 
 def refuse(error: Exception, where: str = "") -> NoReturn:
@@ -57,21 +60,28 @@ def sweep_run_dir(cfg: DictConfig) -> Path:
 
 def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None:
     """Print the dry run's line for each run (its Hydra node as composed); nothing is written."""
+    from deit_ablate.run.lifecycle import dry_run_line
+
+    configure_job_log(configs[0])
+    for plan in sweep_plans(configs, run_dirs):
+        print(dry_run_line(plan), flush=True)
+
+
+def sweep_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> Iterator[RunPlan]:
+    """Each run's plan as a launch would make it (its Hydra node as composed), for the dry run and `deit-status`;
+    one line and exit status 2 at the first that cannot be planned. Nothing is written."""
     from hydra.core.hydra_config import HydraConfig
 
     from deit_ablate.core.distributed import DistInfo
     from deit_ablate.core.errors import ConfigError, RunError, no_access
     from deit_ablate.record.rundir import RunDir
-    from deit_ablate.run.lifecycle import dry_run_line
     from deit_ablate.run.plan import make_plan
 
-    configure_job_log(configs[0])
     saved = HydraConfig.instance().cfg
     try:
         for cfg, run_dir in zip(configs, run_dirs, strict=True):
             HydraConfig.instance().set_config(cfg)  # as Hydra's run_job does: stages.py reads the overrides there
-            plan = make_plan(cfg, DistInfo(), RunDir(run_dir), list(cfg.hydra.overrides.task))
-            print(dry_run_line(plan), flush=True)
+            yield make_plan(cfg, DistInfo(), RunDir(run_dir), list(cfg.hydra.overrides.task))
     except (ConfigError, RunError) as error:
         refuse(error)
     except PermissionError as error:

@@ -106,9 +106,24 @@ class DeitSlurmLauncher(SlurmLauncher):
                 **extra, "dependency": f"afterok:{jobs[parent].job_id}", "kill-on-invalid-dep": "yes"})
             jobs[i] = executor.submit(self, *params[i])
             log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} ({upstream_role(configs[i])})")
+        record_jobs(self.config.hydra.sweep.dir, {jobs[i].job_id: str(configs[i].hydra.sweep.subdir) for i in jobs})
         # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
         # which resumes from its own latest checkpoint (deit_ablate/run/main.py).
         return [jobs[i].results()[0] for i in range(len(params))]
+
+
+def record_jobs(sweep_dir: str, jobs: dict[str, str]) -> None:
+    """Note each submitted job's run folder in the sweep folder's slurm-jobs.json (deit-status reads it to show a
+    run whose job is still queued); a failure to write it is a warning, never a failed submission."""
+    from pathlib import Path
+
+    from deit_ablate.record.rundir import record_slurm_jobs
+
+    try:
+        record_slurm_jobs(Path(sweep_dir), jobs)
+    except OSError as error:
+        log.warning(f"could not record the submitted jobs in {sweep_dir} ({error}); deit-status shows them once "
+                    "they start")
 
 
 def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],
