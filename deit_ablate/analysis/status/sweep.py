@@ -54,13 +54,17 @@ def sweep_runs(arguments: list[str]) -> list[PlannedRun]:
 
     GlobalHydra.instance().clear()
     hydra = Hydra.create_main_hydra2(task_name="train", config_search_path=create_config_search_path(str(CONF_DIR)))
-    cfg = hydra.compose_config("config", arguments, run_mode=RunMode.MULTIRUN)
-    context = HydraContext(config_loader=hydra.config_loader, callbacks=Callbacks(cfg))
-    sweeper = Plugins.instance().instantiate_sweeper(config=cfg, hydra_context=context, task_function=lambda _: None)
-    _, configs = sweeper.checked_jobs(list(cfg.hydra.overrides.task))
+    try:
+        cfg = hydra.compose_config("config", arguments, run_mode=RunMode.MULTIRUN)
+        context = HydraContext(config_loader=hydra.config_loader, callbacks=Callbacks(cfg))
+        sweeper = Plugins.instance().instantiate_sweeper(config=cfg, hydra_context=context,
+                                                         task_function=lambda _: None)
+        _, configs = sweeper.checked_jobs(list(cfg.hydra.overrides.task))
+        plans = list(sweep_plans(configs, [sweep_run_dir(c) for c in configs]))
+    finally:
+        GlobalHydra.instance().clear()  # as Hydra's own app leaves it: a later compose starts afresh
     return [PlannedRun(plan.run_dir, (row_label(plan.overrides), str(plan.settings.stage), int(plan.settings.seed)),
-                       plan)
-            for plan in sweep_plans(configs, [sweep_run_dir(c) for c in configs])]
+                       plan) for plan in plans]
 
 
 def folder_labels(run_dir: RunDir) -> tuple[str, str, int | None]:

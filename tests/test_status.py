@@ -1,0 +1,188 @@
+"""deit-status (issue 38): each run's state from its folder, the dry run and the status agreeing on every run of a
+half-finished sweep, --json carrying the table's rows, a killed run shown as stalled, SLURM's queue, and progress
+that reads well in a log file (no carriage returns)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deit_ablate.analysis.status.cli import collect, main
+from deit_ablate.analysis.status.rows import ACTION_OF, STATES
+from deit_ablate.analysis.status.sweep import folder_runs, sweep_runs
+from deit_ablate.analysis.status.view import as_json, table
+from deit_ablate.core.atomic import write_text_atomic
+from deit_ablate.core.logs import PlainBar
+from deit_ablate.record.progress import ProgressFile, read_progress
+from deit_ablate.record.rundir import RunDir, runs_root
+from deit_ablate.record.runlock import _proc_start, this_process
+from tests.conftest import REPO, TINY, run_train
+
+SWEEP = ["-m", "seed=0,1,2,3", "stage=pretrain,finetune", *TINY]
+
+
+def status_json(argv: list[str], capsys) -> dict:
+    """`deit-status <argv> --json`, run in this process; its parsed output."""
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def clone(finished: RunDir, target: Path, keep_result: bool = False) -> RunDir:
+    """A copy of a finished run's folder at `target`, its result.json removed unless `keep_result`."""
+    shutil.copytree(finished.path, target)
+    run = RunDir(target)
+    if not keep_result:
+        run.result.unlink()
+    return run
+
+
+@pytest.fixture(scope="module")
+def half_finished(tmp_path_factory, tiny_run, data_cache, tiny_data):
+    """TINY's sweep over 4 seeds x (pretrain, finetune), half done: seed 0 pre-trained (the shared tiny run), seed 1
+    stopped with a checkpoint to resume, seed 2 never started, seed 3 diverged (its result as the run writes it);
+    the folder it is in."""
+    cwd = tmp_path_factory.mktemp("half_finished")
+    tiny_run.copy_into(cwd)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        patch.setenv("DEIT_ABLATE_CACHE", str(data_cache))
+        runs = {(r.labels[2], r.labels[1]): r.run_dir for r in sweep_runs(SWEEP[1:])}
+    finished = RunDir(cwd / "outputs" / "runs" / runs[0, "pretrain"].name)
+    assert finished.result.exists()
+    clone(finished, cwd / "outputs" / "runs" / runs[1, "pretrain"].name)  # its checkpoint, no result: resume
+    diverged = RunDir(cwd / "outputs" / "runs" / runs[3, "pretrain"].name)
+    diverged.path.mkdir()
+    diverged.write_result({**finished.read_result(), "status": "diverged", "note": "training loss is nan at step 5"})
+    return cwd
+
+
+def test_the_dry_run_and_the_status_agree_on_every_run_of_a_half_finished_sweep(half_finished, data_cache, capsys,
+                                                                               monkeypatch):
+    monkeypatch.chdir(half_finished)
+    monkeypatch.setenv("DEIT_ABLATE_CACHE", str(data_cache))
+    rows = status_json(SWEEP, capsys)["runs"]
+    dry = run_train([*SWEEP, "runtime.dry_run=true"], half_finished, data_cache).stdout
+    said = dict(re.findall(r"^\[dry run\] (\S+) \(wandb id [^)]*\): (.*)$", dry, re.M))
+    assert len(said) == len(rows) == 8
+    for row in rows:
+        assert said[row["run"]] == row["action"], row  # the same words: one function decides both
+        assert row["action"].split()[0] in ACTION_OF[row["state"]] or (
+            row["state"] == "planned" and row["action"].startswith(("train", "record"))), row
+    state = {(r["seed"], r["stage"]): r["state"] for r in rows}
+    assert state == {(0, "pretrain"): "finished", (0, "finetune"): "planned",
+                     (1, "pretrain"): "preempted", (1, "finetune"): "waiting",
+                     (2, "pretrain"): "planned", (2, "finetune"): "waiting",
+                     (3, "pretrain"): "diverged", (3, "finetune"): "planned"}
+    detail = {(r["seed"], r["stage"]): r for r in rows}
+    assert detail[1, "pretrain"]["action"].startswith("resume from step 8")
+    assert detail[3, "finetune"]["action"].startswith("record as diverged without training")
+    assert detail[2, "finetune"]["detail"].startswith("its pre-training")
+
+
+def test_an_output_root_shows_finished_running_stalled_failed_and_diverged_runs(tiny_run, tmp_path, capsys):
+    outputs = tiny_run.copy_into(tmp_path)
+    finished = RunDir(next(p for p in runs_root(outputs).iterdir() if p.is_dir()))
+    runs = runs_root(outputs)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        running = clone(finished, runs / "running")  # held by a live process that wrote its progress just now
+        write_text_atomic(running.lock, json.dumps({**this_process(), "pid": sleeper.pid,
+                                                    "proc_start": _proc_start(sleeper.pid)}))
+        record = ProgressFile(running, 8, 1, 32, 2, clock=lambda: 3.0)
+        record.start(0, 2)
+        record.update(pid=sleeper.pid)
+        stalled = clone(finished, runs / "stalled")  # its lock's holder is gone (a kill -9)
+        write_text_atomic(stalled.lock, json.dumps({**this_process(), "pid": gone.pid}))
+        failed = clone(finished, runs / "failed")
+        ProgressFile(failed, 8, 1, 32, 1, clock=lambda: 1.0).end("failed", 3, "RunError: no space left on the device")
+        diverged = clone(finished, runs / "diverged", keep_result=True)
+        diverged.write_result({**diverged.read_result(), "status": "diverged"})
+        report = status_json([str(outputs)], capsys)
+    finally:
+        sleeper.kill()
+    state = {Path(r["run"]).name: r for r in report["runs"]}
+    assert {name: r["state"] for name, r in state.items()} == {
+        finished.name: "finished", "running": "running", "stalled": "stalled", "failed": "failed",
+        "diverged": "diverged"}
+    assert state["running"]["detail"] == f"{this_process()['host']}, 2 ranks" and state["running"]["step"] == 2
+    assert f"pid {gone.pid} is gone" in state["stalled"]["detail"]
+    assert state["failed"]["detail"] == "RunError: no space left on the device"
+    assert state["failed"]["log"] == str(failed.log)  # where the whole log is
+    assert report["totals"]["states"] == {"running": 1, "stalled": 1, "failed": 1, "finished": 1, "diverged": 1}
+
+
+def test_json_carries_the_rows_of_the_table(half_finished, monkeypatch):
+    monkeypatch.chdir(half_finished)
+    rows = collect(folder_runs(half_finished / "outputs"), 600.0)
+    printed = as_json(rows, "here")
+    assert json.loads(json.dumps(printed)) == printed
+    grid = table(rows, "here")
+    columns = {c.header: [str(cell) for cell in c._cells] for c in grid.columns}
+    assert columns["state"] == [r["state"] for r in printed["runs"]]
+    assert columns["run"] == [r["row"] for r in printed["runs"]]
+    assert set(printed["totals"]["states"]) <= set(STATES) and printed["totals"]["runs"] == len(rows)
+
+
+def test_a_path_that_is_not_an_output_root_is_one_line_and_status_2(tmp_path, capsys):
+    assert main([str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is not a folder" in err and "give an output root" in err
+    assert main([str(tmp_path)]) == 2
+    assert "holds no runs/ folder" in capsys.readouterr().err
+
+
+def test_an_unknown_override_is_one_line_and_status_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["-m", "ablation=no_such_row"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "no_such_row" in err, err
+
+
+def test_a_run_logged_to_a_file_has_no_carriage_returns(tiny_run):
+    output = tiny_run.proc.stdout + tiny_run.proc.stderr
+    assert "\r" not in output
+    assert re.search(r"^epoch 0: step \d+/8 \| loss [\d.]+ \| lr [\d.e+-]+ \| img/s \d+", tiny_run.proc.stderr, re.M)
+    assert read_progress(RunDir(tiny_run.run_dir()))["state"] == "finished"
+
+
+def test_a_plain_bar_writes_lines_for_the_sharpness_measure_too():
+    out = io.StringIO()
+    bar = PlainBar(total=4, desc="sharpness", every_s=0.0, stream=out)
+    for _ in range(4):
+        bar.update()
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and lines[0].startswith("sharpness: step 1/4") and "took" in lines[-1]
+
+
+@pytest.mark.slow
+def test_a_run_killed_with_kill_9_shows_as_stalled(tmp_path, data_cache, capsys):
+    args = [a for a in TINY if a != "train.epochs=1"] + ["train.epochs=200"]
+    env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args, "runtime.tracking.mode=disabled"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not list(runs_root(tmp_path / "outputs").glob("*/progress.json")):
+            time.sleep(0.2)
+        (row,) = status_json([str(tmp_path / "outputs")], capsys)["runs"]
+        assert row["state"] == "running", row
+        proc.kill()
+        proc.wait()
+        (row,) = status_json([str(tmp_path / "outputs")], capsys)["runs"]
+    finally:
+        proc.kill()
+    assert row["state"] == "stalled" and f"pid {proc.pid} is gone" in row["detail"], row
