@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from deit_ablate.analysis.status.cli import collect, main
-from deit_ablate.analysis.status.rows import ACTION_OF, STATES
+from deit_ablate.analysis.status.rows import ACTION_OF, STALL_AFTER_S, STATES
 from deit_ablate.analysis.status.sweep import folder_runs, sweep_runs
 from deit_ablate.analysis.status.view import as_json, table
-from deit_ablate.core.atomic import write_text_atomic
+from deit_ablate.core.atomic import write_json_atomic, write_text_atomic
 from deit_ablate.core.logs import PlainBar
 from deit_ablate.record.progress import ProgressFile, read_progress
 from deit_ablate.record.rundir import RunDir, runs_root
@@ -110,8 +110,12 @@ def test_an_output_root_shows_finished_running_stalled_failed_and_diverged_runs(
         diverged = clone(finished, runs / "diverged", keep_result=True)
         diverged.write_result({**diverged.read_result(), "status": "diverged"})
         report = status_json([str(outputs)], capsys)
+        quiet = {**read_progress(running), "updated": "2026-01-01T00:00:00+00:00"}  # its last write long ago
+        write_json_atomic(running.progress, quiet)
+        late = {r.run: r for r in collect(folder_runs(outputs), STALL_AFTER_S)}["running"]
     finally:
         sleeper.kill()
+    assert late.state == "stalled" and f"stall bound {STALL_AFTER_S:.0f} s" in late.detail, late
     state = {Path(r["run"]).name: r for r in report["runs"]}
     assert {name: r["state"] for name, r in state.items()} == {
         finished.name: "finished", "running": "running", "stalled": "stalled", "failed": "failed",
@@ -167,7 +171,6 @@ def test_a_plain_bar_writes_lines_for_the_sharpness_measure_too():
     assert "\r" not in out.getvalue() and lines[0].startswith("sharpness: step 1/4") and "took" in lines[-1]
 
 
-@pytest.mark.slow
 def test_a_run_killed_with_kill_9_shows_as_stalled(tmp_path, data_cache, capsys):
     args = [a for a in TINY if a != "train.epochs=1"] + ["train.epochs=200"]
     env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
@@ -186,3 +189,33 @@ def test_a_run_killed_with_kill_9_shows_as_stalled(tmp_path, data_cache, capsys)
     finally:
         proc.kill()
     assert row["state"] == "stalled" and f"pid {proc.pid} is gone" in row["detail"], row
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch: start the cluster with scripts/slurm_up.sh")
+def test_a_pending_job_shows_as_queued_and_a_running_one_as_running_on_its_node(tmp_path, data_cache, monkeypatch):
+    from tests.conftest import tiny_with
+
+    # Two 8-task jobs of 2 CPUs each: one fills the 16-CPU test node, the other waits for it.
+    slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=20"]
+    sweep = ["seed=0,1", *slurm, *[a for a in tiny_with(4) if a != "train.epochs=1"], "train.epochs=500"]
+    env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    driver = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", *sweep], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DEIT_ABLATE_CACHE", str(data_cache))
+    planned, seen = sweep_runs(sweep), {}
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not {"running", "queued"} <= set(seen):
+            for row in collect(planned, 600.0):
+                seen.setdefault(row.state, row)
+            time.sleep(1.0)
+    finally:
+        jobs = json.loads((runs_root(tmp_path / "outputs") / "slurm-jobs.json").read_text())
+        subprocess.run(["scancel", *jobs], check=False)
+        driver.kill()
+    assert {"running", "queued"} <= set(seen), {s: r.detail for s, r in seen.items()}
+    host = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+    assert seen["running"].detail.startswith(host), seen["running"]  # its node (and ranks, once it trains)
+    assert re.match(r"SLURM job \d+_\d+: (Resources|Priority|PENDING)", seen["queued"].detail), seen["queued"]
