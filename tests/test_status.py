@@ -86,7 +86,8 @@ def test_the_dry_run_and_the_status_agree_on_every_run_of_a_half_finished_sweep(
     detail = {(r["seed"], r["stage"]): r for r in rows}
     assert detail[1, "pretrain"]["action"].startswith("resume from step 8")
     assert detail[3, "finetune"]["action"].startswith("record as diverged without training")
-    assert detail[2, "finetune"]["detail"].startswith("its pre-training")
+    pretrain_2 = detail[2, "pretrain"]["run"]
+    assert detail[2, "finetune"]["detail"] == f"its pre-training …-{pretrain_2.rsplit('-', 1)[1]}"
 
 
 def test_an_output_root_shows_finished_running_stalled_failed_and_diverged_runs(tiny_run, tmp_path, capsys):

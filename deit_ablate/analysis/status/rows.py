@@ -111,7 +111,8 @@ def live_state(run_dir: RunDir, progress: dict[str, Any] | None, stall_after: fl
     quiet = _seconds_since(progress.get("updated") if same else (holder or {}).get("started"))
     if quiet is not None and quiet > stall_after:
         return "stalled", f"no progress for {quiet:.0f} s (stall bound {stall_after:.0f} s)"
-    where = f"{(holder or {}).get('host', '?')}, {(progress or {}).get('world_size', '?')} ranks" if same \
+    ranks = (progress or {}).get("world_size", "?")
+    where = f"{(holder or {}).get('host', '?')}, {ranks} rank{'' if ranks == 1 else 's'}" if same \
         else f"{(holder or {}).get('host', '?')}, starting"
     return "running", where
 
@@ -138,7 +139,8 @@ def ended_state(run_dir: RunDir, action: LaunchAction, progress: dict[str, Any] 
     if recorded is None and action.kind in ("train", "resume") and last_error_line(run_dir):
         return "failed", f"{last_error_line(run_dir)}{ended_job}"
     if action.kind == "resume" or recorded == "stopped":
-        return "preempted", f"stopped at step {(progress or {}).get('step', '?')}{ended_job}"
+        said = str((progress or {}).get("error") or "").split(";")[0]  # `stopped by SIGTERM at step 147`
+        return "preempted", f"{said or 'stopped at step ' + str((progress or {}).get('step', '?'))}{ended_job}"
     return "planned", ""
 
 
@@ -149,7 +151,8 @@ def run_state(run_dir: RunDir, action: LaunchAction, progress: dict[str, Any] | 
         result = read_result(run_dir.result)
         return result["status"], str(result.get("note", ""))
     if action.kind == "wait":
-        return "waiting", action.text.removeprefix("wait for ")
+        role, _, name = action.text.removeprefix("wait for ").rpartition(" ")
+        return "waiting", f"{role} …-{name.rsplit('-', 1)[-1]}" if "-" in name else f"{role} {name}"
     if action.kind == "refuse":
         return "blocked", action.text
     if action.kind == "record":

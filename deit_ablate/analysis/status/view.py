@@ -17,6 +17,7 @@ STYLE = {"finished": "green", "running": "cyan", "diverged": "yellow", "failed":
          "blocked": "red"}
 ACTIVE = ("running", "stalled")
 RUN_WIDTH = 36  # the run column's widest: its study row, cut with an ellipsis
+TITLE_WIDTH = 100  # a sweep's overrides above the table, cut with an ellipsis
 FILE_WIDTH = 160  # the table's width where the output is not a terminal (a file, a pipe)
 
 
@@ -81,6 +82,7 @@ def totals_line(rows: Sequence[RunRow]) -> str:
 
 def table(rows: Sequence[RunRow], title: str) -> Table:
     """The rich table: one row per run, the totals as its caption."""
+    title = title if len(title) <= TITLE_WIDTH else title[:TITLE_WIDTH - 1] + "…"
     grid = Table(title=title, caption=totals_line(rows), caption_justify="left", expand=False)
     for name, justify in (("run", "left"), ("stage", "left"), ("seed", "right"), ("state", "left"),
                           ("epoch", "right"), ("step", "right"), ("img/s", "right"), ("elapsed", "right"),
