@@ -134,7 +134,7 @@ def test_json_carries_the_rows_of_the_table(half_finished, monkeypatch):
     printed = as_json(rows, "here")
     assert json.loads(json.dumps(printed)) == printed
     grid = table(rows, "here")
-    columns = {c.header: [str(cell) for cell in c._cells] for c in grid.columns}
+    columns = {c.header: [str(cell) for cell in c.cells] for c in grid.columns}
     assert columns["state"] == [r["state"] for r in printed["runs"]]
     assert columns["run"] == [r["row"] for r in printed["runs"]]
     assert set(printed["totals"]["states"]) <= set(STATES) and printed["totals"]["runs"] == len(rows)

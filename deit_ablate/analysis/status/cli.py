@@ -64,22 +64,28 @@ def show(rows: list[RunRow], where: str, as_json_too: bool) -> None:
     if as_json_too:
         print(json.dumps(as_json(rows, where), indent=2))
         return
+    console().print(table(rows, where))
+
+
+def console():
+    """rich's console on stdout: the terminal's width, or FILE_WIDTH for a file or a pipe (not 80 characters)."""
     from rich.console import Console
 
-    console = Console()
-    if not console.is_terminal:  # a file or a pipe: every column whole, not cut to 80 characters
-        console = Console(width=FILE_WIDTH)
-    console.print(table(rows, where))
+    here = Console()
+    return here if here.is_terminal else Console(width=FILE_WIDTH)
 
 
 def watch(rows_now: Callable[[], list[RunRow]], where: str, every: float) -> None:
-    """Refresh the table in place every `every` seconds until Ctrl-C."""
+    """Refresh the table in place every `every` seconds until Ctrl-C (exit status 0)."""
     from rich.live import Live
 
-    with Live(table(rows_now(), where), auto_refresh=False, screen=False) as live:
-        while True:
-            time.sleep(every)
-            live.update(table(rows_now(), where), refresh=True)
+    with Live(table(rows_now(), where), console=console(), auto_refresh=False, screen=False) as live:
+        try:
+            while True:
+                time.sleep(every)
+                live.update(table(rows_now(), where), refresh=True)
+        except KeyboardInterrupt:  # how a watch ends: the last table stays on the screen
+            return
 
 
 @command("deit-status")
