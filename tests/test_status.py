@@ -23,7 +23,7 @@ from deit_ablate.analysis.status.view import as_json, table
 from deit_ablate.core.atomic import write_json_atomic, write_text_atomic
 from deit_ablate.core.logs import PlainBar
 from deit_ablate.record.progress import ProgressFile, read_progress
-from deit_ablate.record.rundir import RunDir, runs_root
+from deit_ablate.record.rundir import RunDir, read_slurm_jobs, runs_root
 from deit_ablate.record.runlock import _proc_start, this_process
 from tests.conftest import REPO, TINY, run_train
 
@@ -76,8 +76,7 @@ def test_the_dry_run_and_the_status_agree_on_every_run_of_a_half_finished_sweep(
     assert len(said) == len(rows) == 8
     for row in rows:
         assert said[row["run"]] == row["action"], row  # the same words: one function decides both
-        assert row["action"].split()[0] in ACTION_OF[row["state"]] or (
-            row["state"] == "planned" and row["action"].startswith(("train", "record"))), row
+        assert row["action"].split()[0] in ACTION_OF[row["state"]], row  # a state a launch's action allows
     state = {(r["seed"], r["stage"]): r["state"] for r in rows}
     assert state == {(0, "pretrain"): "finished", (0, "finetune"): "planned",
                      (1, "pretrain"): "preempted", (1, "finetune"): "waiting",
@@ -213,10 +212,24 @@ def test_a_pending_job_shows_as_queued_and_a_running_one_as_running_on_its_node(
                 seen.setdefault(row.state, row)
             time.sleep(1.0)
     finally:
-        jobs = json.loads((runs_root(tmp_path / "outputs") / "slurm-jobs.json").read_text())
+        jobs = read_slurm_jobs(runs_root(tmp_path / "outputs"))  # what the launcher submitted
         subprocess.run(["scancel", *jobs], check=False)
         driver.kill()
     assert {"running", "queued"} <= set(seen), {s: r.detail for s, r in seen.items()}
     host = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
     assert seen["running"].detail.startswith(host), seen["running"]  # its node (and ranks, once it trains)
     assert re.match(r"SLURM job \d+_\d+: (Resources|Priority|PENDING)", seen["queued"].detail), seen["queued"]
+
+
+def test_slurm_pending_is_queued_or_requeued_and_an_ended_job_is_named():
+    from deit_ablate.analysis.status.rows import ended_state, queued_state
+    from deit_ablate.analysis.status.slurm import SlurmJob
+    from deit_ablate.run.lifecycle import LaunchAction
+
+    pending = SlurmJob("7_1", "PENDING", "Resources")
+    assert queued_state(pending, trained_before=False) == ("queued", "SLURM job 7_1: Resources")
+    assert queued_state(pending, trained_before=True)[0] == "requeued"
+    assert queued_state(SlurmJob("7_0", "RUNNING", "", "n1"), False) == ("running", "n1, SLURM job 7_0 starting")
+    stopped = {"state": "stopped", "step": 9, "error": "stopped by SIGUSR2 at step 9; the same command resumes it"}
+    assert ended_state(RunDir(Path("/nonexistent")), LaunchAction("resume", "resume from step 8"), stopped,
+                       SlurmJob("7_0", "TIMEOUT")) == ("preempted", "stopped by SIGUSR2 at step 9 (SLURM: TIMEOUT)")

@@ -24,7 +24,7 @@ from typing import Any
 from deit_ablate.analysis.status.slurm import SlurmJob
 from deit_ablate.record.progress import read_progress
 from deit_ablate.record.rundir import RunDir, read_result
-from deit_ablate.record.runlock import describe, stale_reason, this_process
+from deit_ablate.record.runlock import describe, read_lock, stale_reason, this_process
 from deit_ablate.run.lifecycle import LaunchAction
 
 STALL_AFTER_S = 600.0  # a held lock with no progress written for this long: stalled (`deit-status --stall-after`)
@@ -72,21 +72,6 @@ def _seconds_since(stamp: str | None) -> float | None:
         return None
 
 
-def _read_lock(run_dir: RunDir) -> tuple[dict[str, Any] | None, float] | None:
-    """The lock's holder (None if unreadable) and age, or None when the run holds no lock."""
-    import json
-
-    try:
-        text, age = run_dir.lock.read_text(), max(time.time() - run_dir.lock.stat().st_mtime, 0.0)
-    except OSError:
-        return None
-    try:
-        holder = json.loads(text)
-    except ValueError:
-        holder = None
-    return (holder if isinstance(holder, dict) else None), age
-
-
 def last_error_line(run_dir: RunDir) -> str | None:
     """The last error line of the run's train.log, or None."""
     try:
@@ -99,10 +84,10 @@ def last_error_line(run_dir: RunDir) -> str | None:
 
 def live_state(run_dir: RunDir, progress: dict[str, Any] | None, stall_after: float) -> tuple[str, str] | None:
     """running or stalled, from the run's lock and progress.json; None when no launch holds the run."""
-    lock = _read_lock(run_dir)
-    if lock is None:
+    try:
+        _, holder, age = read_lock(run_dir.lock)
+    except OSError:  # no lock: no launch holds the run
         return None
-    holder, age = lock
     reason = stale_reason(holder, age, this_process())
     if reason is not None:
         return "stalled", f"its lock is held by {describe(holder, age)}: {reason}"
@@ -130,12 +115,13 @@ def queued_state(job: SlurmJob | None, trained_before: bool) -> tuple[str, str] 
 
 def ended_state(run_dir: RunDir, action: LaunchAction, progress: dict[str, Any] | None,
                 job: SlurmJob | None) -> tuple[str, str]:
-    """The state of a run no launch holds now: failed, preempted or planned."""
+    """The state of a run no launch holds now: failed, stalled, preempted or planned."""
     recorded = (progress or {}).get("state")
     ended_job = f" (SLURM: {job.state})" if job is not None else ""
-    if recorded == "failed" or (recorded == "running" and action.kind != "skip"):
-        error = (progress or {}).get("error") or last_error_line(run_dir) or "ended without a result"
-        return "failed", f"{error}{ended_job}"
+    if recorded == "failed":
+        return "failed", f"{(progress or {}).get('error') or last_error_line(run_dir)}{ended_job}"
+    if recorded == "running":  # its launch vanished without a word, and its lock with it (deleted by hand?)
+        return "stalled", f"its launch ended without a word at step {(progress or {}).get('step')}{ended_job}"
     if recorded is None and action.kind in ("train", "resume") and last_error_line(run_dir):
         return "failed", f"{last_error_line(run_dir)}{ended_job}"
     if action.kind == "resume" or recorded == "stopped":
