@@ -233,3 +233,11 @@ def test_slurm_pending_is_queued_or_requeued_and_an_ended_job_is_named():
     stopped = {"state": "stopped", "step": 9, "error": "stopped by SIGUSR2 at step 9; the same command resumes it"}
     assert ended_state(RunDir(Path("/nonexistent")), LaunchAction("resume", "resume from step 8"), stopped,
                        SlurmJob("7_0", "TIMEOUT")) == ("preempted", "stopped by SIGUSR2 at step 9 (SLURM: TIMEOUT)")
+
+
+def test_a_progress_record_that_cannot_be_written_never_stops_the_training(tmp_path, caplog):
+    record = ProgressFile(RunDir(tmp_path / "gone"), 8, 1, 32, 1, clock=lambda: 0.0)  # no such folder
+    record.start(0, 0)
+    record.end("finished", 8)
+    assert not (tmp_path / "gone").exists()
+    assert sum("cannot write" in r.message for r in caplog.records) == 1  # said once

@@ -1,7 +1,8 @@
 """progress.json: where a launch stands, for a reader outside the run (`deit-status`), with no wandb and no log parsing.
 
 Rank 0 rewrites it atomically (core/atomic.py) at most every PROGRESS_EVERY_S seconds as steps go by, at each epoch's
-end and at the launch's end, so a reader sees the previous record or the new one whole. It names the launch's state
+end and at the launch's end, so a reader sees the previous record or the new one whole; a write that fails (a full
+disk) is a warning, never the end of the training. It names the launch's state
 (`running`, then `finished`, `diverged`, `stopped` by a signal or time limit, or `failed` with the error), the step
 and epoch of the total, images/s over the last interval, the training seconds of all launches, when this launch
 started and last wrote, the last and best top-1, and its holder (pid, host, world size, SLURM job). It is never part
@@ -20,6 +21,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from deit_ablate.core.atomic import write_json_atomic
+from deit_ablate.core.errors import RunError
+from deit_ablate.core.logs import log
 from deit_ablate.record.rundir import RunDir
 
 PROGRESS_EVERY_S = 5.0  # the most often a launch rewrites progress.json as steps go by
@@ -49,6 +52,7 @@ class ProgressFile:
             "images_per_step": images_per_step, "img_per_s": None, "elapsed_s": 0.0, "started": now_iso(),
             "updated": now_iso(), "last_top1": None, "best_top1": None, **holder_facts(world_size)}
         self._written_at = -float("inf")
+        self._warned = False
         self._rate_from: tuple[float, int] | None = None  # (time, step) images/s is measured from
 
     def start(self, epoch: int, step: int) -> None:
@@ -81,8 +85,14 @@ class ProgressFile:
                 fields["img_per_s"] = round((step - from_step) * self.images_per_step / seconds, 1)
                 self._rate_from = (time.monotonic(), step)
         self.record.update(fields, elapsed_s=round(self.clock(), 1), updated=now_iso())
-        write_json_atomic(self.run_dir.progress, self.record, temp=self.run_dir.temp_for(self.run_dir.progress))
         self._written_at = time.monotonic()
+        try:
+            write_json_atomic(self.run_dir.progress, self.record, temp=self.run_dir.temp_for(self.run_dir.progress))
+        except (OSError, RunError) as error:  # a status record: never worth stopping the training for
+            if not self._warned:
+                log.warning(f"[run] cannot write {self.run_dir.progress} ({str(error)[:200]}); training goes on, "
+                            "deit-status shows this run's last record")
+            self._warned = True
 
 
 def read_progress(run_dir: RunDir) -> dict[str, Any] | None:
