@@ -241,3 +241,19 @@ def test_a_progress_record_that_cannot_be_written_never_stops_the_training(tmp_p
     record.end("finished", 8)
     assert not (tmp_path / "gone").exists()
     assert sum("cannot write" in r.message for r in caplog.records) == 1  # said once
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_shows_its_error_line_and_its_log(tmp_path, data_cache, capsys):
+    from deit_ablate.data.builtin import ensure_builtin_dataset
+
+    root = tmp_path / "folder"
+    shutil.copytree(ensure_builtin_dataset(data_cache / "builtin", 40, 30, 10, 0), root,
+                    ignore=shutil.ignore_patterns("*.json"))
+    bad = root / "train" / "disc" / "garbage.JPEG"
+    bad.write_bytes(b"this is not a JPEG" * 50)
+    args = ["data=imagefolder", f"data.root={root}", "data.num_classes=10", "runtime.on_bad_image=fail", *TINY]
+    assert run_train(args, tmp_path, data_cache, check=False).returncode == 2
+    (row,) = status_json([str(tmp_path / "outputs")], capsys)["runs"]
+    assert row["state"] == "failed" and f"{bad} cannot be read as an image" in row["detail"], row
+    assert row["log"] and f"{bad} cannot be read as an image" in Path(row["log"]).read_text()
