@@ -28,6 +28,7 @@ from deit_ablate.record.runlock import describe, read_lock, stale_reason, this_p
 from deit_ablate.run.lifecycle import LaunchAction
 
 STALL_AFTER_S = 600.0  # a held lock with no progress written for this long: stalled (`deit-status --stall-after`)
+PENDING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING")  # SLURM's states of a job not running yet
 STATES = ("planned", "waiting", "blocked", "queued", "requeued", "running", "stalled", "preempted", "failed",
           "finished", "diverged")
 ACTION_OF = {"planned": {"train", "record"}, "waiting": {"wait"}, "blocked": {"refuse"},
@@ -106,7 +107,7 @@ def queued_state(job: SlurmJob | None, trained_before: bool) -> tuple[str, str] 
     """queued (requeued when it trained before) or running on its node, from SLURM; None otherwise."""
     if job is None:
         return None
-    if job.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING"):
+    if job.state in PENDING:
         return ("requeued" if trained_before else "queued"), f"SLURM job {job.job_id}: {job.reason or job.state}"
     if job.state in ("RUNNING", "COMPLETING"):
         return "running", f"{job.nodes}, SLURM job {job.job_id} starting"
@@ -143,11 +144,10 @@ def run_state(run_dir: RunDir, action: LaunchAction, progress: dict[str, Any] | 
         return "blocked", action.text
     if action.kind == "record":
         return "planned", action.text
-    live = live_state(run_dir, progress, stall_after)
-    if live is not None:
-        return live
     queued = queued_state(job, trained_before=progress is not None or action.kind == "resume")
-    return queued if queued is not None else ended_state(run_dir, action, progress, job)
+    if queued is not None and queued[0] != "running":  # pending in SLURM, whatever an old lock on a node says
+        return queued
+    return live_state(run_dir, progress, stall_after) or queued or ended_state(run_dir, action, progress, job)
 
 
 def numbers(progress: dict[str, Any] | None, result: dict[str, Any] | None) -> dict[str, Any]:
