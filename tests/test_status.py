@@ -193,31 +193,41 @@ def test_a_run_killed_with_kill_9_shows_as_stalled(tmp_path, data_cache, capsys)
 
 @pytest.mark.slurm
 @pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch: start the cluster with scripts/slurm_up.sh")
-def test_a_pending_job_shows_as_queued_and_a_running_one_as_running_on_its_node(tmp_path, data_cache, monkeypatch):
+def test_slurm_jobs_show_as_queued_running_on_their_node_and_requeued(tmp_path, data_cache, monkeypatch):
     from tests.conftest import tiny_with
 
     # Two 8-task jobs of 2 CPUs each: one fills the 16-CPU test node, the other waits for it.
     slurm = ["hydra/launcher=slurm_8gpu", "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=20"]
     sweep = ["seed=0,1", *slurm, *[a for a in tiny_with(4) if a != "train.epochs=1"], "train.epochs=500"]
-    env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}  # the jobs too
     driver = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", *sweep], cwd=tmp_path, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DEIT_ABLATE_CACHE", str(data_cache))
     planned, seen = sweep_runs(sweep), {}
-    try:
+
+    def watch_for(state: str) -> None:
         deadline = time.time() + 300
-        while time.time() < deadline and not {"running", "queued"} <= set(seen):
+        while time.time() < deadline and state not in seen:
             for row in collect(planned, 600.0):
-                seen.setdefault(row.state, row)
+                if row.state != "running" or row.step:  # running: once it trains (its progress.json written)
+                    seen.setdefault(row.state, row)
             time.sleep(1.0)
+
+    try:
+        watch_for("running")
+        watch_for("queued")
+        subprocess.run(["scontrol", "requeue", seen["running"].slurm_job], check=True)  # as a preemption does
+        watch_for("requeued")
     finally:
         jobs = read_slurm_jobs(runs_root(tmp_path / "outputs"))  # what the launcher submitted
         subprocess.run(["scancel", *jobs], check=False)
         driver.kill()
-    assert {"running", "queued"} <= set(seen), {s: r.detail for s, r in seen.items()}
+    assert {"running", "queued", "requeued"} <= set(seen), {s: r.detail for s, r in seen.items()}
+    assert seen["requeued"].run == seen["running"].run and seen["requeued"].step  # the run that had trained
     host = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
-    assert seen["running"].detail.startswith(host), seen["running"]  # its node (and ranks, once it trains)
+    assert seen["running"].detail == f"{host}, 8 ranks", seen["running"]  # its node and ranks
     assert re.match(r"SLURM job \d+_\d+: (Resources|Priority|PENDING)", seen["queued"].detail), seen["queued"]
 
 

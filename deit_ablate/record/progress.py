@@ -34,10 +34,17 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def slurm_job_id() -> str | None:
+    """This process's SLURM job as squeue names it: `<array job>_<task>` for a task of a job array (a sweep's
+    runs), else SLURM_JOB_ID; None outside SLURM."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
 def holder_facts(world_size: int) -> dict[str, Any]:
     """Who writes the record: pid, host, world size and the SLURM job (when under one)."""
     return {"pid": os.getpid(), "host": socket.gethostname(), "world_size": world_size,
-            "slurm_job": os.environ.get("SLURM_JOB_ID"), "slurm_restart": os.environ.get("SLURM_RESTART_COUNT")}
+            "slurm_job": slurm_job_id(), "slurm_restart": os.environ.get("SLURM_RESTART_COUNT")}
 
 
 class ProgressFile:

@@ -172,7 +172,7 @@ def run_row(run_dir: RunDir, labels: tuple[str, str, int | None], action: Launch
             jobs: dict[str, SlurmJob], job_of_run: dict[str, str], stall_after: float = STALL_AFTER_S) -> RunRow:
     """The row of the run in `run_dir` (`labels`: its study row, stage and seed), planned as `action`."""
     progress = read_progress(run_dir)
-    job_id = (progress or {}).get("slurm_job") or job_of_run.get(run_dir.name)
+    job_id = job_of_run.get(run_dir.name) or (progress or {}).get("slurm_job")  # the launcher's record first
     job = jobs.get(str(job_id)) if job_id else None
     state, detail = run_state(run_dir, action, progress, job, stall_after)
     result = read_result(run_dir.result) if action.kind == "skip" else None
