@@ -12,19 +12,21 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from deit_ablate.analysis.status.cli import collect, main
 from deit_ablate.analysis.status.rows import ACTION_OF, STALL_AFTER_S, STATES
-from deit_ablate.analysis.status.sweep import folder_runs, sweep_runs
+from deit_ablate.analysis.status.sweep import PlannedRun, folder_runs, sweep_runs
 from deit_ablate.analysis.status.view import as_json, table
 from deit_ablate.core.atomic import write_json_atomic, write_text_atomic
 from deit_ablate.core.logs import PlainBar
 from deit_ablate.record.progress import ProgressFile, read_progress
 from deit_ablate.record.rundir import RunDir, read_slurm_jobs, runs_root
 from deit_ablate.record.runlock import _proc_start, this_process
+from deit_ablate.run.lifecycle import dry_run_line
 from tests.conftest import REPO, TINY, run_train
 
 SWEEP = ["-m", "seed=0,1,2,3", "stage=pretrain,finetune", *TINY]
@@ -46,47 +48,62 @@ def clone(finished: RunDir, target: Path, keep_result: bool = False) -> RunDir:
     return run
 
 
+@dataclass(frozen=True)
+class HalfFinished:
+    """TINY's sweep over 4 seeds x (pretrain, finetune), half done, in `cwd`, and its runs as the status plans them."""
+
+    cwd: Path
+    runs: list[PlannedRun]
+
+
 @pytest.fixture(scope="module")
-def half_finished(tmp_path_factory, tiny_run, data_cache, tiny_data):
-    """TINY's sweep over 4 seeds x (pretrain, finetune), half done: seed 0 pre-trained (the shared tiny run), seed 1
-    stopped with a checkpoint to resume, seed 2 never started, seed 3 diverged (its result as the run writes it);
-    the folder it is in."""
+def half_finished(tmp_path_factory, tiny_run, data_cache, tiny_data) -> HalfFinished:
+    """Seed 0 pre-trained (the shared tiny run), seed 1 stopped with a checkpoint to resume, seed 2 never started,
+    seed 3 diverged (its result as the run writes it); the fine-tunes not started."""
     cwd = tmp_path_factory.mktemp("half_finished")
     tiny_run.copy_into(cwd)
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(cwd)
         patch.setenv("DEIT_ABLATE_CACHE", str(data_cache))
-        runs = {(r.labels[2], r.labels[1]): r.run_dir for r in sweep_runs(SWEEP[1:])}
+        planned = sweep_runs(SWEEP[1:])
+    runs = {(r.labels[2], r.labels[1]): r.run_dir for r in planned}
     finished = RunDir(cwd / "outputs" / "runs" / runs[0, "pretrain"].name)
     assert finished.result.exists()
     clone(finished, cwd / "outputs" / "runs" / runs[1, "pretrain"].name)  # its checkpoint, no result: resume
     diverged = RunDir(cwd / "outputs" / "runs" / runs[3, "pretrain"].name)
     diverged.path.mkdir()
     diverged.write_result({**finished.read_result(), "status": "diverged", "note": "training loss is nan at step 5"})
-    return cwd
+    return HalfFinished(cwd, planned)
 
 
-def test_the_dry_run_and_the_status_agree_on_every_run_of_a_half_finished_sweep(half_finished, data_cache, capsys,
-                                                                               monkeypatch):
-    monkeypatch.chdir(half_finished)
+EXPECTED = {(0, "pretrain"): "finished", (0, "finetune"): "planned", (1, "pretrain"): "preempted",
+            (1, "finetune"): "waiting", (2, "pretrain"): "planned", (2, "finetune"): "waiting",
+            (3, "pretrain"): "diverged", (3, "finetune"): "planned"}
+
+
+def test_the_status_shows_what_the_dry_run_says_on_every_run_of_a_half_finished_sweep(half_finished, monkeypatch):
+    monkeypatch.chdir(half_finished.cwd)
+    rows = collect(half_finished.runs, STALL_AFTER_S)
+    for run, row in zip(half_finished.runs, rows, strict=True):
+        assert dry_run_line(run.plan).endswith(f": {row.action}"), row  # the dry run's words: one function for both
+        assert row.action.split()[0] in ACTION_OF[row.state], row  # a state that launch action allows
+    assert {(r.seed, r.stage): r.state for r in rows} == EXPECTED
+    row = {(r.seed, r.stage): r for r in rows}
+    assert row[1, "pretrain"].action.startswith("resume from step 8")
+    assert row[3, "finetune"].action.startswith("record as diverged without training")
+    assert row[2, "finetune"].detail == f"its pre-training …-{row[2, 'pretrain'].run.rsplit('-', 1)[1]}"
+
+
+@pytest.mark.slow
+def test_the_dry_run_command_and_deit_status_json_agree(half_finished, data_cache, capsys, monkeypatch):
+    monkeypatch.chdir(half_finished.cwd)
     monkeypatch.setenv("DEIT_ABLATE_CACHE", str(data_cache))
     rows = status_json(SWEEP, capsys)["runs"]
-    dry = run_train([*SWEEP, "runtime.dry_run=true"], half_finished, data_cache).stdout
+    dry = run_train([*SWEEP, "runtime.dry_run=true"], half_finished.cwd, data_cache).stdout
     said = dict(re.findall(r"^\[dry run\] (\S+) \(wandb id [^)]*\): (.*)$", dry, re.M))
     assert len(said) == len(rows) == 8
-    for row in rows:
-        assert said[row["run"]] == row["action"], row  # the same words: one function decides both
-        assert row["action"].split()[0] in ACTION_OF[row["state"]], row  # a state a launch's action allows
-    state = {(r["seed"], r["stage"]): r["state"] for r in rows}
-    assert state == {(0, "pretrain"): "finished", (0, "finetune"): "planned",
-                     (1, "pretrain"): "preempted", (1, "finetune"): "waiting",
-                     (2, "pretrain"): "planned", (2, "finetune"): "waiting",
-                     (3, "pretrain"): "diverged", (3, "finetune"): "planned"}
-    detail = {(r["seed"], r["stage"]): r for r in rows}
-    assert detail[1, "pretrain"]["action"].startswith("resume from step 8")
-    assert detail[3, "finetune"]["action"].startswith("record as diverged without training")
-    pretrain_2 = detail[2, "pretrain"]["run"]
-    assert detail[2, "finetune"]["detail"] == f"its pre-training …-{pretrain_2.rsplit('-', 1)[1]}"
+    assert {r["run"]: r["action"] for r in rows} == said
+    assert {(r["seed"], r["stage"]): r["state"] for r in rows} == EXPECTED
 
 
 def test_an_output_root_shows_finished_running_stalled_failed_and_diverged_runs(tiny_run, tmp_path, capsys):
@@ -128,8 +145,8 @@ def test_an_output_root_shows_finished_running_stalled_failed_and_diverged_runs(
 
 
 def test_json_carries_the_rows_of_the_table(half_finished, monkeypatch):
-    monkeypatch.chdir(half_finished)
-    rows = collect(folder_runs(half_finished / "outputs"), 600.0)
+    monkeypatch.chdir(half_finished.cwd)
+    rows = collect(half_finished.runs, STALL_AFTER_S)
     printed = as_json(rows, "here")
     assert json.loads(json.dumps(printed)) == printed
     grid = table(rows, "here")
