@@ -58,6 +58,7 @@ def detach_run_log(handler: logging.Handler) -> None:
     handler.close()
 
 
+POSTFIX_NAMES = {"img_s": "img/s"}  # a tqdm postfix key as a plain line says it
 PLAIN_EVERY_S = 10.0  # where stderr is a file: at most one progress line per this many seconds (and each bar's end)
 
 
@@ -99,7 +100,7 @@ class PlainBar:
         self._show()
 
     def set_postfix(self, **fields: object) -> None:
-        self.postfix = " | ".join(f"{k.replace('_s', '/s').replace('_', ' ')} {v}" for k, v in fields.items())
+        self.postfix = " | ".join(f"{POSTFIX_NAMES.get(k, k)} {v}" for k, v in fields.items())
         self._show()
 
     def line(self) -> str:
