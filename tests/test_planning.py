@@ -4,7 +4,7 @@ import pytest
 
 from deit_ablate.config.compose import compose_run_config
 from deit_ablate.record import resolvers
-from deit_ablate.record.identity import composed_choices, pretrain_overrides, run_identity
+from deit_ablate.record.identity import composed_choices, named_by_finetune, pretrain_overrides, run_identity
 
 
 @pytest.mark.parametrize("row", [["ablation=no_mixup"], ["ablation=sgd_finetune", "seed=2"], ["deit3=res_128"],
@@ -13,16 +13,17 @@ def test_a_sweeps_pretraining_is_the_run_its_finetune_would_compose(row, monkeyp
     monkeypatch.setattr(resolvers, "_composed", {})
     job = [*row, "stage=pretrain"]
     named = pretrain_overrides([*row, "stage=finetune"])
-    resolvers.remember_sweep_run(compose_run_config(job), job)
+    assert named_by_finetune("pretrain", job) == named
+    resolvers.run_dir_of(named, "outputs", compose_run_config(job))  # as the dry run hands in its sweep's configs
     fresh = compose_run_config(named)
     assert resolvers._composed[tuple(named)] == run_identity(fresh, named, composed_choices(fresh))
 
 
-def test_a_pretraining_that_is_not_the_finetunes_is_not_kept(monkeypatch):
-    monkeypatch.setattr(resolvers, "_composed", {})
-    job = ["resolution=160px", "stage=pretrain"]  # its fine-tune names the pre-training without the resolution
-    resolvers.remember_sweep_run(compose_run_config(job), job)
-    assert resolvers._composed == {}
+def test_a_pretraining_that_is_not_the_finetunes_is_not_named_by_it():
+    # its fine-tune names the pre-training without the resolution: another run
+    assert named_by_finetune("pretrain", ["resolution=160px", "stage=pretrain"]) is None
+    assert named_by_finetune("finetune", ["ablation=sgd", "stage=finetune"]) is None
+    assert named_by_finetune("pretrain", ["ablation=sgd", "stage=pretrain"]) == ["ablation=sgd"]
 
 
 def test_config_files_read_once_compose_each_run_as_hydra_does(monkeypatch):

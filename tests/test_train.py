@@ -32,7 +32,8 @@ def test_tiny_run_trains_evaluates_checkpoints_and_logs(tiny_run: SharedRun):
     assert RunDir(run_dir).best_checkpoint.exists()
     assert not list(run_dir.glob(".*.tmp"))  # no half-written checkpoint left behind
     assert "status    finished" in proc.stdout and "top-1" in proc.stdout
-    assert "img_s=" in proc.stderr and "lr=" in proc.stderr and "loss=" in proc.stderr  # the progress bar
+    assert "| img/s " in proc.stderr and "| lr " in proc.stderr and "| loss " in proc.stderr  # the progress lines
+    assert "\r" not in proc.stderr  # stderr is a pipe: plain lines, not a redrawn bar (tests/test_status.py)
     assert "global batch 32 = 4 micro-batches of 8 (virtual slots), 4 per rank and step" in proc.stdout
     offline = list((wandb_root(cwd / "outputs")).glob(f"offline-run-*-{result['run_id']}"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))

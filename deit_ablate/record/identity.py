@@ -251,6 +251,13 @@ def pretrain_overrides(overrides: list[str]) -> list[str]:
             if _override_key(item) not in STAGE_OVERRIDES and _override_key(item).split(".", 1)[0] != "finetune"]
 
 
+def named_by_finetune(stage: str, overrides: list[str]) -> list[str] | None:
+    """The overrides a fine-tune names this pre-training by (its own without the stage, the resolution and
+    finetune.*), when they compose the same run: its own without `stage=pretrain`, the default; else None."""
+    named = pretrain_overrides(overrides)
+    return named if stage == "pretrain" and sorted(set(overrides) - {"stage=pretrain"}) == sorted(named) else None
+
+
 def transfer_source_overrides(overrides: list[str], source_stage: str) -> list[str]:
     """The overrides of the run that a transfer launched with `overrides` fine-tunes on its new data: the same
     without the stage, resolution, the transfer row and recipe and the new dataset's keys, at `source_stage`."""

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.config.compose import compose_run_config
-from deit_ablate.record.identity import RunIdentity, composed_choices, folder_name, pretrain_overrides, run_identity
+from deit_ablate.record.identity import RunIdentity, composed_choices, folder_name, run_identity
 from deit_ablate.record.rundir import RunDir, runs_root
 
 # folder name and overrides -> the identity the ${run_name:} resolver computed for it in this process
@@ -45,27 +45,14 @@ def _at_stage_resolver(pretrain: Any, finetune: Any, *, _root_: DictConfig) -> A
     return pretrain if _root_.get("stage") == "pretrain" else finetune  # a transfer continues a fine-tuned model
 
 
-def remember_composed(overrides: list[str], cfg: DictConfig) -> RunIdentity:
-    """Keep the identity of the run `python train.py <overrides>` trains, whose config `cfg` is composed already,
-    so that finding its folder composes nothing (a sweep composes each of its runs once; composing is ~0.1-0.2 s)."""
-    identity = _composed[tuple(overrides)] = run_identity(cfg, overrides, composed_choices(cfg))
-    return identity
-
-
-def remember_sweep_run(cfg: DictConfig, overrides: list[str]) -> None:
-    """Keep a sweep's pre-training under the overrides its fine-tunes name it by (theirs without the stage, the
-    resolution and finetune.*), when those compose the same run: its own without `stage=pretrain`, the default."""
-    named = pretrain_overrides(overrides)
-    if str(cfg.stage) == "pretrain" and sorted(set(overrides) - {"stage=pretrain"}) == sorted(named):
-        remember_composed(named, cfg)
-
-
 def run_dir_of(overrides: list[str], output_root: str | Path, cfg: DictConfig | None = None) -> RunDir:
     """The folder of the run `python train.py <overrides>` trains (its config `cfg`, when already composed), named
-    as Hydra names it: how a run finds the run it starts from."""
+    as Hydra names it: how a run finds the run it starts from. Its identity is kept for this process, so finding the
+    folder again composes nothing (composing is ~0.1-0.2 s; a sweep hands in the configs it composed)."""
     identity = _composed.get(tuple(overrides)) if cfg is None else None
     if identity is None:
-        identity = remember_composed(overrides, compose_run_config(overrides) if cfg is None else cfg)
+        cfg = compose_run_config(overrides) if cfg is None else cfg
+        identity = _composed[tuple(overrides)] = run_identity(cfg, overrides, composed_choices(cfg))
     return RunDir.under(output_root, folder_name(identity, runs_root(output_root)))
 
 

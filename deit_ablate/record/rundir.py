@@ -5,6 +5,8 @@
                                   RUNS by tests/test_rundir.py)
         multirun.yaml             Hydra's sweeper, at the start of each `-m` sweep (rewritten by every sweep)
         multirun-<time>.yaml      keep_sweep_record(), from our sweeper: each sweep's own copy, never overwritten
+        slurm-jobs.json           record_slurm_jobs(), from the SLURM launcher: each submitted job's id -> its run
+                                  folder's name (how the status finds a run's job while it is still queued)
         .submitit/<job>/          submitit's logs and pickles, SLURM sweeps only (conf/hydra/launcher/*.yaml)
         <run name>/               one RunDir; the name is identity.folder_name() (readable overrides + digest)
           .hydra/config.yaml      Hydra, before main() (global rank 0 only: slurm.one_writer_overrides); read
@@ -22,6 +24,9 @@
           checkpoint-best.pt      at the end of an epoch with a new best top-1 (a teacher's weights come from it)
           <checkpoint>.unreadable checkpoint.set_aside: a checkpoint a resume could not read, kept for a person
           metrics.csv             tracking.Tracker, one row per epoch (rows from before a resume replaced)
+          progress.json           progress.ProgressFile (rank 0), while a launch trains: state, step of total,
+                                  images/s, top-1, holder (pid, host, SLURM job); at most every few seconds, at
+                                  each epoch's end and at the end (read by `deit-status`, never by the run)
           predictions.npz         RunDir.write_predictions, just before result.json (a finished run): each eval image's
                                   predicted class per head and its label, in dataset order, with the data
                                   fingerprint, split and checkpoint they are of (deit_ablate/record/predictions.py)
@@ -59,18 +64,21 @@ if TYPE_CHECKING:  # the aggregator reads run folders without importing omegacon
 LAST, PREV, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
 RESULT, IDENTITY, METRICS, LOCK, LOG = "result.json", "identity.json", "metrics.csv", "run.lock", "train.log"
 PREDICTIONS, PREDICTIONS_META = "predictions.npz", "meta"  # the file, and its array holding the JSON record
+PROGRESS = "progress.json"  # where a launch stands (record/progress.py)
 RANK_LOG = "train-rank{}.log"  # the log of rank N > 0
 HYDRA, HYDRA_CONFIG, HYDRA_OVERRIDES, HYDRA_SETTINGS = ".hydra", "config.yaml", "overrides.yaml", "hydra.yaml"
 UNREADABLE = "{}.unreadable"  # a checkpoint set aside
 LOCK_ASIDE = LOCK + ".stale-{}"  # a stale lock being taken over, by the taker's token
 # What a killed writer leaves: the temp files of the files written atomically (never the lock's staged file,
 # which a launch waiting for the lock may be writing).
-ATOMIC_FILES = (LAST, PREV, BEST, RESULT, IDENTITY, METRICS, PREDICTIONS)
+ATOMIC_FILES = (LAST, PREV, BEST, RESULT, IDENTITY, METRICS, PREDICTIONS, PROGRESS)
 TEMP_PATTERNS = tuple(f".{name}*.tmp" for name in ATOMIC_FILES)
 # The folders a launch writes under runtime.output_root: Hydra's run folders, and wandb's logs (the folder wandb
 # itself makes under the `dir` it is given: tracking passes output_root).
 RUNS, WANDB = "runs", "wandb"
+DEFAULT_OUTPUT_ROOT = "outputs"  # runtime.output_root's default (config/schema.py): where `deit-status` looks
 MULTIRUN, SWEEP_RECORD = "multirun.yaml", "multirun-{}.yaml"  # Hydra's sweep record, and ours beside it
+SLURM_JOBS = "slurm-jobs.json"  # in the runs root: SLURM job id -> run folder name, from the SLURM launcher
 SUBMITIT = ".submitit"  # submitit's folder in the sweep folder (conf/hydra/launcher/*.yaml spell it too)
 RESULT_STATUSES = ("finished", "diverged", "failed")
 # One name per value in identity.json and result.json; identity.json used to say `digest` and `data`.
@@ -198,6 +206,11 @@ class RunDir:
         return self.path / LOCK
 
     @property
+    def progress(self) -> Path:
+        """Where a launch stands while it trains (record/progress.py writes it, `deit-status` reads it)."""
+        return self.path / PROGRESS
+
+    @property
     def result(self) -> Path:
         return self.path / RESULT
 
@@ -319,6 +332,25 @@ def find_run(reference: Path, runs_root: Path) -> RunDir | None:
         if len(matches) == 1:
             return RunDir(matches[0])
     return None
+
+
+def slurm_jobs_file(runs_root: Path) -> Path:
+    """`<runs root>/slurm-jobs.json`: the SLURM job id of each submitted run (its folder's name)."""
+    return Path(runs_root) / SLURM_JOBS
+
+
+def read_slurm_jobs(runs_root: Path) -> dict[str, str]:
+    """SLURM job id -> run folder name, as the SLURM launcher recorded them (empty without a record)."""
+    try:
+        jobs = json.loads(slurm_jobs_file(runs_root).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in jobs.items()} if isinstance(jobs, dict) else {}
+
+
+def record_slurm_jobs(runs_root: Path, jobs: Mapping[str, str]) -> None:
+    """Add `jobs` (SLURM job id -> run folder name) to the runs root's record, atomically."""
+    write_json_atomic(slurm_jobs_file(runs_root), {**read_slurm_jobs(runs_root), **jobs})
 
 
 def keep_sweep_record(config: DictConfig) -> Path:

@@ -89,6 +89,17 @@ def stale_reason(holder: dict[str, Any] | None, age_s: float, me: dict[str, Any]
     return f"not refreshed for {age_s:.0f} s" if age_s > STALE_AFTER_S else None
 
 
+def read_lock(path: Path) -> tuple[str, dict[str, Any] | None, float]:
+    """A lock's text, its parsed holder (None if empty or damaged) and its age in seconds (OSError when none)."""
+    text = path.read_text()
+    age = max(time.time() - path.stat().st_mtime, 0.0)
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        holder = None
+    return text, holder if isinstance(holder, dict) else None, age
+
+
 class RunLock:
     """The lock of one run folder, taken by the main rank only; refreshed by a daemon thread while held."""
 
@@ -100,14 +111,8 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def _read(self) -> tuple[str, dict[str, Any] | None, float]:
-        """The lock's text, its parsed holder (None if empty or damaged) and its age in seconds."""
-        text = self.path.read_text()
-        age = max(time.time() - self.path.stat().st_mtime, 0.0)
-        try:
-            holder = json.loads(text)
-        except ValueError:
-            holder = None
-        return text, holder if isinstance(holder, dict) else None, age
+        """read_lock of this lock."""
+        return read_lock(self.path)
 
     def _create(self) -> bool:
         """Create the lock with our record; False if it exists. The record is written to a private file first

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,43 +160,69 @@ def resume_point(run_dir: RunDir, info: DistInfo) -> tuple[Path, dict[str, Any]]
     return Path(path), found[0].state if info.is_main else ckpt.load(path)
 
 
-def _waits_for(plan: RunPlan, source: RunDir | None) -> str | None:
+@dataclass(frozen=True)
+class LaunchAction:
+    """What launching a run would do now: `kind` (one of ACTIONS) and the dry run's words for it."""
+
+    kind: str
+    text: str
+
+
+ACTIONS = ("skip", "wait", "record", "refuse", "resume", "train")
+
+
+def _waits_for(plan: RunPlan, source: RunDir | None) -> LaunchAction | None:
     """What keeps the run from training now (its pre-training, its teacher run or its LayerScale run `source`), or
     None."""
     if plan.upstream is not None:
         upstream = previous_result(plan.upstream, is_main=False)
         role = upstream_role(plan.lineage)  # its pre-training, or a transfer's source run
         if upstream is None:
-            return f"wait for {role} {plan.upstream.name}"
+            return LaunchAction("wait", f"wait for {role} {plan.upstream.name}")
         if upstream["status"] != "finished":
-            return f"record as {upstream['status']} without training ({role} {plan.upstream.name})"
+            return LaunchAction("record", f"record as {upstream['status']} without training ({role} "
+                                          f"{plan.upstream.name})")
     return _needed_run_line(plan.teacher_run, "its teacher run") or _needed_run_line(source, "its LayerScale run")
 
 
-def _needed_run_line(run: RunDir | None, role: str) -> str | None:
+def _needed_run_line(run: RunDir | None, role: str) -> LaunchAction | None:
     """What a run that needs `run` (`role`: "its teacher run") to have finished does now: wait, refuse, or None."""
     result = previous_result(run, is_main=False) if run is not None else None
     if run is not None and result is None:
-        return f"wait for {role} {run.name}"
+        return LaunchAction("wait", f"wait for {role} {run.name}")
     if result is not None and result["status"] != "finished":
-        return f"refuse ({role} {run.name} ended as {result['status']})"
+        return LaunchAction("refuse", f"refuse ({role} {run.name} ended as {result['status']})")
     return None
 
 
-def launch_plan(plan: RunPlan) -> str:
-    """What launching this run would do now: skip, train, resume, or wait for the run it starts from."""
-    result = previous_result(plan.run_dir, is_main=False)
+def folder_action(run_dir: RunDir, train_text: str = "train from step 0") -> LaunchAction:
+    """What a launch does with the run folder alone (no run it starts from to wait for): skip its result, resume
+    its checkpoint, or train."""
+    result = previous_result(run_dir, is_main=False)
     if result is not None:
-        return f"skip (already {result['status']})"
+        return LaunchAction("skip", f"skip (already {result['status']})")
+    point = ckpt.find_resume_point(run_dir.path)
+    if point is not None:
+        return LaunchAction("resume", f"resume from step {point.state['step']} ({point.path.name})")
+    return LaunchAction("train", train_text)
+
+
+def launch_action(plan: RunPlan) -> LaunchAction:
+    """What launching this run would do now: skip, train, resume, or wait for the run it starts from. The dry run
+    prints it (dry_run_line) and `deit-status` shows the state it implies (analysis/status/)."""
     source = plan.layer_scale_source
-    waiting = _waits_for(plan, source)
+    waiting = None if previous_result(plan.run_dir, is_main=False) is not None else _waits_for(plan, source)
     if waiting is not None:
         return waiting
-    point = ckpt.find_resume_point(plan.run_dir.path)
-    if point is not None:
-        return f"resume from step {point.state['step']} ({point.path.name})"
-    return ("train from step 0" + (f", starting from {plan.upstream.name}" if plan.upstream is not None else "")
-            + (f", LayerScale diagonal fixed at the values of {source.name}" if source is not None else ""))
+    return folder_action(plan.run_dir, "train from step 0"
+                         + (f", starting from {plan.upstream.name}" if plan.upstream is not None else "")
+                         + (f", LayerScale diagonal fixed at the values of {source.name}" if source is not None
+                            else ""))
+
+
+def launch_plan(plan: RunPlan) -> str:
+    """The dry run's words for launch_action."""
+    return launch_action(plan).text
 
 
 def dry_run_line(plan: RunPlan) -> str:

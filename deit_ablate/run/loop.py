@@ -24,6 +24,7 @@ from deit_ablate.data.loader import SkipFirst, build_train_loader, seed_epoch_da
 from deit_ablate.data.transforms import TransformSpec
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.predictions import LocalPredictions
+from deit_ablate.record.progress import ProgressFile
 from deit_ablate.record.tracking import Tracker
 from deit_ablate.run.assemble import Pieces
 from deit_ablate.run.plan import RunPlan
@@ -96,11 +97,20 @@ class EpochLoop:
         self.trainer, self.progress, self.resumed_state = pieces.trainer, progress, state
         self.clock = RunClock(float(state.get("train_seconds", 0.0)))
         self.max_steps = plan.settings.train.max_steps
+        self.record = self.progress_file()  # progress.json, for a reader outside the run (deit-status)
+        self.current_epoch = progress.start_epoch
         self.started: StartedEpoch | None = None
         runtime, run_dir = plan.settings.runtime, plan.run_dir
         self.saver = ckpt.MidEpochSaver(self.trainer, run_dir.last_checkpoint, runtime.checkpoint_every_steps,
                                         runtime.checkpoint_every_minutes, info.is_main,
                                         keep_previous=run_dir.previous_checkpoint, extra=self.mid_epoch_extra)
+
+    def progress_file(self) -> ProgressFile:
+        """The launch's progress.json (record/progress.py), written by rank 0."""
+        steps = self.pieces.loaders.steps_per_epoch * self.plan.recipe.epochs
+        total = steps if self.max_steps is None else min(steps, self.max_steps)
+        return ProgressFile(self.plan.run_dir, total, self.plan.recipe.epochs, self.plan.recipe.global_batch,
+                            self.info.world_size, self.clock, enabled=self.info.is_main)
 
     def extra(self, complete: bool = False) -> dict[str, Any]:
         """What a checkpoint holds beside the training state: the clock, completion and the unreadable images."""
@@ -115,6 +125,7 @@ class EpochLoop:
     def run(self) -> Progress:
         """Train the epochs left and evaluate each; the progress at the end (status `diverged` on divergence)."""
         progress, state = self.progress, self.resumed_state
+        self.record.start(progress.start_epoch, self.trainer.step)
         try:
             if state.get("evaluated") is False and not progress.skip_batches and \
                     progress.start_epoch < self.plan.recipe.epochs:  # resumed from an epoch's end: evaluate it
@@ -167,6 +178,7 @@ class EpochLoop:
     def epoch(self, epoch: int) -> None:
         """Train one epoch, save its end, evaluate it; stop at an agreed signal between the two."""
         progress, trainer = self.progress, self.trainer
+        self.current_epoch = epoch
         loader = self.epoch_batches(epoch)
         skipped = progress.skip_batches if epoch == progress.start_epoch else 0
         self.saver.start_epoch(epoch, progress.best_top1, skipped)
@@ -198,6 +210,7 @@ class EpochLoop:
     def step_hook(self, batches_in_loader: int) -> None:
         """After each optimizer step: the mid-epoch checkpoint when due, and a stop when one is agreed."""
         self.saver(batches_in_loader)
+        self.record.step(self.current_epoch, self.trainer.step)
         self.stop_if_asked(self.trainer.step, batches_in_loader)
 
     def stop_if_asked(self, step: int | None = None, batches_in_loader: int | None = None) -> None:
@@ -231,6 +244,7 @@ class EpochLoop:
         progress, run_dir = self.progress, self.plan.run_dir
         headline = self.evaluate_now()
         progress.best_top1 = max(progress.best_top1, headline)
+        self.record.evaluated(epoch, self.trainer.step, headline, progress.best_top1)
         metrics, ema_metrics = progress.metrics, progress.ema_metrics
         self.tracker.log({"epoch": epoch, **row, **{f"val/{k}": v for k, v in metrics.items()},
                           **{f"val_ema/{k}": v for k, v in ema_metrics.items()}}, self.trainer.step)

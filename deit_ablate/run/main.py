@@ -25,7 +25,7 @@ from deit_ablate.core.distributed import (
     stopped_by_peer,
 )
 from deit_ablate.core.logs import log
-from deit_ablate.core.stopping import StopSignals
+from deit_ablate.core.stopping import StopRequested, StopSignals
 from deit_ablate.core.streams import STREAMS_VERSION, RunStreams
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.identity import current_run_dir
@@ -121,13 +121,18 @@ def _train(plan: RunPlan, info: DistInfo) -> dict[str, Any]:
     if info.is_main:
         record_identity(plan)
     pieces.trainer.on_log = tracker.log
+    loop: EpochLoop | None = None
     try:
         with StopSignals(info, plan.settings.runtime.log_interval) as stop:
             run_facts = _start_line(plan, info, pieces, tracker)
-            progress = EpochLoop(plan, info, pieces, streams, tracker, stop, state, progress).run()
-    except BaseException:
+            loop = EpochLoop(plan, info, pieces, streams, tracker, stop, state, progress)
+            progress = loop.run()
+    except BaseException as error:
         with contextlib.suppress(Exception):
             tracker.finish(exit_code=1)
+        if loop is not None:
+            with contextlib.suppress(Exception):
+                loop.record.end(*ended_as(error, pieces.trainer.step))
         raise
     final = _final_summary(plan, pieces, progress, run_facts)
     sharpness = _sharpness_at_end(plan, info, pieces, progress.status)
@@ -140,9 +145,19 @@ def _train(plan: RunPlan, info: DistInfo) -> dict[str, Any]:
         if predictions is not None:  # before result.json: a finished run has both
             plan.run_dir.write_predictions(*predictions)
         record_result(plan, final)
+        loop.record.end(progress.status, pieces.trainer.step)
         log_again_if_lost(plan, "was removed while the run trained")
         print_summary(plan.identity.name, plan.identity.run_id, final, plan.run_dir.path)
     return broadcast_object(final, info)
+
+
+def ended_as(error: BaseException, step: int) -> tuple[str, int, str]:
+    """How a launch stopped by `error` at `step` ends in progress.json: `stopped` by a signal (a relaunch resumes
+    it), or `failed`, each with the error's first line."""
+    line = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, (StopRequested, KeyboardInterrupt)):
+        return "stopped", step, line or type(error).__name__
+    return "failed", step, f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
 def _gathered_predictions(plan: RunPlan, info: DistInfo, pieces: Pieces,

@@ -9,12 +9,15 @@ files of finished runs. The checks and the dry run therefore come first: in the 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from deit_ablate.run.plan import RunPlan
 
 
 def refuse(error: Exception, where: str = "") -> NoReturn:
@@ -56,26 +59,37 @@ def sweep_run_dir(cfg: DictConfig) -> Path:
     return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
 
 
-def print_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> None:
-    """Print the dry run's line for each run (its Hydra node as composed); nothing is written."""
+def print_plans(plans: Iterable[RunPlan]) -> None:
+    """Print the dry run's line for each run (`sweep_plans`); nothing is written."""
+    from deit_ablate.run.lifecycle import dry_run_line
+
+    for plan in plans:
+        print(dry_run_line(plan), flush=True)
+
+
+def sweep_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path], job_log: bool = True) -> Iterator[RunPlan]:
+    """Each run's plan as a launch would make it (its Hydra node as composed), for the dry run and `deit-status`;
+    one line and exit status 2 at the first that cannot be planned. Nothing is written."""
     from hydra.core.hydra_config import HydraConfig
 
     from deit_ablate.core.distributed import DistInfo
     from deit_ablate.core.errors import ConfigError, RunError, no_access
-    from deit_ablate.record.resolvers import remember_sweep_run
+    from deit_ablate.record.identity import named_by_finetune
+    from deit_ablate.record.resolvers import run_dir_of
     from deit_ablate.record.rundir import RunDir
-    from deit_ablate.run.lifecycle import dry_run_line
     from deit_ablate.run.plan import make_plan
 
-    configure_job_log(configs[0].hydra.job_logging, configs[0].hydra.verbose)
+    if job_log:  # the run's console logging, as the launch would set it up (the status keeps its own)
+        configure_job_log(configs[0].hydra.job_logging, configs[0].hydra.verbose)
     saved = HydraConfig.instance().cfg
     try:
-        for cfg in configs:  # a fine-tune finds its pre-training in the sweep instead of composing it again
-            remember_sweep_run(cfg, list(cfg.hydra.overrides.task))
+        for cfg in configs:  # a fine-tune finds its pre-training among the sweep's runs, not by composing it again
+            named = named_by_finetune(str(cfg.stage), list(cfg.hydra.overrides.task))
+            if named is not None:
+                run_dir_of(named, cfg.runtime.output_root, cfg)
         for cfg, run_dir in zip(configs, run_dirs, strict=True):
             HydraConfig.instance().set_config(cfg)  # as Hydra's run_job does: stages.py reads the overrides there
-            plan = make_plan(cfg, DistInfo(), RunDir(run_dir), list(cfg.hydra.overrides.task))
-            print(dry_run_line(plan), flush=True)
+            yield make_plan(cfg, DistInfo(), RunDir(run_dir), list(cfg.hydra.overrides.task))
     except (ConfigError, RunError) as error:
         refuse(error)
     except PermissionError as error:
@@ -98,6 +112,6 @@ class Preflight(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_launch(config)
         if config.runtime.dry_run:
-            print_plans([config], [Path(str(config.hydra.run.dir))])
+            print_plans(sweep_plans([config], [Path(str(config.hydra.run.dir))]))
             sys.exit(0)
         check_teacher_trained(config)

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
+
+from deit_ablate.core.logs import progress_bar
 
 Vector = list[torch.Tensor]  # one tensor per parameter: a vector in weight space
 Batches = list[tuple[torch.Tensor, torch.Tensor]]  # (images, labels) on the model's device
@@ -198,8 +199,8 @@ def measure(model: nn.Module, batches: Batches, settings: SharpnessSettings, sho
     model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
     loss = BatchLoss(model, batches)
-    bar = tqdm(total=settings.iters + settings.draws + 1, desc="sharpness", leave=False, dynamic_ncols=True,
-               disable=not show_progress)
+    bar = progress_bar(total=settings.iters + settings.draws + 1, desc="sharpness", leave=False, dynamic_ncols=True,
+                       disable=not show_progress)  # plain lines in a log file
     try:
         train_loss = loss.value()
         bar.update()

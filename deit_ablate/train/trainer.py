@@ -14,9 +14,9 @@ import torch
 from timm.data import Mixup
 from timm.utils import ModelEmaV3
 from torch.nn.modules.batchnorm import _NormBase
-from tqdm import tqdm
 
 from deit_ablate.core.distributed import DistInfo, all_reduce_sum
+from deit_ablate.core.logs import progress_bar
 from deit_ablate.core.streams import EpochStreams, RunStreams, Stream, slot_positions
 from deit_ablate.record.predictions import LocalPredictions
 from deit_ablate.train.artifacts import HighNormCounter, high_norm_percent, measures_high_norm
@@ -271,8 +271,8 @@ class Trainer:
         Raises Diverged on a non-finite loss."""
         set_training_mode(self.model, self.train_mode)
         self._epoch = EpochStreams(streams, epoch) if streams is not None else None
-        bar = tqdm(loader, desc=f"epoch {epoch}", disable=not self.info.is_main, dynamic_ncols=True, leave=False,
-                   mininterval=1.0)
+        bar = progress_bar(loader, desc=f"epoch {epoch}", disable=not self.info.is_main, dynamic_ncols=True,
+                           leave=False, mininterval=1.0)  # plain lines, not a redrawn bar, in a log file
         loss_sum = self.epoch_loss_sum = torch.full((), done[0], device=self.info.device)
         window_loss = torch.zeros((), device=self.info.device)
         steps_in_epoch, window_steps, window_images = 0, 0, 0

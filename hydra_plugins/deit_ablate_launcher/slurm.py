@@ -79,9 +79,9 @@ class DeitSlurmLauncher(SlurmLauncher):
         assert self.config is not None and self.hydra_context is not None
         configs = self._validated_configs(job_overrides)
         if configs and configs[0].runtime.dry_run:  # under another sweeper than ours: plan here, write nothing
-            from deit_ablate.run.preflight import print_plans, sweep_run_dir
+            from deit_ablate.run.preflight import print_plans, sweep_plans, sweep_run_dir
 
-            print_plans(configs, [sweep_run_dir(cfg) for cfg in configs])
+            print_plans(sweep_plans(configs, [sweep_run_dir(cfg) for cfg in configs]))
             return []
 
         def subdir_of(overrides: list[str]) -> str:
@@ -108,9 +108,24 @@ class DeitSlurmLauncher(SlurmLauncher):
             jobs[i] = executor.submit(self, *params[i])
             role = upstream_role(Lineage.of(configs[i], ()))
             log.info(f"\t#{initial_job_idx + i} waits for job {jobs[parent].job_id} ({role})")
+        record_jobs(self.config.hydra.sweep.dir, {jobs[i].job_id: str(configs[i].hydra.sweep.subdir) for i in jobs})
         # Preemption and timeouts go through the inherited checkpoint(): submitit requeues the same run,
         # which resumes from its own latest checkpoint (deit_ablate/run/main.py).
         return [jobs[i].results()[0] for i in range(len(params))]
+
+
+def record_jobs(sweep_dir: str, jobs: dict[str, str]) -> None:
+    """Note each submitted job's run folder in the sweep folder's slurm-jobs.json (deit-status reads it to show a
+    run whose job is still queued); a failure to write it is a warning, never a failed submission."""
+    from pathlib import Path
+
+    from deit_ablate.record.rundir import record_slurm_jobs
+
+    try:
+        record_slurm_jobs(Path(sweep_dir), jobs)
+    except OSError as error:
+        log.warning(f"could not record the submitted jobs in {sweep_dir} ({error}); deit-status shows them once "
+                    "they start")
 
 
 def upstream_jobs(configs: Sequence, job_overrides: Sequence[Sequence[str]],

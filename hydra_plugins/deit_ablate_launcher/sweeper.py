@@ -29,11 +29,11 @@ class DeitSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]) -> Any:
         """Check every run, then plan them (dry run) or launch them in order, as BasicSweeper does."""
         from deit_ablate.record.rundir import keep_sweep_record
-        from deit_ablate.run.preflight import print_plans, sweep_run_dir
+        from deit_ablate.run.preflight import print_plans, sweep_plans, sweep_run_dir
 
         jobs, configs = self.checked_jobs(arguments)
         if configs and configs[0].runtime.dry_run:
-            print_plans(configs, [sweep_run_dir(cfg) for cfg in configs])
+            print_plans(sweep_plans(configs, [sweep_run_dir(cfg) for cfg in configs]))
             return []
         keep_sweep_record(self.config)  # Hydra rewrites multirun.yaml at every sweep: each keeps its own copy too
         return self.launch_jobs(jobs)

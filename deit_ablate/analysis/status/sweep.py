@@ -1,0 +1,98 @@
+"""The runs the status shows: a sweep's, composed, checked and planned exactly as its dry run does (the sweeper's
+checked_jobs, then preflight.sweep_plans: runs not started yet included), or every run folder under an output root."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from deit_ablate.config.studies import study_names
+from deit_ablate.record.rundir import RunDir, runs_root
+from deit_ablate.run.lifecycle import LaunchAction, folder_action, launch_action
+
+if TYPE_CHECKING:
+    from deit_ablate.run.plan import RunPlan
+
+HIDDEN_KEYS = ("stage", "seed", "runtime.", "hydra.", "hydra/")  # not a run's row label: shown in their own columns
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """A run the status shows: its folder, its labels (study row, stage, seed) and its plan (a sweep's run)."""
+
+    run_dir: RunDir
+    labels: tuple[str, str, int | None]
+    plan: RunPlan | None = None
+
+    def action(self) -> LaunchAction:
+        """What a launch would do now: the dry run's launch_action for a sweep's run, the folder's alone otherwise."""
+        return launch_action(self.plan) if self.plan is not None else folder_action(self.run_dir)
+
+
+def row_label(overrides: Sequence[str]) -> str:
+    """A run's study row (`ablation=no_mixup`), or its other overrides where it has none (`baseline` for none)."""
+    studies = set(study_names())
+    rows = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in studies]
+    others = [o for o in overrides if not o.lstrip("+~").startswith(HIDDEN_KEYS)]
+    return " ".join(rows or others) or "baseline"
+
+
+def sweep_runs(arguments: list[str]) -> list[PlannedRun]:
+    """The runs of `python train.py -m <arguments>`, each as its dry run plans it (one line and exit status 2 for
+    an override that does not compose or a run that cannot launch, as the sweep itself says)."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.plugins import Plugins
+    from hydra.types import HydraContext, RunMode
+
+    from deit_ablate.config.studies import CONF_DIR
+    from deit_ablate.run.preflight import sweep_plans, sweep_run_dir
+
+    GlobalHydra.instance().clear()
+    hydra = Hydra.create_main_hydra2(task_name="train", config_search_path=create_config_search_path(str(CONF_DIR)))
+    try:
+        cfg = hydra.compose_config("config", arguments, run_mode=RunMode.MULTIRUN)
+        context = HydraContext(config_loader=hydra.config_loader, callbacks=Callbacks(cfg))
+        sweeper = Plugins.instance().instantiate_sweeper(config=cfg, hydra_context=context,
+                                                         task_function=lambda _: None)
+        _, configs = sweeper.checked_jobs(list(cfg.hydra.overrides.task))
+        plans = list(sweep_plans(configs, [sweep_run_dir(c) for c in configs], job_log=False))
+    finally:
+        GlobalHydra.instance().clear()  # as Hydra's own app leaves it: a later compose starts afresh
+    return [PlannedRun(plan.run_dir, (row_label(plan.overrides), str(plan.settings.stage), int(plan.settings.seed)),
+                       plan) for plan in plans]
+
+
+def folder_labels(run_dir: RunDir) -> tuple[str, str, int | None]:
+    """A run folder's study row, stage and seed, from the config and overrides Hydra saved there."""
+    import yaml
+
+    try:
+        overrides = yaml.safe_load(run_dir.hydra_overrides.read_text()) or []
+        config = yaml.safe_load(run_dir.hydra_config.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return "?", "?", None
+    seed = config.get("seed")
+    return row_label([str(o) for o in overrides]), str(config.get("stage", "?")), seed if isinstance(seed, int) \
+        else None
+
+
+def folder_runs(output_root: Path) -> list[PlannedRun]:
+    """Every run folder under `output_root` (its runs/), as a launch would find it: only what the folders say (a
+    run not started has none; give the sweep's overrides to see those too)."""
+    folders = sorted(p for p in runs_root(output_root).iterdir() if p.is_dir() and not p.name.startswith("."))
+    runs = [RunDir(p) for p in folders if (p / ".hydra").is_dir() or RunDir(p).identity.exists()]
+    return [PlannedRun(run, folder_labels(run)) for run in runs]
+
+
+def root_problem(output_root: Path) -> str | None:
+    """Why `output_root` is not an output root (no runs/ folder in it), or None."""
+    if not output_root.is_dir():
+        return f"{output_root} is not a folder"
+    if not runs_root(output_root).is_dir():
+        return f"{output_root} holds no {runs_root(output_root).name}/ folder of runs"
+    return None
