@@ -46,3 +46,23 @@ def test_config_files_read_once_compose_each_run_as_hydra_does(monkeypatch):
     # a file read once and handed to every composition as it is: each run's config changes with the next ones
     assert composed(runs) == expected and composed(runs) == expected
     assert "\nseed: 0\n" in expected[0] and "\nseed: 1\n" in expected[1]
+
+
+def test_a_loader_reading_files_once_pickles_as_its_repository():
+    """The SLURM launcher pickles the sweep's config loader into every job; before, unpickling it recursed without
+    end (RecursionError in every job) and would have carried every file read so far."""
+    import pickle
+
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from deit_ablate.config import compose
+
+    with initialize_config_dir(config_dir=str(compose.CONF_DIR), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        compose.read_config_files_once(loader)
+        compose.compose_run_config(["ablation=no_mixup"])
+        copied = pickle.loads(pickle.dumps(loader))
+    assert isinstance(copied.repository, compose.ConfigFilesReadOnce) and copied.repository.loaded is compose._LOADED
+    wrapper, repository = (len(pickle.dumps(r)) for r in (loader.repository, loader.repository.delegate))
+    assert wrapper < repository + 200  # the files read so far stay in this process

@@ -57,7 +57,14 @@ class ConfigFilesReadOnce:
     def __deepcopy__(self, memo: dict[int, Any]) -> ConfigFilesReadOnce:
         return ConfigFilesReadOnce(copy.deepcopy(self.delegate, memo), self.loaded)  # as Hydra copies its repository
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its repository alone (a SLURM launcher pickles the sweep's loader into each job): a job reads
+        the files itself."""
+        return (ConfigFilesReadOnce, (self.delegate,))
+
     def __getattr__(self, name: str) -> Any:
+        if name in ("delegate", "loaded"):  # not set yet (while unpickling): not the repository's
+            raise AttributeError(name)
         return getattr(self.delegate, name)
 
     def load_config(self, config_path: str) -> Any:
