@@ -284,3 +284,26 @@ def test_a_run_that_fails_shows_its_error_line_and_its_log(tmp_path, data_cache,
     (row,) = status_json([str(tmp_path / "outputs")], capsys)["runs"]
     assert row["state"] == "failed" and f"{bad} cannot be read as an image" in row["detail"], row
     assert row["log"] and f"{bad} cannot be read as an image" in Path(row["log"]).read_text()
+
+
+def test_the_resume_step_is_read_without_loading_the_checkpoints_tensors(tmp_path, monkeypatch):
+    """The status and the dry run name the step a run resumes from for every run of a sweep, on every refresh: a
+    paper-scale checkpoint is about 1 GB, so its tensors stay in the file (before: every one was read whole)."""
+    import torch
+
+    from deit_ablate.record.checkpoint import RESUME_KEYS
+    from deit_ablate.run.lifecycle import folder_action
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    state = {key: {} for key in RESUME_KEYS} | {"model": {"w": torch.zeros(256, 256)}, "epoch": 1, "step": 7}
+    torch.save(state, run.last_checkpoint)
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: calls.append(kwargs) or real_load(*args, **kwargs))
+    action = folder_action(run)
+    assert (action.kind, action.text) == ("resume", f"resume from step 7 ({run.last_checkpoint.name})")
+    assert calls and all(call.get("mmap") for call in calls)
+    run.last_checkpoint.write_bytes(run.last_checkpoint.read_bytes()[:2000])  # cut short: still refused
+    with pytest.raises(Exception, match="cannot resume"):
+        folder_action(run)

@@ -3,6 +3,7 @@ resumable mid-epoch; an unreadable one is reported by name (and a resume falls b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -61,9 +62,13 @@ def _unreadable_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {line[:200]}"
 
 
-def load(path: str | os.PathLike, source: str = "checkpoint") -> dict[str, Any]:
-    """Read a checkpoint on the CPU without unpickling arbitrary objects; CheckpointUnreadable if it cannot be."""
+def load(path: str | os.PathLike, source: str = "checkpoint", mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint on the CPU without unpickling arbitrary objects; CheckpointUnreadable if it cannot be.
+    `mmap`: its tensors stay in the file until read (a file that is not a zip archive is read whole)."""
     try:
+        if mmap:
+            with contextlib.suppress(RuntimeError):  # a legacy (non-zip) file cannot be mapped: read below
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
             AttributeError, ImportError, OSError) as error:
@@ -140,24 +145,25 @@ class ResumePoint:
     unreadable: list[CheckpointUnreadable] = field(default_factory=list)
 
 
-def _load_training_state(path: Path) -> dict[str, Any]:
+def _load_training_state(path: Path, mmap: bool = False) -> dict[str, Any]:
     """A training state written by training_state(), or CheckpointUnreadable."""
-    state = load(path)
+    state = load(path, mmap=mmap)
     if not isinstance(state, dict) or any(key not in state for key in RESUME_KEYS):
         keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
         raise CheckpointUnreadable(path, f"not a training state (holds {keys})")
     return state
 
 
-def find_resume_point(run_dir: Path) -> ResumePoint | None:
+def find_resume_point(run_dir: Path, mmap: bool = False) -> ResumePoint | None:
     """The newest readable checkpoint of a run folder (last, then the copy before it); None for a fresh run.
-    A ConfigError naming the files and what to delete when there are checkpoints but none can be read."""
+    A ConfigError naming the files and what to delete when there are checkpoints but none can be read. `mmap`: to
+    learn its step, not to resume (its tensors stay in the file; data damaged inside a tensor goes unseen)."""
     unreadable = []
     for path in (RunDir(run_dir).last_checkpoint, RunDir(run_dir).previous_checkpoint):
         if not path.exists():
             continue
         try:
-            return ResumePoint(path, _load_training_state(path), unreadable)
+            return ResumePoint(path, _load_training_state(path, mmap), unreadable)
         except CheckpointUnreadable as error:
             unreadable.append(error)
     if not unreadable:

@@ -201,7 +201,7 @@ def folder_action(run_dir: RunDir, train_text: str = "train from step 0") -> Lau
     result = previous_result(run_dir, is_main=False)
     if result is not None:
         return LaunchAction("skip", f"skip (already {result['status']})")
-    point = ckpt.find_resume_point(run_dir.path)
+    point = ckpt.find_resume_point(run_dir.path, mmap=True)  # its step only: a ViT-B checkpoint is ~1 GB
     if point is not None:
         return LaunchAction("resume", f"resume from step {point.state['step']} ({point.path.name})")
     return LaunchAction("train", train_text)
