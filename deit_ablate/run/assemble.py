@@ -21,7 +21,7 @@ from deit_ablate.data.loader import (
     build_train_loader,
     build_train_sampler,
 )
-from deit_ablate.data.transforms import BatchNormalize, TransformSpec, build_eval_transform, build_train_pipeline
+from deit_ablate.data.transforms import BatchNormalize, build_eval_transform, build_train_pipeline
 from deit_ablate.run.plan import RunPlan
 from deit_ablate.run.stages import (
     StageRecipe,
@@ -91,7 +91,7 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
     root = dataset_root(cfg.data) if info.local_rank == 0 else None
     barrier(info)
     root = dataset_root(cfg.data) if root is None else root
-    spec = TransformSpec(cfg.data, cfg.augment, cfg.resolution)  # the stage's: plan.settings is stage_config's
+    spec = plan.transforms
     train_transform, batch_transform = build_train_pipeline(spec)
     train_set = training_split(cfg.data, train_transform, root, on_bad_image=cfg.runtime.on_bad_image)
     if cfg.data.fraction < 1 and info.is_main:
@@ -151,7 +151,7 @@ def build_pieces(plan: RunPlan, info: DistInfo) -> Pieces:
     ema = ModelEmaV3(module, decay=cfg.train.ema_decay) if cfg.train.ema else None  # starts from the loaded weights
     if cfg.runtime.compile:
         compile_in_place(module)  # after the EMA copy, which is only evaluated and stays eager
-    view = FixedView(TransformSpec(cfg.data, cfg.augment, cfg.resolution), cfg.runtime)
+    view = FixedView(plan.transforms, cfg.runtime)
     loss_fn = build_loss_fn(cfg.distill, view, plan.teacher, module, build_criterion(cfg.mix, mixup), info.device, info)
     precision = cfg.train.amp
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, info=info,

@@ -21,7 +21,6 @@ from deit_ablate.core.stopping import StopRequested, StopSignals
 from deit_ablate.core.streams import RunStreams
 from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, stop_error
 from deit_ablate.data.loader import SkipFirst, build_train_loader, seed_epoch_data
-from deit_ablate.data.transforms import TransformSpec
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.predictions import LocalPredictions
 from deit_ablate.record.progress import ProgressFile
@@ -169,9 +168,8 @@ class EpochLoop:
         loader = loaders.train_loader
         if epoch == self.progress.start_epoch and self.progress.skip_batches:  # resumed mid-epoch (preemption)
             sampler = SkipFirst(loaders.train_sampler, self.progress.skip_batches * per_rank)
-            settings = self.plan.settings  # the stage's config (stage_config.py)
-            spec = TransformSpec(settings.data, settings.augment, settings.resolution)
-            loader = build_train_loader(loaders.train_set, sampler, per_rank, spec, settings.runtime, self.info.device)
+            loader = build_train_loader(loaders.train_set, sampler, per_rank, self.plan.transforms,
+                                        self.plan.settings.runtime, self.info.device)
         seed_epoch_data(loaders.train_sampler, loader, self.streams, epoch)
         return loader
 

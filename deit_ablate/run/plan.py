@@ -18,6 +18,7 @@ from deit_ablate.config.stage_config import stage_config
 from deit_ablate.core.distributed import DistInfo, agree
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.datasets import data_fingerprint, describe_data
+from deit_ablate.data.transforms import TransformSpec
 from deit_ablate.record.identity import (
     RunIdentity,
     composed_choices,
@@ -66,6 +67,11 @@ class RunPlan:
     def overrides(self) -> tuple[str, ...]:
         """The launch's task overrides, which name the run and the runs it starts from."""
         return self.lineage.overrides
+
+    @property
+    def transforms(self) -> TransformSpec:
+        """What the stage's image transforms read: its data, augment and resolution blocks."""
+        return TransformSpec(self.settings.data, self.settings.augment, self.settings.resolution)
 
     @property
     def model_name(self) -> str:
