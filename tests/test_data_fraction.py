@@ -14,7 +14,7 @@ from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.datasets import fraction_indices
 from deit_ablate.run.assemble import build_loaders
 from deit_ablate.run.validate import plan_batch, validate_config
-from tests.conftest import TINY, compose_config, identity_of
+from tests.conftest import TINY, compose_config, identity_of, transform_spec
 
 # Nine images of three classes, written out: class 0 at positions 0, 2, 3, 6, 8; class 1 at 1, 4, 7; class 2 at 5.
 TARGETS = [0, 1, 0, 0, 1, 2, 0, 1, 0]
@@ -57,7 +57,7 @@ def _loaders(monkeypatch, cache, world_size: int, rank: int, workers: int = 0):
     monkeypatch.setattr(assemble, "barrier", lambda info: None)
     monkeypatch.setenv("DEIT_ABLATE_CACHE", str(cache))
     cfg = compose_config([*TINY, "data.fraction=0.5", f"runtime.num_workers={workers}"])
-    plan = SimpleNamespace(settings=cfg, batch=plan_batch(cfg, world_size))
+    plan = SimpleNamespace(settings=cfg, batch=plan_batch(cfg, world_size), transforms=transform_spec(cfg))
     return build_loaders(plan, DistInfo(rank=rank, world_size=world_size))
 
 
