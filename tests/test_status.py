@@ -251,7 +251,7 @@ def test_slurm_jobs_show_as_queued_running_on_their_node_and_requeued(tmp_path, 
 def test_slurm_pending_is_queued_or_requeued_and_an_ended_job_is_named():
     from deit_ablate.analysis.status.rows import ended_state, queued_state
     from deit_ablate.analysis.status.slurm import SlurmJob
-    from deit_ablate.run.lifecycle import LaunchAction
+    from deit_ablate.record.resume import LaunchAction
 
     pending = SlurmJob("7_1", "PENDING", "Resources")
     assert queued_state(pending, trained_before=False) == ("queued", "SLURM job 7_1: Resources")
@@ -286,24 +286,71 @@ def test_a_run_that_fails_shows_its_error_line_and_its_log(tmp_path, data_cache,
     assert row["log"] and f"{bad} cannot be read as an image" in Path(row["log"]).read_text()
 
 
-def test_the_resume_step_is_read_without_loading_the_checkpoints_tensors(tmp_path, monkeypatch):
+def test_the_resume_step_is_read_without_torch_or_the_checkpoints_tensors(tmp_path, monkeypatch):
     """The status and the dry run name the step a run resumes from for every run of a sweep, on every refresh: a
-    paper-scale checkpoint is about 1 GB, so its tensors stay in the file (before: every one was read whole)."""
+    paper-scale checkpoint is about 1 GB, and torch takes about 1.3 s to import, so the step is read from the
+    archive's pickle alone (before: torch.load of every checkpoint). What a launch could not read is still refused:
+    a file cut short, a tensor record missing, a pickle naming anything but torch's own classes (never called)."""
+    import zipfile
+
     import torch
 
-    from deit_ablate.record.checkpoint import RESUME_KEYS
-    from deit_ablate.run.lifecycle import folder_action
+    from deit_ablate.record.resume import RESUME_KEYS, folder_action
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
     state = {key: {} for key in RESUME_KEYS} | {"model": {"w": torch.zeros(256, 256)}, "epoch": 1, "step": 7}
     torch.save(state, run.last_checkpoint)
+    whole = run.last_checkpoint.read_bytes()
     calls = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: calls.append(kwargs) or real_load(*args, **kwargs))
     action = folder_action(run)
     assert (action.kind, action.text) == ("resume", f"resume from step 7 ({run.last_checkpoint.name})")
-    assert calls and all(call.get("mmap") for call in calls)
-    run.last_checkpoint.write_bytes(run.last_checkpoint.read_bytes()[:2000])  # cut short: still refused
+    assert calls == []
+
+    run.last_checkpoint.write_bytes(whole[:2000])  # cut short: refused, as the launch refuses it
     with pytest.raises(Exception, match="cannot resume"):
         folder_action(run)
+    with zipfile.ZipFile(tmp_path / "pruned.pt", "w") as pruned, zipfile.ZipFile(io.BytesIO(whole)) as full:
+        for name in full.namelist():
+            if not name.endswith("/data/0"):  # the tensor's bytes gone
+                pruned.writestr(name, full.read(name))
+    run.last_checkpoint.write_bytes((tmp_path / "pruned.pt").read_bytes())
+    with pytest.raises(Exception, match="storage 0 is missing"):
+        folder_action(run)
+
+    class Smuggled:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'executed'}",))
+
+    torch.save(state | {"step": Smuggled()}, run.last_checkpoint)
+    with pytest.raises(Exception, match="unsupported global"):
+        folder_action(run)
+    assert not (tmp_path / "executed").exists()
+
+    torch.save(state, run.previous_checkpoint, _use_new_zipfile_serialization=False)  # torch's format before 1.6
+    action = folder_action(run)  # the newer copy cannot be read: the one before it, read whole with torch
+    assert (action.kind, action.text) == ("resume", f"resume from step 7 ({run.previous_checkpoint.name})")
+    assert len(calls) == 1
+
+
+def test_the_status_of_an_output_root_starts_without_the_training_code(tmp_path):
+    """`deit-status <output root>` reads the run folders alone: no torch, timm or wandb imported (before: 5.2 s to
+    start, most of it importing the training code)."""
+    import torch
+
+    run = RunDir(tmp_path / "runs" / "a-run")
+    (run.path / ".hydra").mkdir(parents=True)
+    (run.path / ".hydra" / "overrides.yaml").write_text("[ablation=no_mixup, stage=pretrain]\n")
+    (run.path / ".hydra" / "config.yaml").write_text("{stage: pretrain, seed: 0}\n")
+    torch.save({key: {} for key in ("model", "optimizer", "scheduler")} | {"epoch": 2, "step": 40},
+               run.last_checkpoint)
+    script = ("import json, sys; from deit_ablate.analysis.status.cli import main; main([sys.argv[1], '--json']); "
+              "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'timm', 'wandb'})))")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    *table, loaded = done.stdout.strip().splitlines()
+    assert json.loads(loaded) == []
+    row, = json.loads("\n".join(table))["runs"]
+    assert (row["state"], row["action"]) == ("preempted", f"resume from step 40 ({run.last_checkpoint.name})"), row

@@ -3,12 +3,10 @@ resumable mid-epoch; an unreadable one is reported by name (and a resume falls b
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +14,9 @@ import torch
 
 from deit_ablate.core.atomic import atomic_write
 from deit_ablate.core.errors import ConfigError
+from deit_ablate.record import resume
+from deit_ablate.record.resume import CheckpointUnreadable, ResumePoint
 from deit_ablate.record.rundir import UNREADABLE, RunDir
-
-
-class CheckpointUnreadable(ConfigError):
-    """A checkpoint file that cannot be read (truncated, damaged, not a checkpoint, or unsafe to unpickle)."""
-
-    def __init__(self, path: Path, reason: str, source: str = "checkpoint") -> None:
-        self.path, self.reason, self.source = path, reason, source
-        named = source if str(path) in source else f"{source} {path}"
-        super().__init__(f"{named} cannot be read: {reason}. It is truncated or damaged, not a PyTorch or "
-                         "safetensors checkpoint, or holds objects other than tensors and plain values (which are "
-                         "never unpickled here). Re-save or copy it again from a good source.")
-
-    def __reduce__(self):  # pickled (distributed.agree sends it to the other ranks) by what builds it again
-        return type(self), (self.path, self.reason, self.source)
 
 
 def save_atomic(state: dict[str, Any], path: str | os.PathLike, keep_previous: str | os.PathLike | None = None) -> None:
@@ -62,13 +48,9 @@ def _unreadable_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {line[:200]}"
 
 
-def load(path: str | os.PathLike, source: str = "checkpoint", mmap: bool = False) -> dict[str, Any]:
-    """Read a checkpoint on the CPU without unpickling arbitrary objects; CheckpointUnreadable if it cannot be.
-    `mmap`: its tensors stay in the file until read (a file that is not a zip archive is read whole)."""
+def load(path: str | os.PathLike, source: str = "checkpoint") -> dict[str, Any]:
+    """Read a checkpoint on the CPU without unpickling arbitrary objects; CheckpointUnreadable if it cannot be."""
     try:
-        if mmap:
-            with contextlib.suppress(RuntimeError):  # a legacy (non-zip) file cannot be mapped: read below
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
             AttributeError, ImportError, OSError) as error:
@@ -133,45 +115,9 @@ def restore(trainer, state: dict[str, Any]) -> tuple[int, float, int]:
     return int(state["epoch"]), float(state["best_top1"]), int(state.get("batches_done", 0))
 
 
-RESUME_KEYS = ("model", "optimizer", "scheduler", "epoch", "step")
-
-
-@dataclass
-class ResumePoint:
-    """The checkpoint a relaunch continues from, and the newer ones it could not read."""
-
-    path: Path
-    state: dict[str, Any]
-    unreadable: list[CheckpointUnreadable] = field(default_factory=list)
-
-
-def _load_training_state(path: Path, mmap: bool = False) -> dict[str, Any]:
-    """A training state written by training_state(), or CheckpointUnreadable."""
-    state = load(path, mmap=mmap)
-    if not isinstance(state, dict) or any(key not in state for key in RESUME_KEYS):
-        keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
-        raise CheckpointUnreadable(path, f"not a training state (holds {keys})")
-    return state
-
-
-def find_resume_point(run_dir: Path, mmap: bool = False) -> ResumePoint | None:
-    """The newest readable checkpoint of a run folder (last, then the copy before it); None for a fresh run.
-    A ConfigError naming the files and what to delete when there are checkpoints but none can be read. `mmap`: to
-    learn its step, not to resume (its tensors stay in the file; data damaged inside a tensor goes unseen)."""
-    unreadable = []
-    for path in (RunDir(run_dir).last_checkpoint, RunDir(run_dir).previous_checkpoint):
-        if not path.exists():
-            continue
-        try:
-            return ResumePoint(path, _load_training_state(path, mmap), unreadable)
-        except CheckpointUnreadable as error:
-            unreadable.append(error)
-    if not unreadable:
-        return None
-    reasons = "; ".join(f"{error.path.name}: {error.reason}" for error in unreadable)
-    paths = " ".join(f"'{error.path}'" for error in unreadable)
-    raise ConfigError(f"the run in {run_dir} cannot resume: no checkpoint there can be read ({reasons}). To train "
-                      f"the run again from the start, delete them (rm {paths}) and launch the same command again.")
+def find_resume_point(run_dir: Path) -> ResumePoint | None:
+    """The newest readable checkpoint of a run folder to resume from, read whole (record/resume.py)."""
+    return resume.find_resume_point(run_dir, lambda path: resume.checked_training_state(path, load(path)))
 
 
 def set_aside(path: Path) -> Path:

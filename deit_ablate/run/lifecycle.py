@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from deit_ablate.core.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.core.stopping import StopRequested
 from deit_ablate.core.streams import trained_before
 from deit_ablate.record import checkpoint as ckpt
+from deit_ablate.record.resume import LaunchAction, folder_action, previous_result
 from deit_ablate.record.rundir import RunDir, wandb_root
 from deit_ablate.record.runlock import RunLock
 from deit_ablate.record.tracking import Tracker, read_epoch_rows, wandb_logs
@@ -73,16 +73,6 @@ def hold_run_folder(run_dir: Path, info: DistInfo, wait: bool) -> Iterator[None]
         detach_run_log(handler)
         if lock is not None:
             lock.release()
-
-
-def previous_result(run_dir: RunDir, is_main: bool) -> dict[str, Any] | None:
-    """The run's result.json when it holds one; a damaged one is reported and the run counts as unfinished."""
-    try:
-        return run_dir.read_result()
-    except ConfigError as error:
-        if is_main:
-            log.warning(f"[run] {error} Treated as unfinished: the run resumes and writes it again.")
-        return None
 
 
 def report_finished(plan: RunPlan, result: dict[str, Any]) -> None:
@@ -160,17 +150,6 @@ def resume_point(run_dir: RunDir, info: DistInfo) -> tuple[Path, dict[str, Any]]
     return Path(path), found[0].state if info.is_main else ckpt.load(path)
 
 
-@dataclass(frozen=True)
-class LaunchAction:
-    """What launching a run would do now: `kind` (one of ACTIONS) and the dry run's words for it."""
-
-    kind: str
-    text: str
-
-
-ACTIONS = ("skip", "wait", "record", "refuse", "resume", "train")
-
-
 def _waits_for(plan: RunPlan, source: RunDir | None) -> LaunchAction | None:
     """What keeps the run from training now (its pre-training, its teacher run or its LayerScale run `source`), or
     None."""
@@ -193,18 +172,6 @@ def _needed_run_line(run: RunDir | None, role: str) -> LaunchAction | None:
     if result is not None and result["status"] != "finished":
         return LaunchAction("refuse", f"refuse ({role} {run.name} ended as {result['status']})")
     return None
-
-
-def folder_action(run_dir: RunDir, train_text: str = "train from step 0") -> LaunchAction:
-    """What a launch does with the run folder alone (no run it starts from to wait for): skip its result, resume
-    its checkpoint, or train."""
-    result = previous_result(run_dir, is_main=False)
-    if result is not None:
-        return LaunchAction("skip", f"skip (already {result['status']})")
-    point = ckpt.find_resume_point(run_dir.path, mmap=True)  # its step only: a ViT-B checkpoint is ~1 GB
-    if point is not None:
-        return LaunchAction("resume", f"resume from step {point.state['step']} ({point.path.name})")
-    return LaunchAction("train", train_text)
 
 
 def launch_action(plan: RunPlan) -> LaunchAction:

@@ -23,9 +23,9 @@ from typing import Any
 
 from deit_ablate.analysis.status.slurm import SlurmJob
 from deit_ablate.record.progress import read_progress
+from deit_ablate.record.resume import LaunchAction
 from deit_ablate.record.rundir import RunDir, read_result
 from deit_ablate.record.runlock import describe, read_lock, stale_reason, this_process
-from deit_ablate.run.lifecycle import LaunchAction
 
 STALL_AFTER_S = 600.0  # a held lock with no progress written for this long: stalled (`deit-status --stall-after`)
 PENDING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING")  # SLURM's states of a job not running yet

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deit_ablate.config.studies import study_names
+from deit_ablate.record.resume import LaunchAction, folder_action
 from deit_ablate.record.rundir import RunDir, runs_root
-from deit_ablate.run.lifecycle import LaunchAction, folder_action, launch_action
 
 if TYPE_CHECKING:
     from deit_ablate.run.plan import RunPlan
@@ -28,7 +28,11 @@ class PlannedRun:
 
     def action(self) -> LaunchAction:
         """What a launch would do now: the dry run's launch_action for a sweep's run, the folder's alone otherwise."""
-        return launch_action(self.plan) if self.plan is not None else folder_action(self.run_dir)
+        if self.plan is None:
+            return folder_action(self.run_dir)
+        from deit_ablate.run.lifecycle import launch_action  # a planned run: the training code is loaded already
+
+        return launch_action(self.plan)
 
 
 def row_label(overrides: Sequence[str]) -> str:

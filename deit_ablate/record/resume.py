@@ -1,0 +1,177 @@
+"""Where a run folder stands for a relaunch: its result, the checkpoint it resumes from and that checkpoint's step,
+and what a launch would do with the folder alone (skip, resume, train). No torch here: `deit-status` on an output
+root and the dry run read this for every run of a sweep, on every refresh.
+
+A checkpoint's step is read from its pickle without torch (peek_training_state): torch.save writes a zip archive
+whose `data.pkl` names every tensor by a storage record in the same archive, so the scalars can be read and each
+record checked without reading the tensors (a ViT-B training state is about 1 GB). Only torch's tensor rebuilders
+and containers are accepted in the pickle, as torch.load(weights_only=True) accepts them; nothing is called.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.core.logs import log
+from deit_ablate.record.rundir import RunDir
+
+RESUME_KEYS = ("model", "optimizer", "scheduler", "epoch", "step")  # what every training state holds
+
+
+class CheckpointUnreadable(ConfigError):
+    """A checkpoint file that cannot be read (truncated, damaged, not a checkpoint, or unsafe to unpickle)."""
+
+    def __init__(self, path: Path, reason: str, source: str = "checkpoint") -> None:
+        self.path, self.reason, self.source = path, reason, source
+        named = source if str(path) in source else f"{source} {path}"
+        super().__init__(f"{named} cannot be read: {reason}. It is truncated or damaged, not a PyTorch or "
+                         "safetensors checkpoint, or holds objects other than tensors and plain values (which are "
+                         "never unpickled here). Re-save or copy it again from a good source.")
+
+    def __reduce__(self):  # pickled (distributed.agree sends it to the other ranks) by what builds it again
+        return type(self), (self.path, self.reason, self.source)
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a relaunch continues from, and the newer ones it could not read."""
+
+    path: Path
+    state: dict[str, Any]
+    unreadable: list[CheckpointUnreadable] = field(default_factory=list)
+
+
+def checked_training_state(path: Path, state: Any) -> dict[str, Any]:
+    """`state` when it is a training state written by checkpoint.training_state(), else CheckpointUnreadable."""
+    if not isinstance(state, dict) or any(key not in state for key in RESUME_KEYS):
+        keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointUnreadable(path, f"not a training state (holds {keys})")
+    return state
+
+
+def find_resume_point(run_dir: Path, read: Callable[[Path], dict[str, Any]]) -> ResumePoint | None:
+    """The newest checkpoint of a run folder `read` can read (last, then the copy before it); None for a fresh
+    run. A ConfigError naming the files and what to delete when there are checkpoints but none can be read."""
+    unreadable = []
+    for path in (RunDir(run_dir).last_checkpoint, RunDir(run_dir).previous_checkpoint):
+        if not path.exists():
+            continue
+        try:
+            return ResumePoint(path, read(path), unreadable)
+        except CheckpointUnreadable as error:
+            unreadable.append(error)
+    if not unreadable:
+        return None
+    reasons = "; ".join(f"{error.path.name}: {error.reason}" for error in unreadable)
+    paths = " ".join(f"'{error.path}'" for error in unreadable)
+    raise ConfigError(f"the run in {run_dir} cannot resume: no checkpoint there can be read ({reasons}). To train "
+                      f"the run again from the start, delete them (rm {paths}) and launch the same command again.")
+
+
+class _Opaque:
+    """A tensor, storage or other torch object of a peeked pickle: stands in for it, holds nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+class _Peeker(pickle.Unpickler):
+    """Unpickles a torch.save archive's data.pkl with every torch object opaque; a storage must be in the archive."""
+
+    def __init__(self, archive: zipfile.ZipFile, pickle_name: str) -> None:
+        super().__init__(archive.open(pickle_name))
+        self.records = set(archive.namelist())
+        self.prefix = pickle_name.rsplit("/", 1)[0] + "/data/"
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return dict
+        if module == "torch" or module.startswith("torch."):
+            return _Opaque
+        raise pickle.UnpicklingError(f"unsupported global {module}.{name} (only tensors and plain values are read)")
+
+    def persistent_load(self, pid: Any) -> _Opaque:
+        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unsupported persistent id {str(pid)[:60]}")
+        if f"{self.prefix}{pid[2]}" not in self.records:
+            raise pickle.UnpicklingError(f"storage {pid[2]} is missing from the archive")
+        return _Opaque()
+
+
+def peek_training_state(path: Path) -> dict[str, Any] | None:
+    """A training state's plain values (its step, epoch, ...; tensors stand in opaque), read without torch and
+    without its tensors; None for a file that is not a zip archive (an old torch format: checkpoint.load reads it).
+    CheckpointUnreadable for a truncated or damaged archive, or one that is not a training state."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        with open(path, "rb") as handle:
+            if handle.read(1) == b"\x80":  # a pickle: torch.save's format before torch 1.6
+                return None
+        raise CheckpointUnreadable(path, "not a zip archive: truncated or damaged") from None
+    try:
+        with archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pickles) != 1:
+                raise CheckpointUnreadable(path, "no data.pkl in the archive: not a torch.save file")
+            return checked_training_state(path, _Peeker(archive, pickles[0]).load())
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, KeyError, IndexError, TypeError,
+            AttributeError, OSError) as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise CheckpointUnreadable(path, f"{type(error).__name__}: {str(error)[:200]}") from None
+
+
+def _step_reader(path: Path) -> dict[str, Any]:
+    """A checkpoint's training state for its step: peeked, or read whole for an old-format file."""
+    state = peek_training_state(path)
+    if state is None:
+        from deit_ablate.record.checkpoint import load
+
+        state = checked_training_state(path, load(path))
+    return state
+
+
+@dataclass(frozen=True)
+class LaunchAction:
+    """What launching a run would do now: `kind` (one of ACTIONS) and the dry run's words for it."""
+
+    kind: str
+    text: str
+
+
+ACTIONS = ("skip", "wait", "record", "refuse", "resume", "train")
+
+
+def previous_result(run_dir: RunDir, is_main: bool) -> dict[str, Any] | None:
+    """The run's result.json when it holds one; a damaged one is reported and the run counts as unfinished."""
+    try:
+        return run_dir.read_result()
+    except ConfigError as error:
+        if is_main:
+            log.warning(f"[run] {error} Treated as unfinished: the run resumes and writes it again.")
+        return None
+
+
+def folder_action(run_dir: RunDir, train_text: str = "train from step 0") -> LaunchAction:
+    """What a launch does with the run folder alone (no run it starts from to wait for): skip its result, resume
+    its checkpoint, or train."""
+    result = previous_result(run_dir, is_main=False)
+    if result is not None:
+        return LaunchAction("skip", f"skip (already {result['status']})")
+    point = find_resume_point(run_dir.path, _step_reader)
+    if point is not None:
+        return LaunchAction("resume", f"resume from step {point.state['step']} ({point.path.name})")
+    return LaunchAction("train", train_text)
