@@ -240,6 +240,7 @@ def test_ci_runs_the_readme_test_command(marker: str):
     assert extract, ".ci/run no longer reads the README's test command between its markers"
     command = subprocess.run(["bash", "-c", extract.group(1)], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()
-    assert command == "bash scripts/install.sh && .venv/bin/python -m pytest"
+    assert command == ".venv/bin/python -m pytest"
+    assert ci.index("bash scripts/install.sh") < ci.index('bash -c "$test_command"')  # installed before it runs
     assert (REPO / "README.md").read_text(encoding="utf-8").count(marker) == 1
     assert 'bash -c "$test_command"' in ci
