@@ -299,7 +299,12 @@ def test_the_resume_step_is_read_without_torch_or_the_checkpoints_tensors(tmp_pa
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
-    state = {key: {} for key in RESUME_KEYS} | {"model": {"w": torch.zeros(256, 256)}, "epoch": 1, "step": 7}
+    model = torch.nn.Linear(256, 256)  # a real state_dict: an OrderedDict with its _metadata, optimizer moments
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 256)).sum().backward()
+    optimizer.step()
+    state = {key: {} for key in RESUME_KEYS} | {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                                "epoch": 1, "step": 7}
     torch.save(state, run.last_checkpoint)
     whole = run.last_checkpoint.read_bytes()
     calls = []

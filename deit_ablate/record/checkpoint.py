@@ -4,7 +4,6 @@ resumable mid-epoch; an unreadable one is reported by name (and a resume falls b
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from deit_ablate.core.atomic import atomic_write
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record import resume
-from deit_ablate.record.resume import CheckpointUnreadable, ResumePoint
+from deit_ablate.record.resume import CheckpointUnreadable, ResumePoint, load, unreadable_reason
 from deit_ablate.record.rundir import UNREADABLE, RunDir
 
 
@@ -37,28 +36,6 @@ def copy_atomic(source: str | os.PathLike, path: str | os.PathLike) -> None:
         atomic_write(path, lambda handle: shutil.copyfileobj(src, handle, 1 << 22))
 
 
-def _unreadable_reason(error: BaseException) -> str:
-    """A short reason from torch's error, without its advice to turn safe loading off."""
-    text = str(error)
-    if "WeightsUnpickler error:" in text:
-        text = text.split("WeightsUnpickler error:", 1)[1]
-    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    if not line or "weights_only" in line:
-        line = "no readable data"
-    return f"{type(error).__name__}: {line[:200]}"
-
-
-def load(path: str | os.PathLike, source: str = "checkpoint") -> dict[str, Any]:
-    """Read a checkpoint on the CPU without unpickling arbitrary objects; CheckpointUnreadable if it cannot be."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
-            AttributeError, ImportError, OSError) as error:
-        if isinstance(error, FileNotFoundError):
-            raise
-        raise CheckpointUnreadable(Path(path), _unreadable_reason(error), source) from None
-
-
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
@@ -70,7 +47,7 @@ def _read_file(path: Path, source: str = "checkpoint") -> Mapping[str, Any]:
         try:
             return load_file(str(path), device="cpu")
         except Exception as error:  # safetensors raises its own SafetensorError for a damaged header
-            raise CheckpointUnreadable(path, _unreadable_reason(error), source) from None
+            raise CheckpointUnreadable(path, unreadable_reason(error), source) from None
     return load(path, source)
 
 

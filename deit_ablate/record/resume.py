@@ -10,6 +10,7 @@ and containers are accepted in the pickle, as torch.load(weights_only=True) acce
 
 from __future__ import annotations
 
+import os
 import pickle
 import zipfile
 from collections.abc import Callable
@@ -36,6 +37,30 @@ class CheckpointUnreadable(ConfigError):
 
     def __reduce__(self):  # pickled (distributed.agree sends it to the other ranks) by what builds it again
         return type(self), (self.path, self.reason, self.source)
+
+
+def unreadable_reason(error: BaseException) -> str:
+    """A short reason from torch's error, without its advice to turn safe loading off."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if not line or "weights_only" in line:
+        line = "no readable data"
+    return f"{type(error).__name__}: {line[:200]}"
+
+
+def load(path: str | os.PathLike, source: str = "checkpoint") -> dict[str, Any]:
+    """Read a checkpoint on the CPU without unpickling arbitrary objects; CheckpointUnreadable if it cannot be."""
+    import torch  # here, not at the top: the status and the dry run read steps without it (peek_training_state)
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
+            AttributeError, ImportError, OSError) as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise CheckpointUnreadable(Path(path), unreadable_reason(error), source) from None
 
 
 @dataclass
@@ -87,6 +112,13 @@ class _Opaque:
         pass
 
 
+class _StateDict(dict):
+    """An OrderedDict of a peeked pickle (a module's state_dict, with its `_metadata` set by BUILD)."""
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
 class _Peeker(pickle.Unpickler):
     """Unpickles a torch.save archive's data.pkl with every torch object opaque; a storage must be in the archive."""
 
@@ -97,7 +129,7 @@ class _Peeker(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "collections" and name == "OrderedDict":
-            return dict
+            return _StateDict
         if module == "torch" or module.startswith("torch."):
             return _Opaque
         raise pickle.UnpicklingError(f"unsupported global {module}.{name} (only tensors and plain values are read)")
@@ -137,11 +169,7 @@ def peek_training_state(path: Path) -> dict[str, Any] | None:
 def _step_reader(path: Path) -> dict[str, Any]:
     """A checkpoint's training state for its step: peeked, or read whole for an old-format file."""
     state = peek_training_state(path)
-    if state is None:
-        from deit_ablate.record.checkpoint import load
-
-        state = checked_training_state(path, load(path))
-    return state
+    return state if state is not None else checked_training_state(path, load(path))
 
 
 @dataclass(frozen=True)
