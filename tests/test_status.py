@@ -359,3 +359,4 @@ def test_the_status_of_an_output_root_starts_without_the_training_code(tmp_path)
     assert json.loads(loaded) == []
     row, = json.loads("\n".join(table))["runs"]
     assert (row["state"], row["action"]) == ("preempted", f"resume from step 40 ({run.last_checkpoint.name})"), row
+    assert row["detail"] == row["action"]  # no progress.json: the checkpoint's step, not "stopped at step ?"

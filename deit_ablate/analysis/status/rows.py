@@ -127,7 +127,8 @@ def ended_state(run_dir: RunDir, action: LaunchAction, progress: dict[str, Any] 
         return "failed", f"{last_error_line(run_dir)}{ended_job}"
     if action.kind == "resume" or recorded == "stopped":
         said = str((progress or {}).get("error") or "").split(";")[0]  # `stopped by SIGTERM at step 147`
-        return "preempted", f"{said or 'stopped at step ' + str((progress or {}).get('step', '?'))}{ended_job}"
+        step = (progress or {}).get("step")  # none without progress.json (a run from before it): the checkpoint's
+        return "preempted", f"{said or (f'stopped at step {step}' if step is not None else action.text)}{ended_job}"
     return "planned", ""
 
 
