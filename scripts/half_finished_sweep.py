@@ -18,30 +18,31 @@ from pathlib import Path
 
 import torch
 
+from deit_ablate.record.rundir import RunDir, runs_root
+
 SWEEP = ["ablation=glob(*)", "stage=pretrain,finetune"]
 REPO = Path(__file__).resolve().parents[1]
 
 
 def main(root: Path) -> None:
-    """Write the run folders under `root`/runs."""
+    """Write the run folders under the output root `root`."""
     plan = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", *SWEEP, "runtime.dry_run=true",
                            f"runtime.output_root={root}"], capture_output=True, text=True, check=True).stdout
     names = re.findall(r"^\[dry run\] (\S+) ", plan, re.MULTILINE)
     for i, name in enumerate(names):
-        run = root / "runs" / name
-        (run / ".hydra").mkdir(parents=True, exist_ok=True)
+        run = RunDir(runs_root(root) / name)
+        run.hydra_config.parent.mkdir(parents=True, exist_ok=True)
         stage = "finetune" if "stage=finetune" in name else "pretrain"
-        (run / ".hydra" / "overrides.yaml").write_text(json.dumps([name.split(",")[0].rsplit("-", 1)[0],
-                                                                   f"stage={stage}"]))
-        (run / ".hydra" / "config.yaml").write_text(json.dumps({"stage": stage, "seed": 0}))
+        run.hydra_overrides.write_text(json.dumps([name.split(",")[0].rsplit("-", 1)[0], f"stage={stage}"]))
+        run.hydra_config.write_text(json.dumps({"stage": stage, "seed": 0}))
         if i % 3 == 0:
-            (run / "result.json").write_text(json.dumps({"status": "finished", "top1": 70.0, "top1_best": 71.0}))
+            run.result.write_text(json.dumps({"status": "finished", "top1": 70.0, "top1_best": 71.0}))
         elif i % 3 == 1:
             torch.save({"model": {"w": torch.zeros(2_000_000)}, "optimizer": {}, "scheduler": {}, "epoch": 3,
-                        "step": 120}, run / "checkpoint-last.pt")
-            (run / "progress.json").write_text(json.dumps({"state": "stopped", "step": 120, "total_steps": 300,
-                                                           "epoch": 3, "epochs": 10}))
-    print(f"{len(names)} run folders under {root / 'runs'}")
+                        "step": 120}, run.last_checkpoint)
+            run.progress.write_text(json.dumps({"state": "stopped", "step": 120, "total_steps": 300, "epoch": 3,
+                                                "epochs": 10}))
+    print(f"{len(names)} run folders under {runs_root(root)}")
 
 
 def time_refresh(root: Path, refreshes: int = 20) -> None:
