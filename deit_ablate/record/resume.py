@@ -4,8 +4,9 @@ root and the dry run read this for every run of a sweep, on every refresh.
 
 A checkpoint's step is read from its pickle without torch (peek_training_state): torch.save writes a zip archive
 whose `data.pkl` names every tensor by a storage record in the same archive, so the scalars can be read and each
-record checked without reading the tensors (a ViT-B training state is about 1 GB). Only torch's tensor rebuilders
-and containers are accepted in the pickle, as torch.load(weights_only=True) accepts them; nothing is called.
+record checked without reading the tensors (a ViT-B training state is about 1 GB). Only plain values, OrderedDicts
+and torch's own names (tensor rebuilders, storage types, dtypes: each an opaque stand-in) are accepted in the pickle;
+any other name is refused, and nothing the file names is ever called.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def peek_training_state(path: Path) -> dict[str, Any] | None:
         with open(path, "rb") as handle:
             if handle.read(1) == b"\x80":  # a pickle: torch.save's format before torch 1.6
                 return None
-        raise CheckpointUnreadable(path, "not a zip archive: truncated or damaged") from None
+        raise CheckpointUnreadable(path, "not a whole zip archive (truncated or damaged)") from None
     try:
         with archive:
             pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
