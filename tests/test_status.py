@@ -346,9 +346,9 @@ def test_the_status_of_an_output_root_starts_without_the_training_code(tmp_path)
     import torch
 
     run = RunDir(tmp_path / "runs" / "a-run")
-    (run.path / ".hydra").mkdir(parents=True)
-    (run.path / ".hydra" / "overrides.yaml").write_text("[ablation=no_mixup, stage=pretrain]\n")
-    (run.path / ".hydra" / "config.yaml").write_text("{stage: pretrain, seed: 0}\n")
+    run.hydra_config.parent.mkdir(parents=True)
+    run.hydra_overrides.write_text("[ablation=no_mixup, stage=pretrain]\n")
+    run.hydra_config.write_text("{stage: pretrain, seed: 0}\n")
     torch.save({key: {} for key in ("model", "optimizer", "scheduler")} | {"epoch": 2, "step": 40},
                run.last_checkpoint)
     script = ("import json, sys; from deit_ablate.analysis.status.cli import main; main([sys.argv[1], '--json']); "
