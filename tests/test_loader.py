@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import Dataset, SequentialSampler
 
 from deit_ablate.core.errors import ConfigError
-from deit_ablate.data.loader import build_loader
+from deit_ablate.data.loader import build_loader, build_train_loader, worker_niceness
+from deit_ablate.data.transforms import TransformSpec
 from deit_ablate.run.validate import validate_config
 from tests.conftest import compose_config
 
@@ -32,13 +33,35 @@ def _loaded_niceness(overrides: list[str]) -> set[int]:
     return {int(value) for batch in loader for value in batch}
 
 
-def test_workers_run_at_lower_priority_than_the_training_process():
+def test_workers_run_at_the_configured_niceness():
     own = os.nice(0)
-    assert _loaded_niceness(["runtime.num_workers=2"]) == {min(own + 19, 19)}
+    assert _loaded_niceness(["runtime.num_workers=2", "runtime.worker_nice=19"]) == {min(own + 19, 19)}
     assert _loaded_niceness(["runtime.num_workers=2", "runtime.worker_nice=5"]) == {min(own + 5, 19)}
     assert _loaded_niceness(["runtime.num_workers=2", "runtime.worker_nice=0"]) == {own}
-    assert _loaded_niceness(["runtime.num_workers=0"]) == {own}  # no workers: the training process is left alone
+    assert _loaded_niceness(["runtime.num_workers=0", "runtime.worker_nice=19"]) == {own}  # no workers: left alone
     assert os.nice(0) == own
+
+
+@pytest.mark.parametrize(("size", "device", "expected"), [(32, "cpu", 19), (64, "cpu", 19), (96, "cpu", 0),
+                                                          (224, "cpu", 0), (32, "cuda", 0), (224, "cuda", 0)])
+def test_unset_niceness_yields_the_cores_only_where_the_training_step_limits_the_run(size, device, expected):
+    assert worker_niceness(None, torch.device(device), size) == expected
+    assert worker_niceness(7, torch.device(device), size) == 7  # a set value is kept everywhere
+
+
+@pytest.mark.parametrize(("resolution", "expected"), [("32px", 19), ("224px", 0)])
+def test_a_runs_training_workers_take_the_niceness_of_its_image_size(resolution, expected):
+    """The demo at 32 px keeps its workers behind the step (1.13x, docs/PERFORMANCE.md section 8); at 224 px they
+    decode JPEGs and limit the run, and at niceness 19 any other process on the machine took their cores (the
+    first epoch 8x slower on a shared 2-core machine, section 11)."""
+    cfg = compose_config(["runtime.num_workers=2", f"resolution={resolution}"])
+    assert cfg.runtime.worker_nice is None
+    spec = TransformSpec(cfg.data, cfg.augment, cfg.resolution)
+    dataset = Niceness()
+    pairs = [(index, 0) for index in SequentialSampler(dataset)]
+    own = os.nice(0)
+    loader = build_train_loader(dataset, pairs, 2, spec, cfg.runtime, torch.device("cpu"))
+    assert {int(value) for batch in loader for value in batch} == {min(own + expected, 19)}
 
 
 @pytest.mark.parametrize("value", [-1, 20])

@@ -310,9 +310,12 @@ class RuntimeConfig:
     # torch intra-op threads on CPU; None: torch's default (one per core)
     cpu_threads: int | None = ranged(None, ge=1, hint="or null for torch's default (one thread per core)")
     num_workers: int | None = ranged(None, ge=0)  # data-loading workers; None: the cores available to this process
-    # added to the workers' niceness: they yield the CPU to the training step (0-19)
-    worker_nice: int = ranged(19, ge=0, le=19, hint="it is added to the loader workers' niceness, and only root may "
-                                                    "raise a priority; use 0 to leave it as it is")
+    # added to the workers' niceness (0-19); None: 19 where the training step limits the run (a CPU training on
+    # images of at most 64 px: the workers yield the cores to its threads), 0 elsewhere (decoding JPEGs, feeding a
+    # GPU: the workers limit the run, and niced workers starve on a shared machine). docs/PERFORMANCE.md, section 8
+    worker_nice: int | None = ranged(None, ge=0, le=19, hint="it is added to the loader workers' niceness, and only "
+                                                             "root may raise a priority; use 0 to leave it as it is, "
+                                                             "null to choose by device and image size")
     compile: bool = False  # torch.compile the model (opt-in; falls back to eager where it cannot)
     # images one forward/backward pass may hold: a device runs its micro-batches one at a time (accumulating), and
     # a micro-batch larger than this is refused unless splitting it computes exactly the same (validate.py)

@@ -162,6 +162,20 @@ def num_workers(configured: int | None) -> int:
     return configured if configured is not None else default_num_workers()
 
 
+# At most this many pixels a side, a CPU's training step costs more than decoding and augmenting its images: the
+# demo at 32 px (docs/PERFORMANCE.md, section 8). Above it, on a CPU at 224 px, the loader is the limit.
+STEP_BOUND_SIZE = 64
+
+
+def worker_niceness(configured: int | None, device: torch.device | None, image_size: int | None) -> int:
+    """runtime.worker_nice, or where it is unset (None): 19 on a CPU training images of at most STEP_BOUND_SIZE px,
+    where the step's threads should have the cores first, and 0 elsewhere, where the workers limit the run."""
+    if configured is not None:
+        return configured
+    on_cpu = device is None or device.type == "cpu"
+    return 19 if on_cpu and image_size is not None and image_size <= STEP_BOUND_SIZE else 0
+
+
 def lower_worker_priority(niceness: int, worker_id: int) -> None:
     """A DataLoader worker_init_fn: add `niceness` to this worker's CPU niceness (0 leaves it as it is)."""
     if niceness and hasattr(os, "nice"):  # POSIX only
@@ -169,14 +183,16 @@ def lower_worker_priority(niceness: int, worker_id: int) -> None:
 
 
 def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: RuntimeConfig,
-                 train: bool) -> DataLoader:
+                 train: bool, niceness: int | None = None) -> DataLoader:
     """A DataLoader with workers that live through the run, pinned memory on GPU and prefetch; a training one's
     items are (index, seed) pairs (`SeededSamples`), each augmented from its own seed.
 
-    The workers run at runtime.worker_nice below the training process's CPU priority: where cores are short they
-    fill the time the training step leaves idle instead of preempting its threads (docs/PERFORMANCE.md, section 8).
+    The workers run `niceness` (`worker_niceness`; runtime.worker_nice, 0 when unset) below the training process's
+    CPU priority: where cores are short they fill the time the training step leaves idle instead of preempting its
+    threads (docs/PERFORMANCE.md, section 8).
     """
     workers = num_workers(runtime.num_workers)
+    niceness = worker_niceness(runtime.worker_nice, None, None) if niceness is None else niceness
     if train:
         dataset = SeededItems(dataset)
     return DataLoader(
@@ -190,7 +206,7 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: R
         # (docs/PERFORMANCE.md); every training item carries its own seed.
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
-        worker_init_fn=functools.partial(lower_worker_priority, runtime.worker_nice) if workers > 0 else None,
+        worker_init_fn=functools.partial(lower_worker_priority, niceness) if workers > 0 else None,
     )
 
 
@@ -203,7 +219,8 @@ def build_train_loader(dataset: Dataset, sampler: SeededSamples | SkipFirst, bat
 
         return DaliTrainLoader(dataset, IndicesOnly(sampler), batch_size, spec, device,
                                threads=max(1, num_workers(runtime.num_workers)))
-    return build_loader(dataset, sampler, batch_size, runtime, train=True)
+    niceness = worker_niceness(runtime.worker_nice, device, spec.resolution.train_size)
+    return build_loader(dataset, sampler, batch_size, runtime, train=True, niceness=niceness)
 
 
 class IndicesOnly(Sampler):

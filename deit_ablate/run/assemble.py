@@ -20,6 +20,7 @@ from deit_ablate.data.loader import (
     build_loader,
     build_train_loader,
     build_train_sampler,
+    worker_niceness,
 )
 from deit_ablate.data.transforms import BatchNormalize, build_eval_transform, build_train_pipeline
 from deit_ablate.run.plan import RunPlan
@@ -106,7 +107,8 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
     train_sampler = SeededSamples(slots, RunStreams(cfg.seed, info.rank))
     train_loader = build_train_loader(train_set, train_sampler, per_rank, spec, cfg.runtime, info.device)
     val_loader = build_loader(val_set, ShardSampler(len(val_set), info.world_size, info.rank),
-                              cfg.runtime.eval_batch, cfg.runtime, train=False)
+                              cfg.runtime.eval_batch, cfg.runtime, train=False,
+                              niceness=worker_niceness(cfg.runtime.worker_nice, info.device, spec.resolution.eval_size))
     if len(train_loader) == 0:
         raise ConfigError(f"an epoch of {len(train_set)} images (x{cfg.augment.repeated_aug} repeats) dealt to "
                           f"{batch.slots} micro-batches of {batch.micro_batch} holds no full step; lower the global "
