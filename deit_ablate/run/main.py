@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any
 
 import torch
@@ -73,6 +74,14 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         raise lost from None
     finally:
         cleanup(info)
+        end_loader_workers()
+
+
+def end_loader_workers() -> None:
+    """End the loader workers of the run just done: its loaders (whose workers live through the run,
+    data/loader.py) sit in reference cycles that only a full collection frees, and a sweep's next run, in this
+    process, would start beside them."""
+    gc.collect()
 
 
 def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
