@@ -8,7 +8,6 @@ from omegaconf import DictConfig
 
 from deit_ablate.core.errors import ConfigError, RunError, no_access
 from deit_ablate.run.commands import check_overrides, prepare_configs, show_stage_config
-from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
 
 prepare_configs()
 
@@ -86,7 +85,6 @@ if __name__ == "__main__":
     check_overrides(sys.argv[1:])
     if show_stage_config(sys.argv[1:]):  # a fine-tune or transfer as it runs, not as composed
         exit_now(0)
-    sys.argv += one_writer_overrides(int(os.environ.get("RANK", "0")))  # under torchrun: rank 0 saves .hydra/
     try:
         main()
     except SystemExit as stop:

@@ -87,6 +87,16 @@ def report_finished(plan: RunPlan, result: dict[str, Any]) -> None:
                     f"{plan.run_dir.path} to train it again as the recipe now means.")
 
 
+def record_launch(plan: RunPlan) -> None:
+    """Save this launch's config, Hydra's settings and overrides in the run's `.hydra/` (Hydra writes none there:
+    conf/config.yaml): for a launch that trains or records the run, never one that skips a finished run, whose
+    records stay as the launch that trained it wrote them."""
+    from hydra.core.hydra_config import HydraConfig
+
+    settings = HydraConfig.instance().cfg if HydraConfig.initialized() else None
+    plan.run_dir.record_launch(plan.declared, settings)
+
+
 def record_identity(plan: RunPlan) -> None:
     """Write what this run is (its digest, its data and its teacher) into its folder, once."""
     plan.run_dir.record_identity(plan.identity, plan.data)

@@ -39,6 +39,7 @@ from deit_ablate.run.lifecycle import (
     log_again_if_lost,
     previous_result,
     record_identity,
+    record_launch,
     record_result,
     record_without_training,
     report_finished,
@@ -94,10 +95,11 @@ def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
         if info.is_main:
             report_finished(plan, result)
         return result
-    if plan.is_finetune or plan.is_transfer:
-        upstream = upstream_status(plan.lineage, plan.upstream)
-        if upstream != "finished":
-            return record_without_training(plan, upstream, info.is_main)
+    upstream = upstream_status(plan.lineage, plan.upstream) if plan.is_finetune or plan.is_transfer else "finished"
+    if info.is_main:
+        record_launch(plan)
+    if upstream != "finished":
+        return record_without_training(plan, upstream, info.is_main)
     return _train(plan, info)
 
 

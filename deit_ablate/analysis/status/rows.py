@@ -59,6 +59,7 @@ class RunRow:
     best_top1: float | None = None
     slurm_job: str | None = None
     log: str | None = None
+    also: tuple[str, ...] = ()  # the other rows of the sweep that name this run (one row per run folder)
 
     def as_json(self) -> dict[str, Any]:
         """The row as `deit-status --json` prints it."""
