@@ -17,7 +17,7 @@ from deit_ablate.record.rundir import RunDir, runs_root
 from tests.conftest import REPO, TINY, run_train
 
 # Two DeiT III rows that differ only in their fine-tune (layer decay): one pre-training run for both.
-SHARED = ["deit3=baseline,layer_decay_075", "stage=pretrain,finetune", *TINY]
+SHARED = ["deit3=baseline,layer_decay_075", "stage=pretrain,finetune", *TINY, "train.max_steps=2"]
 
 
 def hydra_records(run: RunDir) -> dict[str, bytes]:
