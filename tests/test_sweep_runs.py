@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 
 import pytest
 import yaml
@@ -14,7 +15,8 @@ from deit_ablate.analysis.status.cli import collect, main
 from deit_ablate.analysis.status.sweep import PlannedRun, one_per_folder
 from deit_ablate.analysis.status.view import table, totals
 from deit_ablate.record.rundir import RunDir, runs_root
-from tests.conftest import REPO, TINY, run_train
+from deit_ablate.record.runlock import this_process
+from tests.conftest import REPO, TINY, identity_of, run_train
 
 # Two DeiT III rows that differ only in their fine-tune (layer decay): one pre-training run for both.
 SHARED = ["deit3=baseline,layer_decay_075", "stage=pretrain,finetune", *TINY, "train.max_steps=2"]
@@ -79,3 +81,32 @@ def test_a_pre_training_two_rows_share_keeps_its_first_rows_records_and_is_one_s
         ("deit3=baseline", "pretrain", ["deit3=layer_decay_075"]), ("deit3=baseline", "finetune", []),
         ("deit3=layer_decay_075", "finetune", [])], shown["runs"]
     assert shown["totals"]["runs"] == 3 and shown["totals"]["states"] == {"finished": 3}
+
+
+@pytest.fixture
+def holder():
+    """A live process on this host that stands for another sweep's launch."""
+    proc = subprocess.Popen(["sleep", "300"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_a_sweep_goes_on_past_a_run_another_launch_holds_and_names_it_at_its_end(tmp_path, data_cache, holder):
+    sweep = ["seed=0,1", "stage=pretrain,finetune", *TINY]
+    held = RunDir.under(tmp_path / "outputs", identity_of(["seed=0", "stage=pretrain", *TINY]).name)
+    held.path.mkdir(parents=True)
+    held.lock.write_text(json.dumps({**this_process(), "pid": holder.pid, "proc_start": None, "token": "theirs"}))
+    proc = run_train(["-m", *sweep], tmp_path, data_cache, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    trained = {tuple(yaml.safe_load(RunDir(p).hydra_overrides.read_text())[:2]) for p in held.path.parent.iterdir()
+               if RunDir(p).result.exists()}
+    assert trained == {("seed=1", "stage=pretrain"), ("seed=1", "stage=finetune")}, proc.stderr[-3000:]
+    end = proc.stderr[proc.stderr.index("the sweep left"):]
+    assert "the sweep left 2 of its 4 runs, in use by other launches" in end, proc.stderr[-3000:]
+    assert f"seed=0 stage=pretrain {' '.join(TINY)}: the run folder {held.path} is in use by another launch of the " \
+           f"same run: pid {holder.pid}" in end
+    assert f"seed=0 stage=finetune {' '.join(TINY)}: its pre-training {held.name} is being trained by another " \
+           f"launch: pid {holder.pid}" in end
+    assert json.loads(held.lock.read_text())["pid"] == holder.pid  # untouched
