@@ -307,18 +307,14 @@ class RunDir:
         if not self.identity.exists():
             self.write_identity(identity_record(identity, data))
 
-    def record_launch(self, config: DictConfig, hydra_settings: DictConfig | None) -> None:
-        """Save a launch's composed config, Hydra's settings (`{hydra: ...}`) and its overrides in `.hydra/`, as
-        Hydra itself would, each file atomically; without Hydra's settings (no Hydra job), the config alone."""
-        from omegaconf import OmegaConf
-
+    def record_launch(self, config: str, settings: str | None, overrides: str | None) -> None:
+        """Save a launch's composed config, Hydra's settings and its overrides (YAML, as Hydra writes them) in
+        `.hydra/`, each file atomically; settings and overrides None (no Hydra job): the config alone."""
         self.hydra.mkdir(parents=True, exist_ok=True)
-        files = [(self.hydra_config, config)]
-        if hydra_settings is not None:
-            overrides = hydra_settings.hydra.overrides.task
-            files += [(self.hydra_settings, hydra_settings), (self.hydra_overrides, overrides)]
-        for path, node in files:
-            write_text_atomic(path, OmegaConf.to_yaml(node), temp=self.temp_for(path))
+        texts = ((self.hydra_config, config), (self.hydra_settings, settings), (self.hydra_overrides, overrides))
+        for path, text in texts:
+            if text is not None:
+                write_text_atomic(path, text, temp=self.temp_for(path))
 
     def weights(self) -> Path:
         """The checkpoint to take weights from (e.g. a teacher): the best one, else the last."""

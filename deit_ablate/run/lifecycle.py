@@ -92,9 +92,12 @@ def record_launch(plan: RunPlan) -> None:
     conf/config.yaml): for a launch that trains or records the run, never one that skips a finished run, whose
     records stay as the launch that trained it wrote them."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
-    settings = HydraConfig.instance().cfg if HydraConfig.initialized() else None
-    plan.run_dir.record_launch(plan.declared, settings)
+    settings = HydraConfig.instance().cfg if HydraConfig.initialized() else None  # {hydra: ...}, as Hydra saves it
+    plan.run_dir.record_launch(OmegaConf.to_yaml(plan.declared),
+                               None if settings is None else OmegaConf.to_yaml(settings),
+                               None if settings is None else OmegaConf.to_yaml(settings.hydra.overrides.task))
 
 
 def record_identity(plan: RunPlan) -> None:

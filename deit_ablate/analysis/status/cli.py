@@ -57,7 +57,7 @@ def collect(runs: Sequence[PlannedRun], stall_after: float) -> list[RunRow]:
                   for job, run in read_slurm_jobs(root).items()}  # run folder name -> its newest job
     progress_jobs = {str((read_progress(r.run_dir) or {}).get("slurm_job") or "") for r in runs}
     jobs = slurm_jobs((set(job_of_run.values()) | progress_jobs) - {""})
-    return [replace(run_row(r.run_dir, r.labels, r.action(), jobs, job_of_run, stall_after), also=r.also)
+    return [replace(run_row(r.run_dir, r.labels, r.action(), jobs, job_of_run, stall_after), also=list(r.also))
             for r in runs]
 
 
