@@ -6,9 +6,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from deit_ablate.core.errors import ConfigError, RunError, no_access
+from deit_ablate.core.errors import ConfigError, RunError, RunInUse, no_access
 from deit_ablate.run.commands import check_overrides, prepare_configs, show_stage_config
-from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
 
 prepare_configs()
 
@@ -32,6 +31,12 @@ def main(cfg: DictConfig) -> None:
     speaks = os.environ.get("RANK", "0") == "0"  # one line from a torchrun/SLURM job, not one per rank
     try:
         run(cfg)
+    except RunInUse as error:
+        discard_empty_run_dir()
+        print(f"\nerror: {error}\n", file=sys.stderr)
+        if in_sweep():
+            raise  # the job's failure, which the sweeper notes: it goes on and names the run at its end
+        sys.exit(1)
     except (ConfigError, RunError) as error:
         discard_empty_run_dir()
         print(f"\nerror: {error}\n", file=sys.stderr)
@@ -49,6 +54,14 @@ def main(cfg: DictConfig) -> None:
             print("\nstopped at once (a second Ctrl-C); the same command resumes the run from its last checkpoint\n",
                   file=sys.stderr)
         sys.exit(130)
+
+
+def in_sweep() -> bool:
+    """Whether this run is one of a sweep's (`-m`)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def exit_status(stop: SystemExit) -> int:
@@ -86,7 +99,6 @@ if __name__ == "__main__":
     check_overrides(sys.argv[1:])
     if show_stage_config(sys.argv[1:]):  # a fine-tune or transfer as it runs, not as composed
         exit_now(0)
-    sys.argv += one_writer_overrides(int(os.environ.get("RANK", "0")))  # under torchrun: rank 0 saves .hydra/
     try:
         main()
     except SystemExit as stop:

@@ -9,6 +9,11 @@ class RunError(RuntimeError):
     """A run cannot go on (its folder is in use, the disk is full); the message says why and what to do."""
 
 
+class RunInUse(RunError):
+    """Another launch trains the run, or the run it starts from, now: a sweep leaves the run, goes on with the
+    others and names it at its end."""
+
+
 def no_access(error: PermissionError) -> ConfigError:
     """The one-line error for a file or folder this user may not read or write (a teammate's run, a shared cache)."""
     where = error.filename or "a file"

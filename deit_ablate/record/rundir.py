@@ -9,9 +9,10 @@
                                   folder's name (how the status finds a run's job while it is still queued)
         .submitit/<job>/          submitit's logs and pickles, SLURM sweeps only (conf/hydra/launcher/*.yaml)
         <run name>/               one RunDir; the name is identity.folder_name() (readable overrides + digest)
-          .hydra/config.yaml      Hydra, before main() (global rank 0 only: slurm.one_writer_overrides); read
-          .hydra/overrides.yaml   by teacher.py (a teacher run's model, the command that relaunches a run)
-          .hydra/hydra.yaml
+          .hydra/config.yaml      RunDir.record_launch (rank 0), by each launch that trains the run or records it
+          .hydra/overrides.yaml   without training, never by one that skips it (Hydra writes none: conf/config.yaml
+          .hydra/hydra.yaml       hydra.output_subdir); read by teacher.py (a teacher run's model, the command that
+                                  relaunches a run) and deit-status (a run's row, stage and seed)
           train.log               logs.attach_run_log, from the start of run() to its end (rank 0; appended on
           train-rank<N>.log       each launch); the same for rank N > 0
           run.lock                runlock.RunLock, held while a launch trains the run (rank 0; refreshed every
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deit_ablate.core.atomic import atomic_write, write_json_atomic
+from deit_ablate.core.atomic import atomic_write, write_json_atomic, write_text_atomic
 from deit_ablate.core.errors import ConfigError
 
 if TYPE_CHECKING:  # the aggregator reads run folders without importing omegaconf
@@ -305,6 +306,15 @@ class RunDir:
         """Write what this run is (its digest, its data and its teacher) into identity.json, once."""
         if not self.identity.exists():
             self.write_identity(identity_record(identity, data))
+
+    def record_launch(self, config: str, settings: str | None, overrides: str | None) -> None:
+        """Save a launch's composed config, Hydra's settings and its overrides (YAML, as Hydra writes them) in
+        `.hydra/`, each file atomically; settings and overrides None (no Hydra job): the config alone."""
+        self.hydra.mkdir(parents=True, exist_ok=True)
+        texts = ((self.hydra_config, config), (self.hydra_settings, settings), (self.hydra_overrides, overrides))
+        for path, text in texts:
+            if text is not None:
+                write_text_atomic(path, text, temp=self.temp_for(path))
 
     def weights(self) -> Path:
         """The checkpoint to take weights from (e.g. a teacher): the best one, else the last."""

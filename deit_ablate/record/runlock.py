@@ -100,6 +100,15 @@ def read_lock(path: Path) -> tuple[str, dict[str, Any] | None, float]:
     return text, holder if isinstance(holder, dict) else None, age
 
 
+def live_holder(run_dir: Path) -> str | None:
+    """The live launch that holds the lock of `run_dir`, described; None when none does (no lock, a stale one)."""
+    try:
+        _, holder, age = read_lock(Path(run_dir) / LOCK_NAME)
+    except OSError:
+        return None
+    return describe(holder, age) if stale_reason(holder, age, this_process()) is None else None
+
+
 class RunLock:
     """The lock of one run folder, taken by the main rank only; refreshed by a daemon thread while held."""
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from deit_ablate.config.schema import TrackingMode
 from deit_ablate.core.distributed import DistInfo, agree, broadcast_object, stopped_by_peer
-from deit_ablate.core.errors import ConfigError, RunError
+from deit_ablate.core.errors import ConfigError, RunError, RunInUse
 from deit_ablate.core.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.core.stopping import StopRequested
 from deit_ablate.core.streams import trained_before
@@ -37,7 +37,7 @@ def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 
             return lock
         if not wait:
             lock_file = RunDir(run_dir).lock
-            raise RunError(f"the run folder {run_dir} is in use by another launch of the same run: {holder} "
+            raise RunInUse(f"the run folder {run_dir} is in use by another launch of the same run: {holder} "
                            f"({lock_file}). Wait for it to end or stop it, or add runtime.wait_for_lock=true to wait "
                            f"for it. If that launch is gone (a crashed node), delete {lock_file}.")
         if info.is_main and not announced:
@@ -85,6 +85,19 @@ def report_finished(plan: RunPlan, result: dict[str, Any]) -> None:
     if before is not None:
         log.warning(f"[run] {name} was trained {before} (README, 'Random streams'). Its result is kept; delete "
                     f"{plan.run_dir.path} to train it again as the recipe now means.")
+
+
+def record_launch(plan: RunPlan) -> None:
+    """Save this launch's config, Hydra's settings and overrides in the run's `.hydra/` (Hydra writes none there:
+    conf/config.yaml): for a launch that trains or records the run, never one that skips a finished run, whose
+    records stay as the launch that trained it wrote them."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    settings = HydraConfig.instance().cfg if HydraConfig.initialized() else None  # {hydra: ...}, as Hydra saves it
+    plan.run_dir.record_launch(OmegaConf.to_yaml(plan.declared),
+                               None if settings is None else OmegaConf.to_yaml(settings),
+                               None if settings is None else OmegaConf.to_yaml(settings.hydra.overrides.task))
 
 
 def record_identity(plan: RunPlan) -> None:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from deit_ablate.run.lifecycle import (
     log_again_if_lost,
     previous_result,
     record_identity,
+    record_launch,
     record_result,
     record_without_training,
     report_finished,
@@ -73,6 +75,14 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         raise lost from None
     finally:
         cleanup(info)
+        end_loader_workers()
+
+
+def end_loader_workers() -> None:
+    """End the loader workers of the run just done: its loaders (whose workers live through the run,
+    data/loader.py) sit in reference cycles that only a full collection frees, and a sweep's next run, in this
+    process, would start beside them."""
+    gc.collect()
 
 
 def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
@@ -85,10 +95,11 @@ def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
         if info.is_main:
             report_finished(plan, result)
         return result
-    if plan.is_finetune or plan.is_transfer:
-        upstream = upstream_status(plan.lineage, plan.upstream)
-        if upstream != "finished":
-            return record_without_training(plan, upstream, info.is_main)
+    upstream = upstream_status(plan.lineage, plan.upstream) if plan.is_finetune or plan.is_transfer else "finished"
+    if info.is_main:
+        record_launch(plan)
+    if upstream != "finished":
+        return record_without_training(plan, upstream, info.is_main)
     return _train(plan, info)
 
 

@@ -16,11 +16,12 @@ from deit_ablate.config.compose import compose_run_config
 from deit_ablate.config.schema import CONF_DIR, Stage
 from deit_ablate.config.stage_config import STAGE_BLOCKS, stage_config
 from deit_ablate.config.studies import study_names
-from deit_ablate.core.errors import ConfigError
+from deit_ablate.core.errors import ConfigError, RunInUse
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.identity import pretrain_overrides, swap_overrides, train_command
 from deit_ablate.record.resolvers import run_dir_of
 from deit_ablate.record.rundir import LAST, RUNS, RunDir
+from deit_ablate.record.runlock import live_holder
 from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.transfer import SOURCE_ROLE, source_overrides, source_run_dir
 from deit_ablate.train.deeper import layer_scale_digest, layer_scale_values, set_layer_scale
@@ -104,6 +105,10 @@ def upstream_status(lineage: Lineage, upstream: RunDir | None) -> str:
         return "finished"
     result = upstream.read_result()
     if result is None:
+        holder = live_holder(upstream.path)
+        if holder is not None:
+            raise RunInUse(f"{upstream_role(lineage)} {upstream.name} is being trained by another launch: {holder}. "
+                           "Launch this run again once that one has finished.")
         raise ConfigError(_not_finished(lineage, upstream))
     return result["status"]
 

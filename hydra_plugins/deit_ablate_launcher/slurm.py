@@ -32,7 +32,7 @@ class DeitSlurmLauncher(SlurmLauncher):
     def __call__(self, sweep_overrides: list[str], *args, **kwargs) -> JobReturn:
         """One task of a submitted job; a requeued attempt first clears what a killed attempt left half-saved."""
         _remove_stale_result_file()
-        return super().__call__(sweep_overrides + one_writer_overrides(_global_rank()), *args, **kwargs)
+        return super().__call__(sweep_overrides, *args, **kwargs)
 
     @property
     def world_size(self) -> int:
@@ -166,21 +166,6 @@ def submission_order(upstream: dict[int, int]) -> list[tuple[int, int]]:
             del pending[i]
             waiting.discard(i)
     return order
-
-
-def one_writer_overrides(rank: int) -> list[str]:
-    """Hydra saves the run's `.hydra/` files from every process it runs in; only global rank 0 should write them
-    (16 ranks rewriting them at once leave a reader a half-written file)."""
-    return [] if rank == 0 else ["hydra.output_subdir=null"]
-
-
-def _global_rank() -> int:
-    import submitit
-
-    try:
-        return submitit.JobEnvironment().global_rank
-    except (RuntimeError, KeyError):  # not inside a submitit job
-        return 0
 
 
 def _remove_stale_result_file() -> None:

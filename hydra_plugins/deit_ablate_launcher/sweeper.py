@@ -12,6 +12,7 @@ plugin module (Hydra imports them at startup).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,20 +40,28 @@ class DeitSweeper(BasicSweeper):
         return self.launch_jobs(jobs)
 
     def launch_jobs(self, jobs: list[list[str]]) -> list:
-        """BasicSweeper.sweep over these jobs: multirun.yaml first, then batches of max_batch_size, numbered on."""
+        """BasicSweeper.sweep over these jobs: multirun.yaml first, then batches of max_batch_size, numbered on; a
+        run another launch holds (RunInUse) is left while the others go on, and named at the end (exit status 1)."""
+        from deit_ablate.core.errors import RunInUse
+
         assert self.config is not None and self.launcher is not None
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         self.overrides = list(self.split_overrides_to_chunks(jobs, self.max_batch_size)) if jobs else []
-        returns, initial_job_idx = [], 0
+        returns, initial_job_idx, left = [], 0, []
         while not self.is_done():
             batch = self.get_job_batch()
             results = self.launcher.launch(batch, initial_job_idx=initial_job_idx)
-            for result in results:
-                _ = result.return_value  # raises when the job failed, as BasicSweeper does
+            for overrides, result in zip(batch, results, strict=True):
+                try:
+                    _ = result.return_value  # raises when the job failed, as BasicSweeper does
+                except RunInUse as error:
+                    left.append((overrides, error))
             initial_job_idx += len(batch)
             returns.append(results)
+        if left:
+            sys.exit(left_runs_message(left, len(jobs)))
         return returns
 
     def checked_jobs(self, arguments: list[str]) -> tuple[list[list[str]], list]:
@@ -96,6 +105,14 @@ class DeitSweeper(BasicSweeper):
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         """Nothing left to do: sweep() composed and checked every run before the first was launched."""
+
+
+def left_runs_message(left: Sequence[tuple[Sequence[str], Exception]], runs: int) -> str:
+    """What a sweep that left runs held by other launches says at its end: each run and why, and what to do."""
+    lines = [f"  {' '.join(filter_overrides(overrides)) or 'no overrides'}: {error}" for overrides, error in left]
+    return (f"\nerror: the sweep left {len(left)} of its {runs} runs, in use by other launches (the others ran):\n"
+            + "\n".join(lines) + "\nLaunch the same sweep again once those launches have ended: it skips the runs "
+            "that finished and trains these.\n")
 
 
 def _finished(teachers: dict[str, tuple[list[str], Any]]) -> set[str]:

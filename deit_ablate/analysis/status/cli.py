@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from deit_ablate.analysis.status.rows import STALL_AFTER_S, RunRow, run_row
@@ -56,7 +57,8 @@ def collect(runs: Sequence[PlannedRun], stall_after: float) -> list[RunRow]:
                   for job, run in read_slurm_jobs(root).items()}  # run folder name -> its newest job
     progress_jobs = {str((read_progress(r.run_dir) or {}).get("slurm_job") or "") for r in runs}
     jobs = slurm_jobs((set(job_of_run.values()) | progress_jobs) - {""})
-    return [run_row(r.run_dir, r.labels, r.action(), jobs, job_of_run, stall_after) for r in runs]
+    return [replace(run_row(r.run_dir, r.labels, r.action(), jobs, job_of_run, stall_after), also=list(r.also))
+            for r in runs]
 
 
 def show(rows: list[RunRow], where: str, as_json_too: bool) -> None:

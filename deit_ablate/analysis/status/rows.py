@@ -17,7 +17,7 @@ The states, and the launch action each goes with (tests/test_status.py checks th
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -59,6 +59,7 @@ class RunRow:
     best_top1: float | None = None
     slurm_job: str | None = None
     log: str | None = None
+    also: list[str] = field(default_factory=list)  # the sweep's other rows that name this run (one per folder)
 
     def as_json(self) -> dict[str, Any]:
         """The row as `deit-status --json` prints it."""

@@ -4,7 +4,7 @@ checked_jobs, then preflight.sweep_plans: runs not started yet included), or eve
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ class PlannedRun:
     run_dir: RunDir
     labels: tuple[str, str, int | None]
     plan: RunPlan | None = None
+    also: tuple[str, ...] = ()  # the other study rows of the sweep that name this run (a shared pre-training)
 
     def action(self) -> LaunchAction:
         """What a launch would do now: the dry run's launch_action for a sweep's run, the folder's alone otherwise."""
@@ -67,8 +68,21 @@ def sweep_runs(arguments: list[str]) -> list[PlannedRun]:
         plans = list(sweep_plans(configs, [sweep_run_dir(c) for c in configs], job_log=False))
     finally:
         GlobalHydra.instance().clear()  # as Hydra's own app leaves it: a later compose starts afresh
-    return [PlannedRun(plan.run_dir, (row_label(plan.overrides), str(plan.settings.stage), int(plan.settings.seed)),
-                       plan) for plan in plans]
+    return one_per_folder([PlannedRun(plan.run_dir, (row_label(plan.overrides), str(plan.settings.stage),
+                                                     int(plan.settings.seed)), plan) for plan in plans])
+
+
+def one_per_folder(runs: Sequence[PlannedRun]) -> list[PlannedRun]:
+    """Each run once, in order: a run folder several rows of a sweep name (two DeiT III rows differing only in
+    their fine-tune share a pre-training) is the first row's, with the others' labels in `also`."""
+    first: dict[Path, PlannedRun] = {}
+    for run in runs:
+        seen = first.get(run.run_dir.path)
+        if seen is None:
+            first[run.run_dir.path] = run
+        elif run.labels[0] not in (seen.labels[0], *seen.also):
+            first[run.run_dir.path] = replace(seen, also=(*seen.also, run.labels[0]))
+    return list(first.values())
 
 
 def folder_labels(run_dir: RunDir) -> tuple[str, str, int | None]:

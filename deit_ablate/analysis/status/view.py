@@ -90,7 +90,8 @@ def table(rows: Sequence[RunRow], title: str) -> Table:
         grid.add_column(name, justify=justify, overflow="fold" if name == "detail" else "ellipsis",
                         no_wrap=name != "detail", max_width=RUN_WIDTH if name == "run" else None)
     for r in rows:
-        detail = r.detail + (f" [log: {r.log}]" if r.state == "failed" and r.log else "")
+        detail = "; ".join([*([f"also: {', '.join(r.also)}"] if r.also else []), *([r.detail] if r.detail else [])])
+        detail += f" [log: {r.log}]" if r.state == "failed" and r.log else ""
         grid.add_row(r.row, r.stage, "" if r.seed is None else str(r.seed), Text(r.state, style=STYLE.get(r.state)),
                      _of(r.epoch, r.epochs), _of(r.step, r.total_steps), _number(r.img_per_s, ".0f"),
                      clock(r.elapsed_s), clock(r.eta_s), _number(r.last_top1, ".2f"), _number(r.best_top1, ".2f"),
