@@ -760,3 +760,44 @@ def test_a_teacher_named_for_a_run_that_does_not_distil_never_splits_its_cell():
     assert experiment_settings(swept) == experiment_settings(plain)
     distilled = [{**config, "distill": {**config["distill"], "type": "hard"}} for config in (plain, swept)]
     assert experiment_settings(distilled[0]) != experiment_settings(distilled[1])
+
+
+# --- #46 point 15: a label with dollar signs is drawn as it is, not read as mathtext ---------------------------------
+
+
+def _drawn_as(text) -> str:
+    """What matplotlib puts on the page for a Text: its string once `\\$` escapes are undone, or MATH if it would
+    be parsed as mathtext (which raises on `$x^$` and draws `$x$` as an italic x)."""
+    shown, math_mode = text._preprocess_math(text.get_text())
+    return "MATH" if math_mode else shown
+
+
+def test_labels_with_dollar_signs_draw_literally_in_plot_curves_and_html(tmp_path: Path) -> None:
+    import numpy as np
+    from matplotlib.text import Text
+
+    from deit_ablate.analysis.aggregate.disagree import heatmap
+    from deit_ablate.analysis.aggregate.plot import figure_png
+
+    rows = {"baseline": (50.0, 52.0), "$x^$": (40.0, 41.0), "$x$": (45.0, 46.0)}
+    runs = [_run(f"d{i}-{seed}", row, "pretrain", seed, _done(value), group="dollars$")
+            for i, (row, values) in enumerate(rows.items()) for seed, value in enumerate(values)]
+    write_offline_runs(runs, tmp_path)
+    plot, curves, page = tmp_path / "delta.png", tmp_path / "curves.png", tmp_path / "page.html"
+    argv = [str(tmp_path / "main" / "wandb"), "--group", "dollars$", "--baseline", "baseline", "-q"]
+    assert cli.main([*argv, "--plot", str(plot), "--curves", str(curves), "--out", str(tmp_path / "t.md")]) == 0
+    assert plot.stat().st_size > 0 and curves.stat().st_size > 0
+    assert cli.main([*argv, "--format", "html", "--out", str(page)]) == 0
+    html = page.read_text()
+    assert "<td>$x^$</td>" in html and "<td>$x$</td>" in html and html.count('src="data:image/png') == 2
+
+    args = cli.build_parser().parse_args([*argv, "--plot", str(plot), "--curves", str(curves)])
+    figs = cli.figures(cli.aggregate(args, lambda m: None), args)
+    for name, fig in figs.items():
+        figure_png(fig)  # draws every text (tick labels included) as the PNG does
+        drawn = [_drawn_as(t) for t in fig.findobj(Text) if "x" in t.get_text() and "$" in t.get_text()]
+        assert "MATH" not in drawn and {"$x^$", "$x$"} <= {d.split(" ")[0] for d in drawn}, (name, drawn)
+    fig = heatmap(["$a$", "b"], np.array([[0.0, 1.0], [1.0, 0.0]]), [{"pair": "$a$ vs b", "paper": 1.0,
+                                                                      "ours": 0.01}], 10, why="cost $5$")
+    figure_png(fig)
+    assert "MATH" not in [_drawn_as(t) for t in fig.findobj(Text)]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
 
+import pytest
 from torchvision.datasets import ImageFolder
 
+from deit_ablate.core.errors import RunError
 from deit_ablate.data.builtin import CLASSES, ensure_builtin_dataset
+from tests.conftest import TINY, run_train
 
 
 def _digest(root) -> str:
@@ -44,3 +48,36 @@ def test_an_incomplete_tree_is_drawn_again_and_a_complete_one_is_reused(tmp_path
     ensure_builtin_dataset(tmp_path, image_size=16, train_per_class=3, val_per_class=2)
     assert _digest(root) == reference and marker.exists()
     assert not list(tmp_path.glob(".s16-*"))  # no staging folder left behind
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs: too small for the built-in set (about 40 PNGs fit), unmounted afterwards."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); needs root and "
+                    "CAP_SYS_ADMIN")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_while_drawing_is_one_error_naming_the_folder_and_leaves_nothing(full_disk):
+    with pytest.raises(RunError) as raised:
+        ensure_builtin_dataset(full_disk, image_size=40, train_per_class=50, val_per_class=10)
+    message = str(raised.value)
+    target = full_disk / "s40-n50-10-seed0"
+    assert f"no space left on the device while drawing the built-in dataset into {target}" in message, message
+    assert "free of" in message and "DEIT_ABLATE_CACHE" in message and "\n" not in message
+    assert list(full_disk.iterdir()) == []  # no half-drawn folder, no staging folder
+
+
+@pytest.mark.faults
+def test_train_py_on_a_full_disk_says_one_line(tmp_path, full_disk):
+    proc = run_train(TINY, tmp_path, full_disk, check=False, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and "no space left on the device while drawing the built-in dataset" in errors[0]
+    assert list((full_disk / "builtin").iterdir()) == []

@@ -153,14 +153,26 @@ def write_figure_atomic(path: str | os.PathLike, figure: Any, format: str = "png
     atomic_write(path, lambda handle: figure.savefig(handle, format=format), **options)
 
 
-def atomic_folder(target: str | os.PathLike, fill: Callable[[Path], None], complete: Callable[[], bool]) -> Path:
+def no_space_folder_error(target: Path, doing: str, room: str) -> RunError:
+    """The message for a full disk while a folder is filled: the folder, the free space there, what to do."""
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    usage = shutil.disk_usage(existing)
+    return RunError(f"no space left on the device while {doing} {target}: {_human_bytes(usage.free)} free of "
+                    f"{_human_bytes(usage.total)} there now, and nothing of the folder was kept. Free some space"
+                    f"{room} and launch the same command again.")
+
+
+def atomic_folder(target: str | os.PathLike, fill: Callable[[Path], None], complete: Callable[[], bool],
+                  doing: str = "writing the folder", room: str = "") -> Path:
     """Make the folder `target` whole or not at all: `fill` a hidden staging folder beside it, then rename that into
     place. An incomplete `target` from an earlier attempt is replaced; one that another process completed meanwhile
-    (`complete()` true once the rename fails) is kept. The staging folder never outlives the call."""
+    (`complete()` true once the rename fails) is kept. The staging folder never outlives the call. A full disk is a
+    RunError naming the folder (`doing` it: what was under way; `room`: where else the folder could go)."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging, _ = create_unique(target.parent, f".{target.name}-", "", lambda new: new.mkdir(0o777))  # less umask
+    staging = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging, _ = create_unique(target.parent, f".{target.name}-", "", lambda new: new.mkdir(0o777))  # less umask
         fill(staging)
         if target.exists() and not complete():
             shutil.rmtree(target)  # an incomplete or outdated earlier attempt
@@ -169,6 +181,13 @@ def atomic_folder(target: str | os.PathLike, fill: Callable[[Path], None], compl
         except OSError:
             if not complete():  # lost a race only if the other process finished the same folder
                 raise
+    except OSError as error:
+        if is_no_space(error):
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)  # first, so that the message tells the space there is
+            raise no_space_folder_error(target, doing, room) from None
+        raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -198,6 +198,10 @@ def ensure_builtin_dataset(root: str | os.PathLike, image_size: int = 40, train_
         _write_split(staging, "val", val_per_class, image_size, seed, classes)
         (staging / _MARKER).write_text(json.dumps(spec))
 
-    atomic_folder(target, fill, complete=lambda: marker.exists() and json.loads(marker.read_text()) == spec)
+    images = len(classes) * (train_per_class + val_per_class)
+    room = (f" (or set DEIT_ABLATE_CACHE, or data.root, to a folder on a disk with room: the set takes up to "
+            f"{images * image_size ** 2 * 3 / 2 ** 20:.0f} MiB, {images} PNGs of {image_size}x{image_size})")
+    atomic_folder(target, fill, complete=lambda: marker.exists() and json.loads(marker.read_text()) == spec,
+                  doing="drawing the built-in dataset into", room=room)
     print(f"[data] built-in dataset ready in {time.perf_counter() - start:.1f}s", flush=True)
     return target

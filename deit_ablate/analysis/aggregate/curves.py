@@ -23,7 +23,7 @@ from deit_ablate.record.rundir import METRICS, RunDir
 from .about import footer, headline
 from .cells import Table
 from .paper import STAGE_NAMES
-from .plot import framed_figure
+from .plot import framed_figure, literal
 from .reader import RunInfo, is_api_source, read_histories
 from .stats import NO_SPREAD
 
@@ -157,7 +157,7 @@ def draw_curves(table: Table, series: dict[str, list[Series]]) -> Any:
         for s in series.get(stage, []):
             color = colors.get(s.label, "black")
             n = max(map(len, s.values))
-            label = f"{s.label} (n={n})" if n > 1 else f"{s.label} ({NO_SPREAD})"
+            label = literal(f"{s.label} (n={n})" if n > 1 else f"{s.label} ({NO_SPREAD})")
             ax.plot(s.epochs, s.mean, "-", color=color, marker="o", markersize=3, label=label)
             if n > 1:
                 low, high = [min(v) for v in s.values], [max(v) for v in s.values]

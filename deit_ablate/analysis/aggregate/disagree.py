@@ -26,6 +26,8 @@ from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.predictions import HEAD_NAMES, HEADS, INDEX, LABELS
 from deit_ablate.record.rundir import DATA, PREDICTIONS, RunDir
 
+from .plot import literal
+
 PAPER_FILE = CONF_DIR / "distill" / "disagreement.json"
 
 
@@ -211,6 +213,7 @@ def heatmap(labels: Sequence[str], matrix: np.ndarray, rows: Sequence[dict[str, 
 
     side = 0.55 * len(labels)  # inches: the matrix, then room for labels (left, below), colour bar and the paper
     margin = 0.3 + 0.065 * max(len(label) for label in labels)
+    labels = [literal(label) for label in labels]
     width, height = margin + side + 1.2 + 3.6, margin + side + 0.6
     fig = Figure(figsize=(width, height), dpi=120)
     ax = fig.add_axes((margin / width, margin / height, side / width, side / height))
@@ -226,6 +229,6 @@ def heatmap(labels: Sequence[str], matrix: np.ndarray, rows: Sequence[dict[str, 
     ax.set_title(f"Disagreement over {images} eval images", fontsize=9)
     reference = "\n".join(f"{r['pair']}:\n  paper {r['paper']:.1f}%, ours {_percent(r['ours'])}" for r in rows)
     reference += "\n\n" + textwrap.fill(why, 60) if why else ""
-    fig.text((width - 3.5) / width, (margin + side) / height, "DeiT Table 4 (DeiT-B, ImageNet)\n\n" + reference,
-             fontsize=6.5, ha="left", va="top")
+    fig.text((width - 3.5) / width, (margin + side) / height,
+             literal("DeiT Table 4 (DeiT-B, ImageNet)\n\n" + reference), fontsize=6.5, ha="left", va="top")
     return fig

@@ -34,6 +34,11 @@ def _limit(values: list[float]) -> float:
     return max(1.0, finite[-1]) * 1.15
 
 
+def literal(text: str) -> str:
+    """A user's string (a row, a filter, a run name) as matplotlib draws it as it is: `$` would start mathtext."""
+    return text.replace("$", r"\$")
+
+
 def figure_png(fig: Any) -> bytes:
     """A matplotlib Figure as PNG bytes."""
     buf = io.BytesIO()
@@ -59,7 +64,7 @@ def framed_figure(width_in: float, height_in: float, head: str, foot: str) -> tu
     suptitle is tight_layout's own)."""
     from matplotlib.figure import Figure
 
-    head, foot = _wrap(head, width_in, HEAD_PT), _wrap(foot, width_in, FOOT_PT)
+    head, foot = literal(_wrap(head, width_in, HEAD_PT)), literal(_wrap(foot, width_in, FOOT_PT))
     top = (head.count("\n") + 1) * HEAD_PT * 1.35 / 72 + 0.15
     bottom = (foot.count("\n") + 1) * FOOT_PT * 1.3 / 72 + 0.12
     total = height_in + top + bottom
@@ -159,7 +164,7 @@ def draw_deltas(table: Table, title: str | None = None) -> Any:
     for i, (label, color, vals, cells) in enumerate(series):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
         heights = [0.0 if v is None else max(-lim, min(lim, v)) for v in vals]
-        bars = ax.bar(xs, heights, width, label=label, color=color)
+        bars = ax.bar(xs, heights, width, label=literal(label), color=color)
         clipped |= _clip_labels(ax, bars, vals, lim)
         if cells is not None:
             cut |= _spread(ax, xs, heights, cells, lim, color, labelled)
@@ -171,10 +176,10 @@ def draw_deltas(table: Table, title: str | None = None) -> Any:
     ax.set_ylim(-lim * 1.05, lim * 1.05)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(
-        [f"{r.key}†" if r.note == "did not train well" else r.key for r in rows], rotation=35, ha="right"
+        [literal(f"{r.key}†" if r.note == "did not train well" else r.key) for r in rows], rotation=35, ha="right"
     )
     reference = "the row's own baseline" if table.per_row_baselines else table.baseline or "baseline"
-    ax.set_ylabel(f"Δ top-1 to {reference} (points)")
+    ax.set_ylabel(literal(f"Δ top-1 to {reference} (points)"))
     ax.legend(fontsize=7, ncols=2)
     ax.grid(axis="y", alpha=0.3)
     notes = ["hatched: clipped, value printed"] if clipped else []
