@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh: its argument handling, its one-line stop without a GPU, its table, and (slow) its whole
-flow on the CPU at toy sizes (--dry), which writes the JSON a GPU session commits."""
+flow on the CPU at 224 px with a narrow DeiT (--dry), which writes the JSON a GPU session commits."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from deit_ablate.bench.env import cpu_calls
 from deit_ablate.bench.gpu_check import NO_GPU_EXIT, TARGETS, _sizes, measure_fp16, table
 from tests.conftest import REPO
 
@@ -61,7 +62,7 @@ def test_table_marks_the_issues_targets():
 
 def test_fp16_entry_trains_with_the_loss_scaler_on_the_cpu_at_dry_sizes(data_cache):
     results = {}
-    measure_fp16(_sizes(dry=True), torch.device("cpu"), str(data_cache / "builtin"), results)
+    measure_fp16(_sizes(dry=True), torch.device("cpu"), str(data_cache / "builtin"), results, cpu_calls())
     fp16 = results["train_step_fp16"]
     assert fp16["amp"] == "fp16" and fp16["images_per_s"] > 0 and all(v > 0 for v in fp16["samples"])
     assert fp16["steps"] == 1 + 1 + 2 + 1  # first loss, warm-up, one repeat of 2, last loss
