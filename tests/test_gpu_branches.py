@@ -7,12 +7,18 @@ call (a peak-memory figure, a GPU's name), so no line of the check is reached on
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
+import timm
 import torch
 
+from deit_ablate.analysis.sharpness import build_parser as build_sharpness_parser
 from deit_ablate.bench import step
 from deit_ablate.bench.env import (
     DeviceCalls,
@@ -36,6 +42,17 @@ from deit_ablate.bench.gpu_check import (
     pipeline_where,
     table,
 )
+from deit_ablate.config.schema import RuntimeConfig
+from deit_ablate.core.distributed import bind_device, choose_device, device_generator, process_group_backend
+from deit_ablate.data.batch import seed_erasing
+from deit_ablate.data.dali import copy_target, dali_device_id
+from deit_ablate.data.loader import build_loader
+from deit_ablate.run.assemble import ddp_device_ids
+from deit_ablate.run.teacher import teacher_layout
+from deit_ablate.train.optim import build_optimizer
+from deit_ablate.train.sam import ClockEvent, PassTimer, rng_state, set_rng_state
+from deit_ablate.train.teacher import teacher_forward
+from tests.conftest import REPO
 
 CPU = torch.device("cpu")
 SIZES = _sizes(dry=True)
@@ -193,3 +210,136 @@ def test_the_table_and_json_of_a_cpu_report(tmp_path):
     report = {"device": {"summary": "CPU"}, "seconds": 1.0,
               "results": {"matmul_bf16_tflops": 0.1, "matmul_dtype": "float32", "peak_memory_gib": None}}
     assert "peak GPU memory" in table(report) and json.dumps(report)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The package's other CUDA branches (docs/testing.md, "Code paths a GPU takes, run on the CPU")
+
+GPU = torch.device("cuda", 1)  # a device object only: the functions below are handed it, not CUDA
+
+
+def test_process_groups_and_the_device_binding_of_a_gpu_rank():
+    assert process_group_backend(GPU) == "nccl" and process_group_backend(CPU) == "gloo"
+    bound = []
+    bind_device(GPU, set_device=bound.append)  # stands in for torch.cuda.set_device
+    bind_device(CPU, set_device=bound.append)
+    assert bound == [GPU]
+    assert choose_device("cuda", 3).type == "cuda" and choose_device("cuda:1", 0) == GPU
+    if not torch.cuda.is_available():
+        assert choose_device("auto", 0) == CPU
+    assert ddp_device_ids(GPU) == [1] and ddp_device_ids(CPU) is None
+
+
+def test_the_device_generator_that_erasing_and_sam_reseed():
+    generators = [torch.Generator(), torch.Generator()]  # stand in for torch.cuda.default_generators
+    assert device_generator(GPU, generators) is generators[1] and device_generator(CPU) is torch.default_generator
+    seed_erasing(7, CPU)
+    drawn = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(drawn, torch.rand(4))
+    state = rng_state(CPU)
+    first = torch.rand(4)
+    set_rng_state(state, CPU)
+    assert torch.equal(first, torch.rand(4))
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_sams_pass_timer_on_clock_events(device):
+    timer = PassTimer(device, event=ClockEvent if device.type == "cuda" else None)  # ClockEvent stands in for
+    if device.type == "cuda":  # torch.cuda.Event on the GPU device object
+        assert PassTimer(device).event.func is torch.cuda.Event
+    else:
+        assert timer.event is ClockEvent
+    for _ in range(2):
+        timer.start_step()
+        for _ in range(3):  # second pass begins, ends; the step ends
+            sum(range(20_000))
+            timer.mark()
+    share = timer.share()
+    assert share is not None and 0 < share < 1 and timer.share() is None
+
+
+def test_the_teacher_under_bf16_autocast_and_its_gpu_layout():
+    torch.manual_seed(0)
+    teacher = timm.create_model("resnet10t", num_classes=10).eval()
+    images = torch.randn(2, 3, 64, 64)
+    full = teacher_forward(teacher, images)  # the CPU's default: full precision
+    half = teacher_forward(teacher, images, bf16=True)  # the GPU's default, run by the CPU's bf16 autocast
+    assert half.dtype == full.dtype == torch.float32 and not torch.equal(half, full)
+    torch.testing.assert_close(half, full, rtol=0.1, atol=0.1)
+    laid_out = teacher_layout(copy.deepcopy(teacher), GPU)
+    assert laid_out.conv1[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert teacher_layout(teacher, CPU).conv1[0].weight.is_contiguous()
+    vit = timm.create_model("deit_tiny_patch16_224", depth=1, embed_dim=48, num_heads=3, img_size=32)
+    assert teacher_layout(vit, GPU) is vit
+
+
+def test_dali_on_a_gpu_reads_its_device_and_stream():
+    assert dali_device_id(GPU) == 1 and dali_device_id(CPU) is None
+    assert dali_device_id(torch.device("cuda"), current_device=lambda: 5) == 5  # stands in for current_device
+    # stands in for torch.cuda.current_stream
+    assert copy_target(1, current_stream=lambda device: f"stream of {device}") == (GPU, "stream of cuda:1")
+    assert copy_target(None) == (CPU, None)
+
+
+def test_the_host_side_settings_a_gpu_changes(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    optimizer = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.05)
+    assert optimizer.param_groups[0]["fused"] is True  # CPU and CUDA parameters take the fused AdamW
+    loader = build_loader(list(range(8)), None, 4, RuntimeConfig(num_workers=0), train=False)
+    assert loader.pin_memory is torch.cuda.is_available()
+    assert build_sharpness_parser().parse_args(["run"]).device == "auto"
+
+
+def _scopes(node: ast.AST, prefix: str = "") -> list[tuple[int, int, str]]:
+    """(first line, last line, qualified name) of every function and class under `node`."""
+    scopes = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scopes.append((child.lineno, child.end_lineno, prefix + child.name))
+            scopes += _scopes(child, prefix + child.name + ".")
+        else:
+            scopes += _scopes(child, prefix)
+    return scopes
+
+
+def cuda_functions(package: Path) -> dict[str, list[int]]:
+    """`file:function` (`file:<module>` outside any) of every line of the package that says `cuda`, with the lines."""
+    found: dict[str, list[int]] = {}
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text()
+        lines = [number for number, line in enumerate(source.splitlines(), 1) if "cuda" in line]
+        if not lines:
+            continue
+        scopes = _scopes(ast.parse(source))
+        for line in lines:
+            inner = [scope for scope in scopes if scope[0] <= line <= scope[1]]
+            name = max(inner)[2] if inner else "<module>"
+            found.setdefault(f"{path.relative_to(package).as_posix()}:{name}", []).append(line)
+    return found
+
+
+def docs_table() -> dict[str, list[str]]:
+    """The rows of docs/testing.md's "Code paths a GPU takes, run on the CPU": function -> the tests named."""
+    text = (REPO / "docs" / "testing.md").read_text()
+    section = text.split("## Code paths a GPU takes, run on the CPU", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and ":" in cells[0]:
+            rows[cells[0].strip("`")] = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", cells[2])
+    return rows
+
+
+def test_every_cuda_branch_is_in_the_table():
+    found, rows = cuda_functions(REPO / "deit_ablate"), docs_table()
+    missing = {name: lines for name, lines in found.items() if name not in rows}
+    assert not missing, (f"functions that say `cuda` (file:function: lines) without a row in docs/testing.md's 'Code "
+                         f"paths a GPU takes, run on the CPU': {missing}. Add a CPU test that runs the GPU side "
+                         "(a stand-in for the one CUDA call only) and a row naming it, or merge the branch away.")
+    stale = sorted(set(rows) - set(found))
+    assert not stale, f"rows of docs/testing.md whose function no longer says `cuda`: {stale}; delete them"
+    for name, tests in rows.items():
+        assert tests, f"the row of {name} names no test (`tests/test_x.py::test_name`)"
+        for file, test in tests:
+            assert re.search(rf"^def {test}\(", (REPO / file).read_text(), re.M), f"{name}: {file}::{test} is no test"
