@@ -77,8 +77,7 @@ def section_matmul(s: Settings, report: Report) -> None:
 
 
 def section_step(s: Settings, report: Report) -> None:
-    """Our Trainer.train_step on synthetic loader batches on the device (uint8, through the per-batch transform);
-    optimizer implementations and compile side by side; host syncs per step of train_steps."""
+    """Our Trainer.train_step on uint8 loader batches; optimizer implementations, compile and host syncs per step."""
     from deit_ablate.bench import step
 
     overrides = [f"model={s.model}", f"resolution.train_size={s.size}", f"resolution.eval_size={s.size}",
@@ -112,8 +111,8 @@ def section_step(s: Settings, report: Report) -> None:
             extra["optimizer_runs_as"] = step.default_optimizer_impl(setups[name].trainer.optimizer)
         settings = {**step.step_settings(cfg.model, cfg.resolution, setups[name]), "overrides": overrides}
         report.add(Figure("train_step", name, value, "images/s", report.device["summary"],
-                          f"{s.command}  (in-process: Trainer.train_step on synthetic uint8 loader batches)", settings,
-                          samples, extra))
+                          f"{s.command}  (in-process: Trainer.train_step on uint8 loader batches)", settings, samples,
+                          extra))
     for name in variants:
         if name != "ours":
             report.compare("train_step", name, "ours")
