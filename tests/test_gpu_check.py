@@ -84,6 +84,9 @@ def test_dry_run_writes_every_figure(tmp_path, data_cache):
                 "pipeline_dali"):
         assert results[key]["images_per_s"] > 0 and all(v > 0 for v in results[key]["samples"]), key
     assert 0 < results["train_step_eager"]["mfu"] and results["train_step_eager"]["train_gflops_per_image"] > 0
+    assert results["train_step_eager"]["size"] == results["pipeline_pil"]["train_size"] == 224
+    assert results["train_step_eager"]["model"] == "deit_tiny_patch16_224"  # narrowed: one block of width 48
+    assert results["host_syncs_per_step"] == 0.0  # train_steps ran on the loader's uint8 batches (HostReads)
     assert results["distill_hard_token_step"]["student"] == "VisionTransformerDistilled"
     assert results["train_step_fp16"]["amp"] == "fp16" and results["train_step_fp16"]["loss_scale"] > 0
     assert 0 <= results["train_step_fp16"]["amp_skipped_steps"] <= results["train_step_fp16"]["steps"]
