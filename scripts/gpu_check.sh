@@ -5,7 +5,7 @@
 # at 224 (pil on all cores, dali on the GPU); hard-token distillation step (RegNetY-16GF teacher, random init,
 # + DeiT-B distilled); peak memory. Writes OUT.json and prints a table; under 8 minutes on one H200.
 # Installs nothing and downloads nothing (it draws its own JPEGs); stops at once, exit 3, where there is no GPU.
-# --dry runs every function of the check on the CPU at 224 px with a narrow DeiT and writes the JSON (about a minute).
+# --dry runs every function of the check on the CPU at 224 px with a narrow DeiT and writes the JSON (one to two minutes on 2 busy cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
