@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh: its argument handling, its one-line stop without a GPU, its table, and (slow) its whole
-flow on the CPU at toy sizes (--dry), which writes the JSON a GPU session commits."""
+flow on the CPU at 224 px with a narrow DeiT (--dry), which writes the JSON a GPU session commits."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from deit_ablate.bench.env import cpu_calls
 from deit_ablate.bench.gpu_check import NO_GPU_EXIT, TARGETS, _sizes, measure_fp16, table
 from tests.conftest import REPO
 
@@ -61,7 +62,7 @@ def test_table_marks_the_issues_targets():
 
 def test_fp16_entry_trains_with_the_loss_scaler_on_the_cpu_at_dry_sizes(data_cache):
     results = {}
-    measure_fp16(_sizes(dry=True), torch.device("cpu"), str(data_cache / "builtin"), results)
+    measure_fp16(_sizes(dry=True), torch.device("cpu"), str(data_cache / "builtin"), results, cpu_calls())
     fp16 = results["train_step_fp16"]
     assert fp16["amp"] == "fp16" and fp16["images_per_s"] > 0 and all(v > 0 for v in fp16["samples"])
     assert fp16["steps"] == 1 + 1 + 2 + 1  # first loss, warm-up, one repeat of 2, last loss
@@ -83,6 +84,9 @@ def test_dry_run_writes_every_figure(tmp_path, data_cache):
                 "pipeline_dali"):
         assert results[key]["images_per_s"] > 0 and all(v > 0 for v in results[key]["samples"]), key
     assert 0 < results["train_step_eager"]["mfu"] and results["train_step_eager"]["train_gflops_per_image"] > 0
+    assert results["train_step_eager"]["size"] == results["pipeline_pil"]["train_size"] == 224
+    assert results["train_step_eager"]["model"] == "deit_tiny_patch16_224"  # narrowed: one block of width 48
+    assert results["host_syncs_per_step"] == 0.0  # train_steps ran on the loader's uint8 batches (HostReads)
     assert results["distill_hard_token_step"]["student"] == "VisionTransformerDistilled"
     assert results["train_step_fp16"]["amp"] == "fp16" and results["train_step_fp16"]["loss_scale"] > 0
     assert 0 <= results["train_step_fp16"]["amp_skipped_steps"] <= results["train_step_fp16"]["steps"]

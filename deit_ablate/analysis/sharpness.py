@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from deit_ablate.config.schema import DataConfig
+from deit_ablate.core.distributed import choose_device
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import RunDir, find_run, runs_root, wandb_root
 from deit_ablate.run.commands import command
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sigma", type=float, default=d.sigma, help="std of the Gaussian weight noise")
     parser.add_argument("--draws", type=int, default=d.draws, help="noise draws the noisy loss averages")
     parser.add_argument("--seed", type=int, default=d.seed, help="picks the images, start vector and noise")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto", help="auto (the GPU where there is one), cpu, cuda, cuda:1, ...")
     parser.add_argument("--data-root", default=None, help="where the run's data lies now (default: its config's)")
     parser.add_argument("--no-wandb", action="store_true", help="record in result.json only")
     return parser
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_of(args)
         run = finished_run(args.run)
-        record = measure_run(run, settings, torch.device(args.device), args.data_root, sys.stderr.isatty())
+        device = choose_device(args.device, local_rank=0)
+        record = measure_run(run, settings, device, args.data_root, sys.stderr.isatty())
         record_in_result(run, record)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,14 +1,17 @@
 """One prepared GPU check (scripts/gpu_check.sh): the figures a GPU session reports, in one JSON and one table.
 
     python -m deit_ablate.bench.gpu_check OUT.json          # on a CUDA GPU, < 8 minutes on one H200
-    python -m deit_ablate.bench.gpu_check OUT.json --dry    # the same flow on the CPU at toy sizes (schema check)
+    python -m deit_ablate.bench.gpu_check OUT.json --dry    # the same flow on the CPU, 224 px, a narrow DeiT
 
-bf16 matmul rate; DeiT-B/16 bf16 train step (Trainer.train_step on synthetic batches), eager and torch.compile,
+bf16 matmul rate; DeiT-B/16 bf16 train step (Trainer.train_step on synthetic uint8 batches as the loader yields them,
+through the trainer's per-batch transform), eager and torch.compile,
 images/s and MFU; host syncs per step; the released code's precision (train.amp=fp16: fp16 autocast + loss scaler),
 images/s, the steps the scaler skipped and its final scale; input pipeline images/s at 224 (pil: DataLoader on all
 cores, dali: the DALI pipeline on the GPU) on JPEGs it draws; the hard-token distillation step (RegNetY-16GF
 teacher, random init, + DeiT-B distilled); peak GPU memory. Nothing is installed or downloaded. Without a GPU it
-stops at once.
+stops at once. --dry runs every function of the check on the CPU at 224 px with a narrow DeiT (patch 16, one block of
+width 48) on the same uint8 batches, the CUDA calls replaced by bench.env's CPU equivalents, and compiles with the
+aot_eager backend (torch.compile's graph capture without inductor's C++ code generation, two minutes on two cores).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from deit_ablate.bench.env import DeviceCalls
 from deit_ablate.core.atomic import write_text_atomic
 from deit_ablate.run.commands import command as entry_point
 
@@ -37,18 +41,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="where to write the JSON results")
-    parser.add_argument("--dry", action="store_true", help="CPU, toy sizes: checks the flow and the JSON schema")
+    parser.add_argument("--dry", action="store_true",
+                        help="CPU, 224 px, a narrow DeiT: runs every function of the check and writes the JSON")
     parser.add_argument("--jpegs", type=int, default=None, help="JPEGs drawn for the pipeline (default 512; dry 16)")
     return parser.parse_args(argv)
 
 
+# --dry's student: DeiT-Tiny's layout (patch 16 at 224 px, 196 tokens) cut to one block of width 48, quick on a CPU
+NARROW_DEIT = ["model.kwargs.patch_size=16", "model.kwargs.embed_dim=48", "model.kwargs.depth=1",
+               "model.kwargs.num_heads=3"]
+
+
 def _sizes(dry: bool) -> dict[str, Any]:
     if dry:
-        return {"model": "vit_demo", "teacher": "cnn_demo", "size": 32,
-                "batch": 8, "steps": 2, "warmup": 1, "repeats": 1, "jpegs": 16, "pipeline_batch": 8,
-                "pipeline_size": 32, "matmul_n": 256}
-    return {"model": "deit_base", "teacher": "regnety_160", "size": 224,
-            "batch": 128, "steps": 20, "warmup": 5, "repeats": 3, "jpegs": 512, "pipeline_batch": 128,
+        return {"model": "vit_demo", "model_overrides": NARROW_DEIT, "compile_backend": "aot_eager",
+                "teacher": "cnn_demo", "size": 224, "batch": 8, "steps": 2, "warmup": 1, "repeats": 1, "jpegs": 16,
+                "pipeline_batch": 8, "pipeline_size": 224, "matmul_n": 256}
+    return {"model": "deit_base", "model_overrides": [], "compile_backend": "inductor", "teacher": "regnety_160",
+            "size": 224, "batch": 128, "steps": 20, "warmup": 5, "repeats": 3, "jpegs": 512, "pipeline_batch": 128,
             "pipeline_size": 224, "matmul_n": 8192}
 
 
@@ -57,24 +67,21 @@ def _log(message: str) -> None:
 
 
 def _step_overrides(sizes: dict[str, Any], data_root: str, device: str, model: str, amp: str = "bf16") -> list[str]:
-    return [f"model={model}", f"resolution.train_size={sizes['size']}", f"resolution.eval_size={sizes['size']}",
+    return [f"model={model}", *sizes["model_overrides"], f"resolution.train_size={sizes['size']}",
+            f"resolution.eval_size={sizes['size']}",
             f"train.global_batch={sizes['batch']}", f"train.micro_batch={sizes['batch']}",
             f"runtime.max_batch_per_device={sizes['batch']}",
             "runtime.num_workers=0", f"data.root={data_root}", "data.builtin.train_per_class=30",
             "data.builtin.val_per_class=10", f"runtime.device={device}", f"train.amp={amp}"]
 
 
-def _peak_memory_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+def _peak_memory_gib(calls: DeviceCalls) -> float | None:
+    peak = calls.peak_memory_bytes()
+    return None if peak is None else peak / 2**30
 
 
 def measure_train_steps(sizes: dict[str, Any], device: torch.device, data_root: str, peak: float,
-                        results: dict[str, Any]) -> None:
+                        results: dict[str, Any], calls: DeviceCalls) -> None:
     """DeiT-B/16 bf16 train step, eager and compiled: images/s, MFU against the measured matmul rate, syncs."""
     from deit_ablate.bench import step
     from deit_ablate.bench.compose import compose_run
@@ -83,9 +90,10 @@ def measure_train_steps(sizes: dict[str, Any], device: torch.device, data_root: 
     overrides = _step_overrides(sizes, data_root, device.type, sizes["model"])
     cfg = compose_run(overrides)
     for name, compile_model in (("eager", False), ("compile", True)):
-        _reset_peak(device)
+        calls.reset_peak_memory()
         start = time.perf_counter()
-        setup = step.build_trainer(overrides, device, compile_model=compile_model)
+        setup = step.build_trainer(overrides, device, compile_model=compile_model, calls=calls,
+                                   compile_backend=sizes["compile_backend"])
         if compile_model:
             step.run_steps(setup, 1)
         rates = step.alternate({name: setup}, sizes["steps"], sizes["repeats"], sizes["warmup"])[name]
@@ -94,17 +102,18 @@ def measure_train_steps(sizes: dict[str, Any], device: torch.device, data_root: 
         results[f"train_step_{name}"] = {
             "images_per_s": value, "samples": rates, "train_gflops_per_image": flops / 1e9,
             "mfu": flops * value / peak, "compiled": setup.compiled, "model": cfg.model.name,
+            "compile_backend": sizes["compile_backend"] if compile_model else None,
             "batch": sizes["batch"], "size": sizes["size"], "amp": "bf16",
-            "peak_memory_gib": _peak_memory_gib(device), "seconds": time.perf_counter() - start}
+            "peak_memory_gib": _peak_memory_gib(calls), "seconds": time.perf_counter() - start}
         if name == "eager":
             results["host_syncs_per_step"] = step.count_syncs_per_step(setup)
         _log(f"train step {name}: {value:.0f} images/s, MFU {flops * value / peak:.1%}")
         del setup
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        calls.empty_cache()
 
 
-def measure_fp16(sizes: dict[str, Any], device: torch.device, data_root: str, results: dict[str, Any]) -> None:
+def measure_fp16(sizes: dict[str, Any], device: torch.device, data_root: str, results: dict[str, Any],
+                 calls: DeviceCalls) -> None:
     """DeiT-B/16 train steps under train.amp=fp16, the released code's precision: images/s, the steps the loss
     scaler skipped (inf/NaN gradients) and its scale at the end, and the loss before and after."""
     from deit_ablate.bench import step
@@ -113,28 +122,27 @@ def measure_fp16(sizes: dict[str, Any], device: torch.device, data_root: str, re
 
     overrides = _step_overrides(sizes, data_root, device.type, sizes["model"], amp="fp16")
     cfg = compose_run(overrides)
-    _reset_peak(device)
+    calls.reset_peak_memory()
     start = time.perf_counter()
-    setup = step.build_trainer(overrides, device)
+    setup = step.build_trainer(overrides, device, calls=calls)
     trainer = setup.trainer
-    loss_first = trainer.train_step(setup.images.clone(), setup.targets).item()
+    loss_first = trainer.train_step(setup.images(), setup.targets).item()
     rates = step.alternate({"fp16": setup}, sizes["steps"], sizes["repeats"], sizes["warmup"])["fp16"]
-    loss_last = trainer.train_step(setup.images.clone(), setup.targets).item()
+    loss_last = trainer.train_step(setup.images(), setup.targets).item()
     results["train_step_fp16"] = {
         "images_per_s": median(rates), "samples": rates, "amp": "fp16", "model": cfg.model.name,
         "batch": sizes["batch"], "size": sizes["size"], "steps": trainer.step,
         "amp_skipped_steps": trainer.amp_skipped_steps, "loss_scale": trainer.scaler.get_scale(),
-        "loss_first": loss_first, "loss_last": loss_last, "peak_memory_gib": _peak_memory_gib(device),
+        "loss_first": loss_first, "loss_last": loss_last, "peak_memory_gib": _peak_memory_gib(calls),
         "seconds": time.perf_counter() - start}
     _log(f"train step fp16: {median(rates):.0f} images/s, {trainer.amp_skipped_steps} of {trainer.step} steps "
          f"skipped, loss scale {trainer.scaler.get_scale():.0f}")
     del setup, trainer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    calls.empty_cache()
 
 
 def measure_distillation(sizes: dict[str, Any], device: torch.device, data_root: str, workdir: Path,
-                         results: dict[str, Any]) -> None:
+                         results: dict[str, Any], calls: DeviceCalls) -> None:
     """The hard-token distillation step: a randomly initialized teacher (written here, no download) and the
     student with a distillation token, as distill=hard_token trains them."""
     import timm
@@ -154,15 +162,17 @@ def measure_distillation(sizes: dict[str, Any], device: torch.device, data_root:
     if teacher_cfg.model.kwargs:
         overrides += [f"+distill.teacher.kwargs.{k}={v}" for k, v in teacher_cfg.model.kwargs.items()]
     cfg = compose_run(overrides)
-    _reset_peak(device)
+    calls.reset_peak_memory()
     start = time.perf_counter()
-    setup = step.build_trainer(overrides, device)
+    setup = step.build_trainer(overrides, device, calls=calls)
     rates = step.alternate({"distill": setup}, sizes["steps"], sizes["repeats"], sizes["warmup"])["distill"]
     results["distill_hard_token_step"] = {
         "images_per_s": median(rates), "samples": rates, "student": type(setup.trainer.module).__name__,
         "student_model": cfg.model.distilled_name, "teacher": cfg.distill.teacher.model, "batch": sizes["batch"],
-        "size": sizes["size"], "peak_memory_gib": _peak_memory_gib(device), "seconds": time.perf_counter() - start}
+        "size": sizes["size"], "peak_memory_gib": _peak_memory_gib(calls), "seconds": time.perf_counter() - start}
     _log(f"distillation step: {median(rates):.0f} images/s")
+    del setup
+    calls.empty_cache()
 
 
 def measure_pipelines(sizes: dict[str, Any], device: torch.device, data_root: str, jpegs: int, workdir: Path,
@@ -193,9 +203,22 @@ def measure_pipelines(sizes: dict[str, Any], device: torch.device, data_root: st
         results[f"pipeline_{name}"] = {
             "images_per_s": median(rates), "samples": rates, "workers_or_threads": workers, "train_size": size,
             "batch": sizes["pipeline_batch"], "jpegs": jpegs, "repeated_aug": setup.spec.augment.repeated_aug,
-            "where": "DALI on the GPU (mixed decoder)" if name == "dali" and device.type == "cuda" else
-            ("DALI on the CPU" if name == "dali" else "DataLoader workers, BatchNormalize on the device")}
+            "where": pipeline_where(name, device)}
         _log(f"pipeline {name}: {median(rates):.0f} images/s")
+
+
+def pipeline_where(backend: str, device: torch.device) -> str:
+    """Where a pipeline backend's work runs on `device`, for the JSON."""
+    if backend != "dali":
+        return "DataLoader workers, BatchNormalize on the device"
+    return "DALI on the GPU (mixed decoder)" if device.type == "cuda" else "DALI on the CPU"
+
+
+def peak_memory(results: dict[str, Any]) -> float | None:
+    """The highest peak_memory_gib of the figures (None where the device does not track it)."""
+    peaks = [v["peak_memory_gib"] for v in results.values() if isinstance(v, dict) and v.get("peak_memory_gib")
+             is not None]
+    return max(peaks, default=None)
 
 
 def table(report: dict[str, Any]) -> str:
@@ -237,14 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); run it on a machine with "
               "a GPU, or add --dry for the CPU schema check.", file=sys.stderr, flush=True)
         return NO_GPU_EXIT
-    from deit_ablate.bench.env import describe, matmul_rate
+    from deit_ablate.bench.env import describe, device_calls, matmul_rate
 
     device = torch.device("cuda", 0) if not args.dry else torch.device("cpu")
+    calls = device_calls(device)
     sizes = _sizes(args.dry)
     jpegs = args.jpegs or sizes["jpegs"]
     command = "bash scripts/gpu_check.sh " + " ".join(sys.argv[1:] if argv is None else argv)
     start = time.perf_counter()
-    report: dict[str, Any] = {"command": command, "device": describe(device), "dry": args.dry, "targets": TARGETS,
+    report: dict[str, Any] = {"command": command, "device": describe(device, calls), "dry": args.dry,
+                              "targets": TARGETS,
                               "results": {}}
     results = report["results"]
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
@@ -254,12 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         results["matmul_bf16_tflops"] = rate["flops_per_s"] / 1e12
         results["matmul_dtype"] = rate["dtype"]
         _log(f"matmul {rate['dtype']}: {rate['flops_per_s'] / 1e12:.1f} TFLOP/s")
-        measure_train_steps(sizes, device, data_root, rate["flops_per_s"], results)
-        measure_fp16(sizes, device, data_root, results)
-        measure_distillation(sizes, device, data_root, workdir, results)
+        measure_train_steps(sizes, device, data_root, rate["flops_per_s"], results, calls)
+        measure_fp16(sizes, device, data_root, results, calls)
+        measure_distillation(sizes, device, data_root, workdir, results, calls)
         measure_pipelines(sizes, device, data_root, jpegs, workdir, results)
-    results["peak_memory_gib"] = max((v.get("peak_memory_gib") or 0.0 for v in results.values()
-                                      if isinstance(v, dict)), default=0.0) if device.type == "cuda" else None
+    results["peak_memory_gib"] = peak_memory(results)
     report["seconds"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out, json.dumps(report, indent=2, default=str))

@@ -1,4 +1,5 @@
-"""Train-step throughput of deit_ablate's Trainer on synthetic on-device batches, FLOPs per image and MFU."""
+"""Train-step throughput of deit_ablate's Trainer on synthetic batches shaped as the loader yields them, FLOPs per
+image, MFU and host-device syncs per step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from deit_ablate.bench.compose import compose_run
-from deit_ablate.bench.env import synchronize, torch_threads
+from deit_ablate.bench.env import SYNC_WARNING, DeviceCalls, device_calls, torch_threads
 from deit_ablate.config.schema import ModelConfig, ResolutionConfig
 from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.streams import RunStreams
@@ -32,20 +33,41 @@ OPTIMIZER_IMPLS = {"default": {}, "forloop": {"foreach": False, "fused": False},
 
 @dataclass
 class StepSetup:
-    """A Trainer built the way run.py builds it, and the synthetic batch it trains on."""
+    """A Trainer built the way run.py builds it, and the synthetic batch it trains on, as the loader yields it."""
 
     trainer: Trainer
-    images: torch.Tensor
-    targets: torch.Tensor
+    pixels: torch.Tensor  # uint8 B x H x W x 3 on the device, as data.backend=dali's loader yields a batch
+    targets: torch.Tensor  # int64 labels on the device
     batch: int
+    streams: RunStreams  # the run's random streams, as run.py hands them to train_steps
+    calls: DeviceCalls  # the CUDA calls around the steps (bench.env), or their CPU equivalents
     compiled: bool = False
     threads: int | None = None  # torch intra-op threads while this setup runs (None: leave as is)
+    _reused: torch.Tensor | None = field(default=None, init=False, repr=False)  # train_steps' float batch on CPU
+
+    @property
+    def device(self) -> torch.device:
+        return self.pixels.device
+
+    def images(self) -> torch.Tensor:
+        """The float batch train_steps hands train_step: the pixels through the trainer's per-batch transform
+        (normalize, random erasing), into the last step's tensor on the CPU as train_steps does."""
+        images = self.trainer.batch_transform(self.pixels, out=self._reused)
+        self._reused = images if images.device.type == "cpu" else None
+        return images
+
+
+def loader_batch(batch: int, size: int, num_classes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random batch as the training loader yields it: uint8 B x H x W x 3 pixels and int64 labels, on `device`."""
+    pixels = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device=device)
+    return pixels, torch.randint(0, num_classes, (batch,), device=device)
 
 
 def build_trainer(overrides: list[str], device: torch.device, optimizer_impl: str = "default",
-                  compile_model: bool = False, threads: int | None = None) -> StepSetup:
+                  compile_model: bool = False, threads: int | None = None, calls: DeviceCalls | None = None,
+                  compile_backend: str = "inductor") -> StepSetup:
     """build_pieces() on the config of `python train.py <overrides>` (data loaders are built but never iterated),
-    then a synthetic batch on device."""
+    then a synthetic loader batch on device."""
     cfg = compose_run(overrides)
     RunStreams(cfg.seed).seed_init()
     info = DistInfo(device=device)
@@ -56,22 +78,22 @@ def build_trainer(overrides: list[str], device: torch.device, optimizer_impl: st
         group.update(OPTIMIZER_IMPLS[optimizer_impl])
     compiled = False
     if compile_model:
-        compiled = compile_in_place(trainer.model)
-    batch, size = plan.batch.per_rank_batch, cfg.resolution.train_size
-    images = torch.randn(batch, 3, size, size, device=device)
-    targets = torch.randint(0, cfg.data.num_classes, (batch,), device=device)
-    return StepSetup(trainer, images, targets, batch, compiled, threads)
+        compiled = compile_in_place(trainer.model, compile_backend)
+    batch = plan.batch.per_rank_batch
+    pixels, targets = loader_batch(batch, cfg.resolution.train_size, cfg.data.num_classes, device)
+    return StepSetup(trainer, pixels, targets, batch, RunStreams(cfg.seed), calls or device_calls(device), compiled,
+                     threads)
 
 
 def run_steps(setup: StepSetup, steps: int) -> float:
-    """Seconds for `steps` optimizer steps, the device drained before and after."""
-    device = setup.images.device
+    """Seconds for `steps` optimizer steps, each on the batch as train_steps hands it over (the per-batch transform
+    counts), the device drained before and after."""
     with torch_threads(setup.threads):
-        synchronize(device)
+        setup.calls.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            setup.trainer.train_step(setup.images.clone(), setup.targets)
-        synchronize(device)
+            setup.trainer.train_step(setup.images(), setup.targets)
+        setup.calls.synchronize()
         return time.perf_counter() - start
 
 
@@ -94,12 +116,11 @@ def optimizer_step_seconds(setups: dict[str, StepSetup], steps: int, repeats: in
     seconds: dict[str, list[float]] = {name: [] for name in setups}
     for _ in range(repeats):
         for name, setup in setups.items():
-            device = setup.images.device
-            synchronize(device)
+            setup.calls.synchronize()
             start = time.perf_counter()
             for _ in range(steps):
                 setup.trainer.optimizer.step()
-            synchronize(device)
+            setup.calls.synchronize()
             seconds[name].append((time.perf_counter() - start) / steps)
     return seconds
 
@@ -137,24 +158,24 @@ def train_flops_per_image(model: torch.nn.Module, size: int, device: torch.devic
     raise AssertionError("unreachable")
 
 
-def count_syncs_per_step(setup: StepSetup, steps: int = 6) -> float | None:
-    """Host-device syncs per step inside Trainer.train_steps (CUDA sync-debug mode); None on CPU."""
-    device = setup.images.device
-    if device.type != "cuda":
-        return None
+def count_syncs_per_step(setup: StepSetup, steps: int = 6) -> float:
+    """Host-device syncs per step inside Trainer.train_steps on the loader's batches, with the run's streams, between
+    two log rows: the warnings of the device's sync debug mode (on the CPU, bench.env.HostReads: each host read)."""
     trainer = setup.trainer
     interval, trainer.log_interval = trainer.log_interval, 10**9  # only the end-of-epoch .item() remains
-    batches = [(setup.images.clone(), setup.targets) for _ in range(steps)]
-    synchronize(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            trainer.train_steps(batches, epoch=0)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    trainer.log_interval = interval
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    batches = [(setup.pixels, setup.targets)] * steps  # train_steps reads its batches, never writes them
+    setup.calls.synchronize()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            setup.calls.sync_debug_mode("warn")
+            try:
+                trainer.train_steps(batches, epoch=0, streams=setup.streams)
+            finally:
+                setup.calls.sync_debug_mode("default")
+    finally:
+        trainer.log_interval = interval
+    syncs = sum(SYNC_WARNING in str(w.message) for w in caught)
     return max(syncs - 1, 0) / steps  # minus the epoch-end loss .item()
 
 

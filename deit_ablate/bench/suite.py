@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from deit_ablate.bench.compose import TRAIN_PY, compose_run
-from deit_ablate.bench.env import matmul_rate
+from deit_ablate.bench.env import matmul_rate, matmul_setting
 from deit_ablate.bench.report import Figure, Report, median
 from deit_ablate.data.transforms import TransformSpec
 
@@ -43,7 +43,7 @@ class Settings:
 
     @property
     def device_name(self) -> str:
-        return "cuda" if self.device.type == "cuda" else "cpu"
+        return self.device.type
 
 
 def _log(message: str) -> None:
@@ -77,7 +77,7 @@ def section_matmul(s: Settings, report: Report) -> None:
 
 
 def section_step(s: Settings, report: Report) -> None:
-    """Our Trainer.train_step on synthetic on-device batches; optimizer implementations and compile side by side."""
+    """Our Trainer.train_step on uint8 loader batches; optimizer implementations, compile and host syncs per step."""
     from deit_ablate.bench import step
 
     overrides = [f"model={s.model}", f"resolution.train_size={s.size}", f"resolution.eval_size={s.size}",
@@ -97,7 +97,7 @@ def section_step(s: Settings, report: Report) -> None:
     steps, warmup = (3, 2) if s.quick else (10 if s.device.type == "cpu" else 30, 5)
     rates, setups = step.measure(overrides, s.device, variants, steps, 1 if s.quick else s.repeats, warmup, _log)
     flops = step.train_flops_per_image(setups["ours"].trainer.model, s.size, s.device)
-    peak = report.get("matmul_rate", "bfloat16" if s.device.type == "cuda" else "float32")
+    peak = report.get("matmul_rate", str(matmul_setting(s.device)[0]).removeprefix("torch."))
     syncs = step.count_syncs_per_step(setups["ours"])
     for name, samples in rates.items():
         value = median(samples)
@@ -107,11 +107,11 @@ def section_step(s: Settings, report: Report) -> None:
             extra["mfu"] = flops * value / (peak.value * 1e9)
             extra["mfu_reference"] = f"measured {peak.variant} matmul {peak.value:.0f} GFLOP/s"
         if name == "ours":
-            extra["host_syncs_per_step"] = syncs if syncs is not None else "n/a on CPU"
+            extra["host_syncs_per_step"] = syncs
             extra["optimizer_runs_as"] = step.default_optimizer_impl(setups[name].trainer.optimizer)
         settings = {**step.step_settings(cfg.model, cfg.resolution, setups[name]), "overrides": overrides}
         report.add(Figure("train_step", name, value, "images/s", report.device["summary"],
-                          f"{s.command}  (in-process: Trainer.train_step on synthetic batches)", settings, samples,
+                          f"{s.command}  (in-process: Trainer.train_step on uint8 loader batches)", settings, samples,
                           extra))
     for name in variants:
         if name != "ours":

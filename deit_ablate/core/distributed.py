@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,25 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
     return torch.device(requested)
 
 
+def process_group_backend(device: torch.device) -> str:
+    """NCCL between GPUs, Gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def bind_device(device: torch.device, set_device: Callable[[torch.device], None] = torch.cuda.set_device) -> None:
+    """Make `device` this process's current GPU (NCCL and CUDA's defaults follow it); nothing on the CPU."""
+    if device.type == "cuda":
+        set_device(device)
+
+
+def device_generator(device: torch.device, cuda_generators: Sequence[torch.Generator] | None = None) -> torch.Generator:
+    """The default random generator of `device` (what its random ops draw from): its GPU's, or the CPU's."""
+    if device.type != "cuda":
+        return torch.default_generator
+    generators = torch.cuda.default_generators if cuda_generators is None else cuda_generators
+    return generators[device.index if device.index is not None else torch.cuda.current_device()]
+
+
 def init_distributed(requested_device: str = "auto") -> DistInfo:
     """Join the process group the launcher set up (torchrun or SLURM), or run alone."""
     _export_slurm_env()
@@ -60,9 +79,8 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = choose_device(requested_device, local_rank)
     if world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        bind_device(device)
+        backend = process_group_backend(device)
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
         print(f"[dist] rank {rank} of {world_size} (local rank {local_rank} on {socket.gethostname()}) joined the "
               f"process group ({backend}, {device})", flush=True)

@@ -21,6 +21,8 @@ from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import MaybeToTensor
 from torchvision import transforms
 
+from deit_ablate.core.distributed import device_generator
+
 _BATCH_STEPS = (MaybeToTensor, transforms.ToTensor, transforms.Normalize, RandomErasing)
 
 
@@ -28,11 +30,7 @@ def seed_erasing(seed: int, device: torch.device) -> None:
     """Seed what timm's random erasing draws from for one image: Python's `random` (which, where) and the device's
     generator (pixel-mode noise)."""
     random.seed(seed)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.default_generators[index].manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
+    device_generator(device).manual_seed(seed)
 
 
 def to_uint8_hwc(image: Image.Image) -> torch.Tensor:

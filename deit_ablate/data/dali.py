@@ -11,14 +11,15 @@ A pipeline is built per epoch, its seed drawn from the loader's `generator`, whi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
 from deit_ablate.config.schema import AugmentConfig, DataConfig, DataName
+from deit_ablate.core.distributed import choose_device
 from deit_ablate.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -89,6 +90,23 @@ def fill_value(mean: Sequence[float]) -> int:
     return int(round(float(np.mean([round(255 * m) for m in mean]))))
 
 
+def dali_device_id(device: torch.device, current_device: Callable[[], int] = torch.cuda.current_device) -> int | None:
+    """DALI's device_id for `device`: its GPU's index (the current GPU's for a bare "cuda"); None: DALI's CPU
+    operators."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else current_device()
+
+
+def copy_target(device_id: int | None,
+                current_stream: Callable[[torch.device], Any] = torch.cuda.current_stream) -> tuple[torch.device, Any]:
+    """Where DALI's batches are copied to: GPU `device_id` on its current stream, or the CPU (no stream)."""
+    if device_id is None:
+        return torch.device("cpu"), None
+    device = torch.device("cuda", device_id)
+    return device, current_stream(device)
+
+
 class DaliTrainLoader:
     """The training loader of data.backend=dali: iterates (uint8 B x H x W x 3 images, labels) like a DataLoader."""
 
@@ -99,9 +117,7 @@ class DaliTrainLoader:
 
         require_dali()
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
-        device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.device_id = (device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else None
+        self.device_id = dali_device_id(device or choose_device("auto", local_rank=0))
         self.threads = threads  # DALI's CPU threads: data.loader gives it the loader workers' count
         aug = spec.augment
         self.graph = {"size": spec.resolution.train_size, "scale": tuple(aug.scale), "ratio": (3 / 4, 4 / 3),
@@ -138,8 +154,7 @@ class DaliTrainLoader:
         seed = int(torch.randint(0, 2**31 - 1, (), generator=self.generator).item())
         pipe = self.build_pipeline(indices, seed)
         size = self.graph["size"]
-        device = torch.device("cuda", self.device_id) if self.device_id is not None else torch.device("cpu")
-        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        device, stream = copy_target(self.device_id)
         try:
             for index in range(len(indices) // self.batch_size):
                 try:

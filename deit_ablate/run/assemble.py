@@ -50,6 +50,11 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def ddp_device_ids(device: torch.device) -> list[int] | None:
+    """DDP's device_ids: the one GPU this process drives, None on the CPU."""
+    return [device.index] if device.type == "cuda" else None
+
+
 def grad_scaler(setting: str, device: torch.device) -> torch.amp.GradScaler | None:
     """The dynamic loss scaler of `fp16` (torch's defaults: 2**16, halved on a skipped step, doubled after 2000
     good ones); None for every other precision."""
@@ -136,8 +141,7 @@ def build_student(plan: RunPlan, info: DistInfo) -> tuple[torch.nn.Module, dict[
         log.info(f"[run] LayerScale diagonal fixed at the values the run {layer_scale['run']} learned "
                  f"(digest {layer_scale['digest']})")
     if info.enabled:
-        ddp_device = [info.device.index] if info.device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ddp_device)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ddp_device_ids(info.device))
     return model, layer_scale
 
 

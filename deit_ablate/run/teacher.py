@@ -168,10 +168,16 @@ def build_teacher(source: TeacherSource, num_classes: int, device: torch.device,
                   sizes: Sequence[int] | None = None) -> nn.Module:
     """The frozen teacher the plan resolved (`run_teacher`) on `device` (channels_last on GPU), checked against the
     data's class count; evaluated at each of `sizes` (distill.teacher.sizes), its logits averaged, when given."""
-    teacher = load_teacher(source.model, source.checkpoint, num_classes, **source.kwargs).to(device)
-    if device.type == "cuda" and not hasattr(teacher, "pos_embed"):
-        teacher = teacher.to(memory_format=torch.channels_last)
+    teacher = teacher_layout(load_teacher(source.model, source.checkpoint, num_classes, **source.kwargs).to(device),
+                             device)
     return teacher if not sizes else MultiSizeTeacher(teacher, sizes).eval()
+
+
+def teacher_layout(teacher: nn.Module, device: torch.device) -> nn.Module:
+    """A CNN teacher in channels_last on a GPU (its convolutions' fast layout there); a ViT, or on the CPU, as is."""
+    if device.type == "cuda" and not hasattr(teacher, "pos_embed"):
+        return teacher.to(memory_format=torch.channels_last)
+    return teacher
 
 
 # ----------------------------------------------------------------------------------------------------------

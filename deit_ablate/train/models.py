@@ -241,15 +241,16 @@ def set_training_mode(model: torch.nn.Module, train: bool) -> None:
         module.training = True
 
 
-def compile_in_place(model: torch.nn.Module) -> bool:
+def compile_in_place(model: torch.nn.Module, backend: str = "inductor") -> bool:
     """torch.compile the model in place (state_dict keys unchanged); where it cannot, stay eager with a warning.
+    `backend` is torch.compile's (the benchmarks' CPU dry run takes "aot_eager": the graph capture, no code generation).
 
     Returns whether compilation was set up."""
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eagerly
     try:
-        model.compile()
+        model.compile(backend=backend)
     except Exception as error:  # noqa: BLE001 - any backend failure means: train eagerly
         warnings.warn(f"runtime.compile: torch.compile is unavailable here ({error}); training eagerly.", stacklevel=2)
         return False

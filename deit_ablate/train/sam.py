@@ -8,11 +8,15 @@ The Trainer (engine.py) runs the two passes; this module holds the pieces it run
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
+
+from deit_ablate.core.distributed import device_generator
 
 # Forward and backward passes per image and optimizer step with SAM (1 without): its compute cost.
 GRAD_EVALS_PER_STEP = 2
@@ -58,17 +62,33 @@ def perturbed(params: Sequence[torch.nn.Parameter], eps: Sequence[torch.Tensor])
                 p.copy_(saved)
 
 
-def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The generators drop path and dropout draw from (the CPU's, and the device's on a GPU)."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generators drop path and dropout draw from: the CPU's and the device's (the CPU's again on a CPU)."""
+    return torch.get_rng_state(), device_generator(device).get_state()
 
 
-def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+def set_rng_state(state: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> None:
     """Put the generators back to `state`, so the second pass draws the first pass's masks again."""
-    cpu, accelerator = state
+    cpu, on_device = state
     torch.set_rng_state(cpu)
-    if accelerator is not None:
-        torch.cuda.set_rng_state(accelerator, device)
+    device_generator(device).set_state(on_device)
+
+
+class ClockEvent:
+    """torch.cuda.Event's timing interface on the host clock: PassTimer's event on the CPU."""
+
+    def __init__(self) -> None:
+        self.time = 0.0
+
+    def record(self) -> None:
+        self.time = time.perf_counter()
+
+    def elapsed_time(self, end: ClockEvent) -> float:
+        """Milliseconds from this event to `end`, as torch.cuda.Event counts them."""
+        return 1e3 * (end.time - self.time)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the clock was read when the event was recorded."""
 
 
 @contextlib.contextmanager
@@ -90,17 +110,16 @@ class PassTimer:
     """The share of step time SAM's second passes take, read at the log interval only: on a GPU through CUDA
     events (no host-device sync per step), on the CPU through the clock."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, event: Callable[[], Any] | None = None) -> None:
+        """`event` makes a timing event (default: torch.cuda.Event on a GPU, ClockEvent on the CPU)."""
+        cuda_event = functools.partial(torch.cuda.Event, enable_timing=True)
+        self.event = event or (cuda_event if device.type == "cuda" else ClockEvent)
         self._steps: list[list] = []  # per step: start, (second pass begins, ends)*, end
 
     def mark(self) -> None:
         """A time point in the current step (the first one of a step starts it)."""
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        else:
-            event = time.perf_counter()
+        event = self.event()
+        event.record()
         self._steps[-1].append(event)
 
     def start_step(self) -> None:
@@ -109,7 +128,7 @@ class PassTimer:
         self.mark()
 
     def _elapsed(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+        return a.elapsed_time(b) / 1e3
 
     def share(self) -> float | None:
         """The second passes' share of the time of the steps since the last call (None before any); resets."""
@@ -117,8 +136,7 @@ class PassTimer:
         self._steps = []
         if not steps:
             return None
-        if self.cuda:
-            steps[-1][-1].synchronize()  # the caller has just synced at the log interval: this waits for nothing
+        steps[-1][-1].synchronize()  # the caller has just synced at the log interval: this waits for nothing
         second = sum(self._elapsed(m[i], m[i + 1]) for m in steps for i in range(1, len(m) - 1, 2))
         total = sum(self._elapsed(m[0], m[-1]) for m in steps)
         return second / total if total > 0 else None

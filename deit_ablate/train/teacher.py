@@ -118,12 +118,14 @@ def _as_tuple(module: nn.Module | tuple[nn.Module, ...]) -> tuple[nn.Module, ...
     return module if isinstance(module, tuple) else (module,)
 
 
-def teacher_forward(teacher: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """Float32 teacher logits without autograd (bf16 autocast on CUDA); feed it the student's mixed batch."""
+def teacher_forward(teacher: nn.Module, images: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
+    """Float32 teacher logits without autograd, under bf16 autocast when `bf16` (default: on a GPU, not on the CPU);
+    feed it the student's mixed batch."""
     if teacher.training:
         teacher.eval()
+    bf16 = images.device.type == "cuda" if bf16 is None else bf16
     # no_grad rather than inference_mode: the logits are later used next to autograd tensors in the loss.
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=images.is_cuda):
+    with torch.no_grad(), torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = teacher(images)
     return logits.float()
 
