@@ -8,7 +8,14 @@ from typing import Any
 import torch
 from timm.utils import ModelEmaV3
 
-from deit_ablate.config.schema import DistillConfig, DistillKind, OptimizerConfig, Precision, TeacherView
+from deit_ablate.config.schema import (
+    DistillConfig,
+    DistillKind,
+    OptimizerConfig,
+    Precision,
+    RuntimeConfig,
+    TeacherView,
+)
 from deit_ablate.core.distributed import DistInfo, barrier
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
@@ -20,6 +27,7 @@ from deit_ablate.data.loader import (
     build_loader,
     build_train_loader,
     build_train_sampler,
+    rank_loader_settings,
 )
 from deit_ablate.data.transforms import BatchNormalize, build_eval_transform, build_train_pipeline
 from deit_ablate.run.plan import RunPlan
@@ -55,9 +63,11 @@ def grad_scaler(setting: str, device: torch.device) -> torch.amp.GradScaler | No
     return torch.amp.GradScaler(device.type) if setting == Precision.fp16 else None
 
 
-def set_cpu_threads(threads: int | None, device: torch.device) -> None:
-    """Hold torch to `threads` intra-op threads on a CPU run (None keeps torch's default)."""
-    if threads is not None and device.type == "cpu":
+def set_cpu_threads(runtime: RuntimeConfig, device: torch.device) -> None:
+    """Hold torch to the training process's intra-op threads on `device` (data.loader.loader_settings: on a CPU
+    runtime.cpu_threads or torch's default, on a GPU the cores the loader workers leave)."""
+    threads = rank_loader_settings(runtime, device.type).main_threads
+    if threads is not None:
         torch.set_num_threads(threads)
 
 
