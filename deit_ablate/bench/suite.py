@@ -38,12 +38,26 @@ class Settings:
     e2e_batch: int = 128
     e2e_epochs: int = 4  # whole runs of the e2e_run section
     e2e_micro_batch: int | None = None  # our side's train.micro_batch (None: the demo's 32; 128: timm's one batch)
-    workers: int | None = None  # None: our default (the cores of the process)
+    workers: int | None = None  # None: a run's default on this device (data/loader.py loader_settings)
+    # e2e_run on JPEGs instead of the demo: an ImageFolder with train/ and val/, or a set of this many training
+    # images to draw (500x375, quality 90, run_classes classes, an eighth as many for val); None for both: the demo
+    run_data: Path | None = None
+    draw_jpegs: int | None = None
+    draw_classes: int = 10
+    run_model: str = "deit_small"
+    run_model_kwargs: dict[str, str] = field(default_factory=dict)
+    run_size: int = 224
+    run_batch: int = 128
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def device_name(self) -> str:
         return "cuda" if self.device.type == "cuda" else "cpu"
+
+    @property
+    def runs_on_jpegs(self) -> bool:
+        """Whether e2e_run trains a model on JPEGs rather than the demo."""
+        return self.run_data is not None or self.draw_jpegs is not None
 
 
 def _log(message: str) -> None:
@@ -51,9 +65,12 @@ def _log(message: str) -> None:
 
 
 def _workers(s: Settings) -> int:
-    from deit_ablate.data.loader import default_num_workers
+    from deit_ablate.config.schema import RuntimeConfig
+    from deit_ablate.data.loader import default_num_workers, loader_settings
 
-    return default_num_workers() if s.workers is None else s.workers
+    if s.workers is not None:
+        return s.workers
+    return loader_settings(RuntimeConfig(), s.device.type, default_num_workers()).workers
 
 
 def builtin_root(s: Settings) -> str:
@@ -370,13 +387,32 @@ def _add_run_figures(report: Report, name: str, rows: list[dict[str, Any]], sett
 
 
 def section_e2e_run(s: Settings, report: Report) -> None:
-    """Whole runs of --e2e-epochs epochs, ours and timm's train.py in turn, timed from start to exit (issue #23:
-    demo model, batch 128, repeated augmentation off on both sides, --workers loader workers, --repeats pairs)."""
+    """Whole runs of --e2e-epochs epochs, ours and timm's train.py in turn, timed from start to exit: the demo
+    (issue #23: demo model, batch 128, built-in data), or --run-model at --run-size on --run-data / --draw-jpegs
+    JPEGs (repeated augmentation off on both sides, --workers loader workers, --repeats pairs)."""
     from deit_ablate.bench import whole_run
 
     workers = _workers(s)
-    whole_run.measure(report, e2e_overrides(s, workers, False), 1 if s.quick else s.e2e_epochs, s.timm_train,
-                      workers, s.device_name, s.cache, 1 if s.quick else s.repeats, _log)
+    if s.runs_on_jpegs:
+        overrides = whole_run.image_folder_overrides(jpeg_run_data(s), s.run_model, s.run_size, s.run_batch, workers,
+                                                     s.device_name, s.run_model_kwargs)
+    else:
+        overrides = e2e_overrides(s, workers, False)
+    whole_run.measure(report, overrides, 1 if s.quick else s.e2e_epochs, s.timm_train, workers, s.device_name,
+                      s.cache, 1 if s.quick else s.repeats, _log)
+
+
+def jpeg_run_data(s: Settings) -> Path:
+    """The ImageFolder e2e_run trains on: --run-data, or --draw-jpegs images drawn once into the cache."""
+    from deit_ablate.bench import pipeline
+
+    if s.run_data is not None:
+        return s.run_data
+    count, classes = s.draw_jpegs or 0, s.draw_classes
+    val = max(count // 8, classes)
+    _log(f"[bench] JPEG set: {count} train + {val} val images of {pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT}, "
+         f"{classes} classes ...")
+    return pipeline.ensure_jpeg_set(count, root=s.cache / "bench", val_count=val, classes=classes)
 
 
 def section_startup(s: Settings, report: Report) -> None:

@@ -4,6 +4,7 @@ and checkpoints, and the exit, as a user waits for them (the e2e_run section of 
 from __future__ import annotations
 
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,25 @@ def our_run_command(overrides: list[str], work: Path) -> list[str]:
     """`python train.py <overrides>` with its outputs (run folder, wandb log) under `work`."""
     return [sys.executable, str(TRAIN_PY), *overrides, f"runtime.output_root={work}/outputs",
             f"hydra.run.dir={work}/run"]
+
+
+def image_folder_classes(root: Path) -> int:
+    """The classes of an ImageFolder tree: its train/ subfolders."""
+    return sum(1 for entry in (root / "train").iterdir() if entry.is_dir())
+
+
+def image_folder_overrides(root: Path, model: str, size: int, batch: int, workers: int, device: str,
+                           model_kwargs: dict[str, str] | None = None) -> list[str]:
+    """Our side of a whole run on an ImageFolder of JPEGs, as a GPU user runs it: the paper preset's recipe for
+    `model` (its kwargs changed by `model_kwargs`) at `size` px (eval: resize size / 0.875, centre crop), one
+    micro-batch of `batch` images a step (the computation timm's makes) and repeated augmentation off (timm's
+    train.py refuses it in one process)."""
+    return ["preset=paper", f"model={model}", *(f"++model.kwargs.{key}={value}" for key, value in
+                                                  (model_kwargs or {}).items()),
+            "data=imagefolder", f"data.root={root}", f"data.num_classes={image_folder_classes(root)}",
+            f"resolution.train_size={size}", f"resolution.eval_size={size}", "resolution.crop_pct=0.875",
+            f"train.global_batch={batch}", f"train.micro_batch={batch}", f"runtime.max_batch_per_device={batch}",
+            "augment.repeated_aug=1", f"runtime.num_workers={workers}", f"runtime.device={device}"]
 
 
 def whole_run_commands(overrides: list[str], epochs: int, timm_train: Path | None, data_dir: Path, workers: int,
@@ -88,10 +108,14 @@ def measure(report: Report, overrides: list[str], epochs: int, timm_train: Path 
     cfg = compose_run([*overrides, f"train.epochs={epochs}"])
     data_dir = dataset_root(cfg.data)  # draws the built-in set once, before any timing
     sides = whole_run_commands(overrides, epochs, timm_train, data_dir, workers, device)
+    commands = {name: "python " + " ".join(shlex.quote(arg) for arg in command(Path("WORK"))[1:])
+                for name, command in sides.items()}
+    for name, command in commands.items():
+        log(f"[bench] e2e_run {name}: {command}")
     results = alternate_runs(sides, pairs, cache, log)
-    commands = {name: "python " + " ".join(command(Path("WORK"))[1:]) for name, command in sides.items()}
     settings = {"epochs": epochs, "batch": cfg.train.global_batch, "model": f"{cfg.model.name} "
                 f"{dict(cfg.model.kwargs)}", "train_size": cfg.resolution.train_size, "data": str(data_dir),
+                "eval_size": cfg.resolution.eval_size, "precision": f"train.amp={cfg.train.amp} on {device}",
                 "workers": workers, "repeated_aug": "off on both sides", "pairs": pairs,
                 "timed": "each process from start to exit, ours then timm's in turn, each in a fresh folder WORK"}
     add_whole_run_figures(report, results, commands, settings)
