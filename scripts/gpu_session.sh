@@ -5,11 +5,12 @@
 #   (c) whole runs, ours against timm's train.py in turn: DeiT-S/16 at 224 px, bf16, global batch 256, loader workers
 #       = cores - 2, 2 epochs on 6,400 + 800 drawn 500x375 JPEGs (drawn once into the bench cache), 2 pairs
 #       (scripts/bench.py --sections e2e_run); timm's train.py from --timm-train or $TIMM_TRAIN, else skipped
-# Each part runs under its own `timeout` (SIGTERM, then SIGKILL 15 s later) with its output redirected into
+# Each part runs under its own `timeout` (SIGTERM, then SIGKILL 10 s later) with its output redirected into
 # OUTDIR/<part>.log; every part runs whatever the others did. It ends with a summary (OUTDIR/summary.txt and
 # summary.json: each part's status, exit code and seconds) and exits 1 if a part failed, 0 otherwise. Without a GPU
 # it stops at once with exit 3, unless --dry: the same flow on the CPU at toy sizes. Limits (s), set in the
-# environment: GPU_SESSION_DEMO_S (75), GPU_SESSION_CHECK_S (240), GPU_SESSION_RUNS_S (225); at most 540 together.
+# environment: GPU_SESSION_DEMO_S (75; --dry 90), GPU_SESSION_CHECK_S (240; 270), GPU_SESSION_RUNS_S (225; 180); at
+# most 540 together.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -37,7 +38,11 @@ if [ -n "$TIMM" ] && [ ! -f "$TIMM" ]; then
          "--timm-train and TIMM_TRAIN unset to skip the whole-run pair." >&2
     exit 2
 fi
-DEMO_S=${GPU_SESSION_DEMO_S:-75} CHECK_S=${GPU_SESSION_CHECK_S:-240} RUNS_S=${GPU_SESSION_RUNS_S:-225}
+if [ "$DRY" = 1 ]; then  # toy sizes on a CPU: gpu_check's torch.compile takes the longest there
+    DEMO_S=${GPU_SESSION_DEMO_S:-90} CHECK_S=${GPU_SESSION_CHECK_S:-270} RUNS_S=${GPU_SESSION_RUNS_S:-180}
+else
+    DEMO_S=${GPU_SESSION_DEMO_S:-75} CHECK_S=${GPU_SESSION_CHECK_S:-240} RUNS_S=${GPU_SESSION_RUNS_S:-225}
+fi
 for limit in "$DEMO_S" "$CHECK_S" "$RUNS_S"; do
     [[ "$limit" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_session: time limit '$limit' is not a positive number of" \
         "seconds; fix GPU_SESSION_DEMO_S, GPU_SESSION_CHECK_S or GPU_SESSION_RUNS_S." >&2; exit 2; }
@@ -79,7 +84,7 @@ run_part() {
     shift 2
     echo "[gpu_session] $name (limit ${limit} s): $* > $OUT/$name.log 2>&1"
     start=$(date +%s%N)
-    timeout --signal=TERM --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
     code=$?
     end=$(date +%s%N)
     case $code in
