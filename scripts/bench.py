@@ -26,14 +26,15 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from deit_ablate.bench import suite
 from deit_ablate.bench.compose import CONF
 from deit_ablate.bench.env import describe
 from deit_ablate.bench.pipeline import SHAPES, cache_root
 from deit_ablate.bench.report import Report
+from deit_ablate.bench.whole_run import JpegRun
 from deit_ablate.core.distributed import choose_device
 from deit_ablate.run.commands import command
 
@@ -104,14 +105,14 @@ def _check_image_folder(root: Path) -> Path:
     return root.resolve()
 
 
-def jpeg_run_settings(args: argparse.Namespace, sections: list[str]) -> dict[str, Any]:
-    """The e2e_run-on-JPEGs fields of Settings from the command line (empty: the demo); exits on bad input."""
+def jpeg_run_settings(args: argparse.Namespace, sections: list[str]) -> JpegRun | None:
+    """e2e_run's run on JPEGs from the command line (None: the demo); exits on bad input."""
     given = [flag for flag, value in (("--run-data", args.run_data), ("--draw-jpegs", args.draw_jpegs),
                                       ("--run-model", args.run_model), ("--run-size", args.run_size),
                                       ("--run-batch", args.run_batch), ("--run-model-kwargs", args.run_model_kwargs))
              if value]
     if not given:
-        return {}
+        return None
     if "e2e_run" not in sections:
         sys.exit(f"{', '.join(given)} configure the e2e_run section, which --sections leaves out; add e2e_run to "
                  "--sections.")
@@ -122,20 +123,19 @@ def jpeg_run_settings(args: argparse.Namespace, sections: list[str]) -> dict[str
     if not (CONF / "model" / f"{model}.yaml").is_file():
         options = ", ".join(sorted(path.stem for path in (CONF / "model").glob("*.yaml")))
         sys.exit(f"--run-model {model}: no such model group option. Choose one of {options}.")
-    batch = args.run_batch or (32 if args.quick else 128)
-    fields: dict[str, Any] = {"run_model": model, "run_model_kwargs": _model_kwargs(args.run_model_kwargs),
-                              "run_size": args.run_size or 224, "run_batch": batch}
-    for flag, value in (("--run-size", fields["run_size"]), ("--run-batch", batch)):
+    run = JpegRun(model=model, model_kwargs=_model_kwargs(args.run_model_kwargs), size=args.run_size or 224,
+                  batch=args.run_batch or (32 if args.quick else 128))
+    for flag, value in (("--run-size", run.size), ("--run-batch", run.batch)):
         if value < 1:
             sys.exit(f"{flag} {value}: give a positive number.")
     if args.run_data is not None:
-        return {**fields, "run_data": _check_image_folder(args.run_data)}
+        return replace(run, data=_check_image_folder(args.run_data))
     if not 1 <= args.draw_classes <= len(SHAPES):
         sys.exit(f"--draw-classes {args.draw_classes}: a drawn set has 1 to {len(SHAPES)} classes.")
-    if args.draw_jpegs < batch:
-        sys.exit(f"--draw-jpegs {args.draw_jpegs} is fewer than one batch of {batch}: an epoch would hold no step. "
+    if args.draw_jpegs < run.batch:
+        sys.exit(f"--draw-jpegs {args.draw_jpegs} is fewer than one batch of {run.batch}: an epoch would hold no step. "
                  "Draw more images or lower --run-batch.")
-    return {**fields, "draw_jpegs": args.draw_jpegs, "draw_classes": args.draw_classes}
+    return replace(run, draw=args.draw_jpegs, classes=args.draw_classes)
 
 
 def chosen_sections(args: argparse.Namespace) -> list[str]:
@@ -166,7 +166,7 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> suite.Settings:
         model=args.model or ("deit_base" if gpu else "vit_demo"), size=args.size or (224 if gpu else 32),
         batch=32 if quick and args.batch == 128 else args.batch, compile=args.compile, jpeg_count=args.jpegs,
         e2e_steps=args.e2e_steps, e2e_batch=32 if quick else 128, e2e_epochs=args.e2e_epochs,
-        e2e_micro_batch=args.e2e_micro_batch, workers=args.workers, **jpeg_run)
+        e2e_micro_batch=args.e2e_micro_batch, workers=args.workers, jpeg_run=jpeg_run)
 
 
 @command("scripts/bench.py")

@@ -121,12 +121,13 @@ def test_e2e_run_on_jpegs_refuses_bad_flags_before_anything_runs(argv, says, tmp
 
 def test_both_sides_of_a_run_on_jpegs_train_the_same_model_size_batch_and_data(tmp_path):
     from deit_ablate.bench.compose import compose_run
-    from deit_ablate.bench.whole_run import image_folder_overrides
+    from deit_ablate.bench.whole_run import JpegRun, image_folder_overrides
 
     for split in ("train", "val"):
         for name in ("a", "b", "c"):
             (tmp_path / split / name).mkdir(parents=True)
-    overrides = image_folder_overrides(tmp_path, "deit_tiny", 224, 256, 14, "cuda", {"embed_dim": "64", "depth": "2"})
+    run = JpegRun(data=tmp_path, model="deit_tiny", model_kwargs={"embed_dim": "64", "depth": "2"}, size=224, batch=256)
+    overrides = image_folder_overrides(run, 14, "cuda", tmp_path / "cache")
     cfg = compose_run(overrides)
     assert (cfg.data.name, cfg.data.root, cfg.data.num_classes) == ("imagefolder", str(tmp_path), 3)
     assert (cfg.resolution.train_size, cfg.resolution.eval_size, cfg.resolution.crop_pct) == (224, 224, 0.875)

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,23 +43,49 @@ def our_run_command(overrides: list[str], work: Path) -> list[str]:
             f"hydra.run.dir={work}/run"]
 
 
+@dataclass(frozen=True)
+class JpegRun:
+    """A whole run of the e2e_run section on JPEGs: `model` (its kwargs changed by `model_kwargs`) at `size` px with
+    a global batch of `batch`, on the ImageFolder `data` (train/, val/) or on `draw` training JPEGs drawn into the
+    cache (`classes` classes)."""
+
+    data: Path | None = None
+    draw: int | None = None
+    classes: int = 10
+    model: str = "deit_small"
+    model_kwargs: dict[str, str] = field(default_factory=dict)
+    size: int = 224
+    batch: int = 128
+
+
+def drawn_jpegs(count: int, classes: int, cache: Path, log: Callable[[str], None]) -> Path:
+    """An ImageFolder of `count` training JPEGs (and an eighth as many, at least one per class, for val) of `classes`
+    classes at 500x375, quality 90, drawn once into the bench cache."""
+    from deit_ablate.bench import pipeline
+
+    val = max(count // 8, classes)
+    log(f"[bench] JPEG set: {count} train + {val} val images of {pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT}, "
+        f"{classes} classes ...")
+    return pipeline.ensure_jpeg_set(count, root=cache / "bench", val_count=val, classes=classes)
+
+
 def image_folder_classes(root: Path) -> int:
     """The classes of an ImageFolder tree: its train/ subfolders."""
     return sum(1 for entry in (root / "train").iterdir() if entry.is_dir())
 
 
-def image_folder_overrides(root: Path, model: str, size: int, batch: int, workers: int, device: str,
-                           model_kwargs: dict[str, str] | None = None) -> list[str]:
-    """Our side of a whole run on an ImageFolder of JPEGs, as a GPU user runs it: the paper preset's recipe for
-    `model` (its kwargs changed by `model_kwargs`) at `size` px (eval: resize size / 0.875, centre crop), one
-    micro-batch of `batch` images a step (the computation timm's makes) and repeated augmentation off (timm's
-    train.py refuses it in one process)."""
-    return ["preset=paper", f"model={model}", *(f"++model.kwargs.{key}={value}" for key, value in
-                                                  (model_kwargs or {}).items()),
-            "data=imagefolder", f"data.root={root}", f"data.num_classes={image_folder_classes(root)}",
-            f"resolution.train_size={size}", f"resolution.eval_size={size}", "resolution.crop_pct=0.875",
-            f"train.global_batch={batch}", f"train.micro_batch={batch}", f"runtime.max_batch_per_device={batch}",
-            "augment.repeated_aug=1", f"runtime.num_workers={workers}", f"runtime.device={device}"]
+def image_folder_overrides(run: JpegRun, workers: int, device: str, cache: Path,
+                           log: Callable[[str], None] = print) -> list[str]:
+    """Our side of a whole run on JPEGs (drawn first if `run` asks), as a GPU user runs it: the paper preset's
+    recipe for the model at its size (eval: resize size / 0.875, centre crop), one micro-batch a step (the
+    computation timm's makes) and repeated augmentation off (timm's train.py refuses it in one process)."""
+    root = run.data or drawn_jpegs(run.draw or 0, run.classes, cache, log)
+    kwargs = [f"++model.kwargs.{key}={value}" for key, value in run.model_kwargs.items()]
+    return ["preset=paper", f"model={run.model}", *kwargs, "data=imagefolder", f"data.root={root}",
+            f"data.num_classes={image_folder_classes(root)}", f"resolution.train_size={run.size}",
+            f"resolution.eval_size={run.size}", "resolution.crop_pct=0.875", f"train.global_batch={run.batch}",
+            f"train.micro_batch={run.batch}", f"runtime.max_batch_per_device={run.batch}", "augment.repeated_aug=1",
+            f"runtime.num_workers={workers}", f"runtime.device={device}"]
 
 
 def whole_run_commands(overrides: list[str], epochs: int, timm_train: Path | None, data_dir: Path, workers: int,
