@@ -4,13 +4,16 @@
     python scripts/bench.py --quick --skip-timm               # smoke run, ours only (30-60 s)
     python scripts/bench.py --timm-train /tmp/timm_train.py   # full: all sections, ours vs timm (15-35 min, 2 CPUs)
     python scripts/bench.py --sections step --compile         # one section (here with torch.compile)
+    python scripts/bench.py --sections e2e_run --timm-train /tmp/timm_train.py --draw-jpegs 6400 \
+        --run-model deit_small --run-size 224 --run-batch 256 --e2e-epochs 3 --repeats 2   # whole runs on JPEGs
 
 Sections: matmul (dense matmul FLOP/s, the MFU reference: bf16 on GPU, fp32 on CPU), step (Trainer.train_step on
 synthetic on-device batches; images/s, FLOPs/image, MFU; AdamW implementations; --compile), pipeline (our DeiT
 train transform + DataLoader on 500x375 JPEGs at 224 px, default vs data.fast_jpeg vs timm's loader), workers
 (per-epoch worker startup, persistent workers on/off), e2e (short real runs of train.py and of timm's train.py,
 alternately: steady images/s, data-wait fraction, compute-only step rate), e2e_run (whole runs of --e2e-epochs
-epochs, ours and timm's train.py in turn, each process timed from start to exit), startup (`train.py --cfg job`,
+epochs, ours and timm's train.py in turn, each process timed from start to exit: the demo on built-in data, or with
+--run-data / --draw-jpegs a model at a size on JPEGs), startup (`train.py --cfg job`,
 composing the 26-run sweep). On a GPU the step section defaults to DeiT-B/16 at 224 in bf16, batch 128.
 
 timm's train.py is not in the timm wheel; see deit_ablate/bench/timm_ref.py for how to get it. Results go to
@@ -23,12 +26,15 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from deit_ablate.bench import suite
+from deit_ablate.bench.compose import CONF
 from deit_ablate.bench.env import describe
-from deit_ablate.bench.pipeline import cache_root
+from deit_ablate.bench.pipeline import SHAPES, cache_root
 from deit_ablate.bench.report import Report
+from deit_ablate.bench.whole_run import JpegRun
 from deit_ablate.core.distributed import choose_device
 from deit_ablate.run.commands import command
 
@@ -53,12 +59,99 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--e2e-epochs", type=int, default=4, help="epochs of each whole run in e2e_run (default 4)")
     parser.add_argument("--e2e-micro-batch", type=int, help="our side's train.micro_batch in e2e and e2e_run (default: "
                         "the demo's 32, 4 micro-batches a step; 128: one per step, the computation timm's makes)")
-    parser.add_argument("--workers", type=int, help="loader workers (default: the cores of this process)")
+    parser.add_argument("--workers", type=int, help="loader workers (default: a run's on this device: the cores of "
+                                                     "this process on a CPU, all but two on a GPU)")
+    jpegs = parser.add_argument_group(
+        "e2e_run on JPEGs", "Whole runs of a model at a size on ImageNet-sized JPEGs, as a GPU user runs them, instead "
+        "of the demo on built-in data (the default): ours is `python train.py preset=paper model=M data=imagefolder "
+        "data.root=DIR resolution.train_size=S resolution.eval_size=S train.global_batch=B train.micro_batch=B "
+        "augment.repeated_aug=1 runtime.num_workers=W ...` (eval: resize S / 0.875, centre crop), timm's the same "
+        "flags. Give --run-data or --draw-jpegs; the other flags have defaults.")
+    jpegs.add_argument("--run-data", type=Path, metavar="DIR", help="an ImageFolder tree of JPEGs: DIR/train/<class>/ "
+                       "and DIR/val/<class>/")
+    jpegs.add_argument("--draw-jpegs", type=int, metavar="N", help="draw N training JPEGs (and N/8 validation ones) "
+                       "of 500x375 at quality 90 once into the cache, and train on them")
+    jpegs.add_argument("--draw-classes", type=int, default=10, metavar="K",
+                       help=f"classes of the drawn set (1-{len(SHAPES)}; default 10)")
+    jpegs.add_argument("--run-model", metavar="M", help="model group option (conf/model/; default deit_small)")
+    jpegs.add_argument("--run-model-kwargs", default="", metavar="K=V,...", help="change the model, e.g. "
+                       "embed_dim=64,depth=2,num_heads=2 (timm model kwargs, both sides)")
+    jpegs.add_argument("--run-size", type=int, metavar="S", help="train and eval size in pixels (default 224)")
+    jpegs.add_argument("--run-batch", type=int, metavar="B", help="global batch, one micro-batch a step (default "
+                       "128; 32 with --quick)")
     return parser.parse_args(argv)
+
+
+def _model_kwargs(text: str) -> dict[str, str]:
+    """`embed_dim=64,depth=2` as a dict; exits naming the bad item."""
+    kwargs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier() or not value:
+            sys.exit(f"--run-model-kwargs: '{item}' is not NAME=VALUE. Give comma-separated timm model arguments, "
+                     "e.g. --run-model-kwargs embed_dim=64,depth=2,num_heads=2.")
+        kwargs[key] = value
+    return kwargs
+
+
+def _check_image_folder(root: Path) -> Path:
+    """`root` if it holds train/ and val/ with class folders; exits saying what is missing."""
+    for split in ("train", "val"):
+        folder = root / split
+        if not folder.is_dir() or not any(entry.is_dir() for entry in folder.iterdir()):
+            sys.exit(f"--run-data {root}: {folder} is missing or holds no class folder. Point --run-data at an "
+                     "ImageFolder tree (DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg), or draw one with "
+                     "--draw-jpegs N.")
+    return root.resolve()
+
+
+def jpeg_run_settings(args: argparse.Namespace, sections: list[str]) -> JpegRun | None:
+    """e2e_run's run on JPEGs from the command line (None: the demo); exits on bad input."""
+    given = [flag for flag, value in (("--run-data", args.run_data), ("--draw-jpegs", args.draw_jpegs),
+                                      ("--run-model", args.run_model), ("--run-size", args.run_size),
+                                      ("--run-batch", args.run_batch), ("--run-model-kwargs", args.run_model_kwargs))
+             if value]
+    if not given:
+        return None
+    if "e2e_run" not in sections:
+        sys.exit(f"{', '.join(given)} configure the e2e_run section, which --sections leaves out; add e2e_run to "
+                 "--sections.")
+    if (args.run_data is None) == (args.draw_jpegs is None):
+        sys.exit(f"{', '.join(given)}: e2e_run on JPEGs needs exactly one image set: --run-data DIR (an ImageFolder "
+                 "with train/ and val/) or --draw-jpegs N (drawn into the cache).")
+    model = args.run_model or "deit_small"
+    if not (CONF / "model" / f"{model}.yaml").is_file():
+        options = ", ".join(sorted(path.stem for path in (CONF / "model").glob("*.yaml")))
+        sys.exit(f"--run-model {model}: no such model group option. Choose one of {options}.")
+    run = JpegRun(model=model, model_kwargs=_model_kwargs(args.run_model_kwargs), size=args.run_size or 224,
+                  batch=args.run_batch or (32 if args.quick else 128))
+    for flag, value in (("--run-size", run.size), ("--run-batch", run.batch)):
+        if value < 1:
+            sys.exit(f"{flag} {value}: give a positive number.")
+    if args.run_data is not None:
+        return replace(run, data=_check_image_folder(args.run_data))
+    if not 1 <= args.draw_classes <= len(SHAPES):
+        sys.exit(f"--draw-classes {args.draw_classes}: a drawn set has 1 to {len(SHAPES)} classes.")
+    if args.draw_jpegs < run.batch:
+        sys.exit(f"--draw-jpegs {args.draw_jpegs} is fewer than one batch of {run.batch}: an epoch would hold no step. "
+                 "Draw more images or lower --run-batch.")
+    return replace(run, draw=args.draw_jpegs, classes=args.draw_classes)
+
+
+def chosen_sections(args: argparse.Namespace) -> list[str]:
+    """The sections to run, in the suite's order of --sections; exits naming an unknown one."""
+    sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = sorted(set(sections) - set(suite.SECTIONS))
+    if unknown:
+        sys.exit(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(suite.SECTIONS)}")
+    if "step" in sections and "matmul" not in sections:
+        sections.insert(0, "matmul")  # MFU needs the matmul rate
+    return sections
 
 
 def settings_from(args: argparse.Namespace, argv: list[str]) -> suite.Settings:
     """Settings for this invocation; model and size follow the device unless given."""
+    jpeg_run = jpeg_run_settings(args, chosen_sections(args))
     device = choose_device(args.device, local_rank=0)
     gpu = device.type == "cuda"
     if args.timm_train is not None and not args.timm_train.is_file():
@@ -73,7 +166,7 @@ def settings_from(args: argparse.Namespace, argv: list[str]) -> suite.Settings:
         model=args.model or ("deit_base" if gpu else "vit_demo"), size=args.size or (224 if gpu else 32),
         batch=32 if quick and args.batch == 128 else args.batch, compile=args.compile, jpeg_count=args.jpegs,
         e2e_steps=args.e2e_steps, e2e_batch=32 if quick else 128, e2e_epochs=args.e2e_epochs,
-        e2e_micro_batch=args.e2e_micro_batch, workers=args.workers)
+        e2e_micro_batch=args.e2e_micro_batch, workers=args.workers, jpeg_run=jpeg_run)
 
 
 @command("scripts/bench.py")
@@ -83,12 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = settings_from(args, argv)
     report = Report(describe(settings.device), settings.command)
-    sections = [name.strip() for name in args.sections.split(",") if name.strip()]
-    unknown = sorted(set(sections) - set(suite.SECTIONS))
-    if unknown:
-        sys.exit(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(suite.SECTIONS)}")
-    if "step" in sections and "matmul" not in sections:
-        sections.insert(0, "matmul")  # MFU needs the matmul rate
+    sections = chosen_sections(args)
     start = time.perf_counter()
     for name in suite.SECTIONS:
         if name in sections:

@@ -87,3 +87,71 @@ def test_comparisons_pair_repeats_and_invert_times():
     assert report.compare("x", "a", "b").paired_ratios == [2.0, 2.0]
     assert report.compare("x", "a", "b", lower_is_better=True).ratio == 0.5
     assert "x" in report.table()
+
+
+def _bench_script():
+    """scripts/bench.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--run-model", "deit_small"], "exactly one image set: --run-data DIR"),
+    (["--draw-jpegs", "64", "--run-data", "."], "exactly one image set"),
+    (["--draw-jpegs", "64", "--run-model", "deit_huge"], "--run-model deit_huge: no such model group option"),
+    (["--draw-jpegs", "64", "--run-model-kwargs", "embed_dim"], "'embed_dim' is not NAME=VALUE"),
+    (["--draw-jpegs", "16", "--run-batch", "32"], "fewer than one batch of 32"),
+    (["--draw-jpegs", "64", "--draw-classes", "21"], "a drawn set has 1 to 20 classes"),
+    (["--run-data", "nowhere"], "nowhere/train is missing or holds no class folder"),
+    (["--sections", "step", "--draw-jpegs", "64"], "add e2e_run to --sections"),
+])
+def test_e2e_run_on_jpegs_refuses_bad_flags_before_anything_runs(argv, says, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bench = _bench_script()
+    argv = ["--skip-timm", "--sections", "e2e_run", *argv]
+    with pytest.raises(SystemExit) as stopped:
+        bench.settings_from(bench.parse_args(argv), argv)
+    assert says in str(stopped.value)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_both_sides_of_a_run_on_jpegs_train_the_same_model_size_batch_and_data(tmp_path):
+    from deit_ablate.bench.compose import compose_run
+    from deit_ablate.bench.whole_run import JpegRun, image_folder_overrides
+
+    for split in ("train", "val"):
+        for name in ("a", "b", "c"):
+            (tmp_path / split / name).mkdir(parents=True)
+    run = JpegRun(data=tmp_path, model="deit_tiny", model_kwargs={"embed_dim": "64", "depth": "2"}, size=224, batch=256)
+    overrides = image_folder_overrides(run, 14, "cuda", tmp_path / "cache")
+    cfg = compose_run(overrides)
+    assert (cfg.data.name, cfg.data.root, cfg.data.num_classes) == ("imagefolder", str(tmp_path), 3)
+    assert (cfg.resolution.train_size, cfg.resolution.eval_size, cfg.resolution.crop_pct) == (224, 224, 0.875)
+    assert (cfg.train.global_batch, cfg.train.micro_batch, cfg.augment.repeated_aug) == (256, 256, 1)
+    assert dict(cfg.model.kwargs) == {"embed_dim": 64, "depth": 2}
+    text = " ".join(timm_args(overrides, tmp_path, tmp_path / "out", workers=14, device="cuda"))
+    for flag in [f"--data-dir {tmp_path}", "--num-classes 3", "--model deit_tiny_patch16_224", "--img-size 224",
+                 "-b 256", "-j 14", "embed_dim=64 depth=2 img_size=224", "--amp --amp-dtype bfloat16"]:
+        assert flag in text, flag
+
+
+@pytest.mark.slow
+def test_e2e_run_trains_a_model_on_drawn_jpegs(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "DEIT_ABLATE_CACHE": str(tmp_path / "cache"), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--skip-timm", "--sections",
+                           "e2e_run", "--draw-jpegs", "32", "--draw-classes", "2", "--run-model", "deit_tiny",
+                           "--run-model-kwargs", "embed_dim=32,depth=1,num_heads=2", "--run-size", "32",
+                           "--run-batch", "16", "--workers", "0", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [figure] = [f for f in json.loads(out.read_text())["figures"] if f["name"] == "e2e_run_wall"]
+    assert figure["variant"] == "ours" and figure["value"] > 0
+    assert figure["settings"]["train_size"] == 32 and figure["settings"]["data"].endswith("-val4-c2")
+    assert "data=imagefolder" in figure["command"] and "++model.kwargs.depth=1" in figure["command"]
+    drawn = tmp_path / "cache" / "bench" / "jpeg-500x375-q90-n32-seed0-val4-c2"
+    assert len(list(drawn.glob("train/*/*.jpg"))) == 32 and len(list(drawn.glob("val/*/*.jpg"))) == 4

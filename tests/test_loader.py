@@ -45,8 +45,8 @@ def test_workers_run_at_the_configured_niceness():
 @pytest.mark.parametrize(("size", "device", "expected"), [(32, "cpu", 19), (64, "cpu", 19), (96, "cpu", 0),
                                                           (224, "cpu", 0), (32, "cuda", 0), (224, "cuda", 0)])
 def test_unset_niceness_yields_the_cores_only_where_the_training_step_limits_the_run(size, device, expected):
-    assert worker_niceness(None, torch.device(device), size) == expected
-    assert worker_niceness(7, torch.device(device), size) == 7  # a set value is kept everywhere
+    assert worker_niceness(None, device, size) == expected
+    assert worker_niceness(7, device, size) == 7  # a set value is kept everywhere
 
 
 @pytest.mark.parametrize(("resolution", "expected"), [("32px", 19), ("224px", 0)])

@@ -6,6 +6,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from deit_ablate.config.schema import RuntimeConfig
 from deit_ablate.config.stage_config import stage_config
 from deit_ablate.core.atomic import atomic_folder
 from deit_ablate.core.streams import RunStreams
-from deit_ablate.data.builtin import CLASSES, draw_image
+from deit_ablate.data.builtin import CLASSES, CLASSES_B, draw_image
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.fast_jpeg import lazy_loader
 from deit_ablate.data.loader import (
@@ -61,23 +62,51 @@ def cache_root() -> Path:
     return Path(os.environ.get("DEIT_ABLATE_CACHE") or REPO / ".cache").expanduser().resolve()
 
 
-def ensure_jpeg_set(count: int, root: Path | None = None, seed: int = 0) -> Path:
-    """An ImageFolder tree (train/<class>/*.jpg) of `count` built-in images drawn at 500x375, JPEG quality 90."""
-    spec = {"count": count, "width": JPEG_WIDTH, "height": JPEG_HEIGHT, "quality": JPEG_QUALITY, "seed": seed}
-    target = (root or cache_root() / "bench") / f"jpeg-{JPEG_WIDTH}x{JPEG_HEIGHT}-q{JPEG_QUALITY}-n{count}-seed{seed}"
+SHAPES = CLASSES + CLASSES_B  # the classes a drawn JPEG set can have: both built-in shape sets
+
+
+def _draw_jpegs(folder: Path, indices: range, key: tuple[int, ...], classes: int) -> None:
+    """Draw images `indices` of a JPEG set into folder/<class>/, each from its own seed key + (index,)."""
+    side = max(JPEG_WIDTH, JPEG_HEIGHT)
+    top = (side - JPEG_HEIGHT) // 2
+    shapes = SHAPES[:classes]
+    for index in indices:
+        label = index % classes
+        (folder / shapes[label]).mkdir(parents=True, exist_ok=True)
+        image = draw_image(label, side, np.random.default_rng([*key, index]), shapes)
+        image.crop((0, top, JPEG_WIDTH, top + JPEG_HEIGHT)).save(folder / shapes[label] / f"{index:06d}.jpg",
+                                                                  quality=JPEG_QUALITY)
+
+
+def ensure_jpeg_set(count: int, root: Path | None = None, seed: int = 0, val_count: int = 0,
+                    classes: int = len(CLASSES)) -> Path:
+    """An ImageFolder tree of built-in images drawn at 500x375, JPEG quality 90: `count` in train/<class>/ and
+    `val_count` in val/<class>/, over `classes` classes (at most len(SHAPES)), dealt round-robin; drawn once into
+    the cache, by as many processes as this one has cores (an image takes about 0.1 s)."""
+    if not 1 <= classes <= len(SHAPES):
+        raise ValueError(f"a drawn JPEG set has 1 to {len(SHAPES)} classes, not {classes}")
+    spec: dict[str, Any] = {"count": count, "width": JPEG_WIDTH, "height": JPEG_HEIGHT, "quality": JPEG_QUALITY,
+                            "seed": seed}
+    name = f"jpeg-{JPEG_WIDTH}x{JPEG_HEIGHT}-q{JPEG_QUALITY}-n{count}-seed{seed}"
+    if val_count or classes != len(CLASSES):  # the pipeline section's train-only set keeps its name
+        spec.update(val_count=val_count, classes=classes)
+        name += f"-val{val_count}-c{classes}"
+    target = (root or cache_root() / "bench") / name
     marker = target / "COMPLETE.json"
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return target
-    side = max(JPEG_WIDTH, JPEG_HEIGHT)
-    top = (side - JPEG_HEIGHT) // 2
 
     def fill(staging: Path) -> None:
-        for index in range(count):
-            label = index % len(CLASSES)
-            folder = staging / "train" / CLASSES[label]
-            folder.mkdir(parents=True, exist_ok=True)
-            image = draw_image(label, side, np.random.default_rng([seed, index]))
-            image.crop((0, top, JPEG_WIDTH, top + JPEG_HEIGHT)).save(folder / f"{index:06d}.jpg", quality=JPEG_QUALITY)
+        processes = max(1, min(len(os.sched_getaffinity(0)), (count + val_count) // 64))
+        jobs = [(staging / "train", range(start, count, processes), (seed,)) for start in range(processes)]
+        jobs += [(staging / "val", range(start, val_count, processes), (seed, 1)) for start in range(processes)]
+        if processes == 1:
+            for folder, indices, key in jobs:
+                _draw_jpegs(folder, indices, key, classes)
+        else:
+            with ProcessPoolExecutor(processes) as pool:
+                for done in [pool.submit(_draw_jpegs, folder, indices, key, classes) for folder, indices, key in jobs]:
+                    done.result()
         (staging / "COMPLETE.json").write_text(json.dumps(spec))
 
     atomic_folder(target, fill, complete=lambda: marker.exists() and json.loads(marker.read_text()) == spec)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from deit_ablate.bench.compose import REPO, TRAIN_PY
-from deit_ablate.bench.report import median
+from deit_ablate.bench.report import Figure, Report, median
 from deit_ablate.bench.timm_ref import parse_step
 
 
@@ -115,6 +115,23 @@ def run_timm(command: list[str], steps: int, batch: int, cache: Path, warmup: in
     summary = summarize_steps(timed, batch, launched, warmup)
     summary["command"] = f"{_env_prefix(extra_env)}python " + " ".join(shlex.quote(a) for a in command[1:])
     return summary
+
+
+def add_run_figures(report: Report, name: str, rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+    """The e2e section's figures of one variant: steady images/s, images/s from process start, the step rate."""
+    device, command = report.device["summary"], rows[0]["command"]
+    keys = ("data_wait_fraction", "wall_to_last_step_s", "compute_images_per_s", "images_per_s_incl_startup",
+            "median_step_images_per_s")
+    extra = {key: median([row[key] for row in rows]) for key in keys}
+    extra["step_s_first_run"] = rows[0]["step_s"]
+    report.add(Figure("e2e_train", name, median([r["images_per_s"] for r in rows]), "images/s", device, command,
+                      settings, [r["images_per_s"] for r in rows], extra))
+    report.add(Figure("e2e_incl_startup", name, extra["images_per_s_incl_startup"], "images/s", device, command,
+                      settings, [r["images_per_s_incl_startup"] for r in rows],
+                      {"wall_to_last_step_s": extra["wall_to_last_step_s"]}))
+    report.add(Figure("train_step_in_run", name, extra["compute_images_per_s"], "images/s", device, command,
+                      settings, [r["compute_images_per_s"] for r in rows],
+                      {"what": "batch / median step time without data wait and Mixup/CutMix"}))
 
 
 def time_command(command: list[str], cache: Path, cwd: Path = REPO) -> float:

@@ -12,6 +12,7 @@ import torch
 from deit_ablate.bench.compose import TRAIN_PY, compose_run
 from deit_ablate.bench.env import matmul_rate, matmul_setting
 from deit_ablate.bench.report import Figure, Report, median
+from deit_ablate.bench.whole_run import JpegRun
 from deit_ablate.data.transforms import TransformSpec
 
 SECTIONS = ("matmul", "step", "pipeline", "workers", "e2e", "e2e_run", "startup")
@@ -38,7 +39,8 @@ class Settings:
     e2e_batch: int = 128
     e2e_epochs: int = 4  # whole runs of the e2e_run section
     e2e_micro_batch: int | None = None  # our side's train.micro_batch (None: the demo's 32; 128: timm's one batch)
-    workers: int | None = None  # None: our default (the cores of the process)
+    workers: int | None = None  # None: a run's default on this device (data/loader.py loader_settings)
+    jpeg_run: JpegRun | None = None  # e2e_run: a model at a size on JPEGs (None: the demo on built-in data)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -51,9 +53,12 @@ def _log(message: str) -> None:
 
 
 def _workers(s: Settings) -> int:
-    from deit_ablate.data.loader import default_num_workers
+    from deit_ablate.config.schema import RuntimeConfig
+    from deit_ablate.data.loader import default_num_workers, loader_settings
 
-    return default_num_workers() if s.workers is None else s.workers
+    if s.workers is not None:
+        return s.workers
+    return loader_settings(RuntimeConfig(), s.device.type, default_num_workers()).workers
 
 
 def builtin_root(s: Settings) -> str:
@@ -343,7 +348,7 @@ def section_e2e(s: Settings, report: Report) -> None:
                     "torch_threads": 1 if name.endswith("/threads=1") else "default (cores)",
                     "repeated_aug": "3 (ours only)" if name == "ours+repeated_aug" else "off on both sides",
                     "worker_nice": "0" if name.endswith("worker_nice=0") else "ours 19 (default), timm 0"}
-        _add_run_figures(report, name, rows, settings)
+        runs.add_run_figures(report, name, rows, settings)
     for suffix, _, _ in variants:
         report.compare("e2e_train", f"ours{suffix}", f"timm{suffix}", target=1.0)
         report.compare("e2e_incl_startup", f"ours{suffix}", f"timm{suffix}")
@@ -353,30 +358,19 @@ def section_e2e(s: Settings, report: Report) -> None:
     report.compare("e2e_train", "ours/threads=1", "timm")
 
 
-def _add_run_figures(report: Report, name: str, rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
-    device, command = report.device["summary"], rows[0]["command"]
-    keys = ("data_wait_fraction", "wall_to_last_step_s", "compute_images_per_s", "images_per_s_incl_startup",
-            "median_step_images_per_s")
-    extra = {key: median([row[key] for row in rows]) for key in keys}
-    extra["step_s_first_run"] = rows[0]["step_s"]
-    report.add(Figure("e2e_train", name, median([r["images_per_s"] for r in rows]), "images/s", device, command,
-                      settings, [r["images_per_s"] for r in rows], extra))
-    report.add(Figure("e2e_incl_startup", name, extra["images_per_s_incl_startup"], "images/s", device, command,
-                      settings, [r["images_per_s_incl_startup"] for r in rows],
-                      {"wall_to_last_step_s": extra["wall_to_last_step_s"]}))
-    report.add(Figure("train_step_in_run", name, extra["compute_images_per_s"], "images/s", device, command,
-                      settings, [r["compute_images_per_s"] for r in rows],
-                      {"what": "batch / median step time without data wait and Mixup/CutMix"}))
-
-
 def section_e2e_run(s: Settings, report: Report) -> None:
-    """Whole runs of --e2e-epochs epochs, ours and timm's train.py in turn, timed from start to exit (issue #23:
-    demo model, batch 128, repeated augmentation off on both sides, --workers loader workers, --repeats pairs)."""
+    """Whole runs of --e2e-epochs epochs, ours and timm's train.py in turn, timed from start to exit: the demo
+    (issue #23: demo model, batch 128, built-in data), or --run-model at --run-size on --run-data / --draw-jpegs
+    JPEGs (repeated augmentation off on both sides, --workers loader workers, --repeats pairs)."""
     from deit_ablate.bench import whole_run
 
     workers = _workers(s)
-    whole_run.measure(report, e2e_overrides(s, workers, False), 1 if s.quick else s.e2e_epochs, s.timm_train,
-                      workers, s.device_name, s.cache, 1 if s.quick else s.repeats, _log)
+    if s.jpeg_run is not None:
+        overrides = whole_run.image_folder_overrides(s.jpeg_run, workers, s.device_name, s.cache, _log)
+    else:
+        overrides = e2e_overrides(s, workers, False)
+    whole_run.measure(report, overrides, 1 if s.quick else s.e2e_epochs, s.timm_train, workers, s.device_name,
+                      s.cache, 1 if s.quick else s.repeats, _log)
 
 
 def section_startup(s: Settings, report: Report) -> None:

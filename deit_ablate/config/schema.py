@@ -307,9 +307,11 @@ class RuntimeConfig:
     relaunching resumes the same run (same folder, same wandb run)."""
 
     device: str = "auto"
-    # torch intra-op threads on CPU; None: torch's default (one per core)
+    # torch intra-op threads of the training process; None: torch's default (one per core) on a CPU, the cores the
+    # loader workers leave on a GPU (data/loader.py: loader_settings; docs/gpu.md)
     cpu_threads: int | None = ranged(None, ge=1, hint="or null for torch's default (one thread per core)")
-    num_workers: int | None = ranged(None, ge=0)  # data-loading workers; None: the cores available to this process
+    # data-loading workers; None: the cores available to this process on a CPU, all of a rank's cores but two on a GPU
+    num_workers: int | None = ranged(None, ge=0)
     # added to the workers' niceness (0-19); None: 19 where the training step limits the run (a CPU training on
     # images of at most 64 px: the workers yield the cores to its threads), 0 elsewhere (decoding JPEGs, feeding a
     # GPU: the workers limit the run, and niced workers starve on a shared machine). docs/PERFORMANCE.md, section 8

@@ -6,6 +6,7 @@ import functools
 import itertools
 import math
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -157,9 +158,67 @@ def default_num_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def processes_sharing_cores() -> int:
+    """Training processes that share this process's cores: torchrun's LOCAL_WORLD_SIZE (its ranks of a node start in
+    one task, one affinity mask); 1 otherwise (a SLURM task per rank has its own cpus-per-task)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    return 1
+
+
 def num_workers(configured: int | None) -> int:
     """`configured` (runtime.num_workers), or the cores this process may use when it is unset (None)."""
     return configured if configured is not None else default_num_workers()
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """How one rank spends its cores: loader workers (each with one torch thread, as torch's DataLoader sets them),
+    pinned memory, batches prefetched per worker, and the training process's torch threads."""
+
+    workers: int
+    pin_memory: bool
+    prefetch_factor: int | None  # batches each worker keeps ready (None without workers)
+    persistent_workers: bool
+    main_threads: int | None  # torch intra-op threads of the training process; None: torch's default (one per core)
+
+
+def loader_settings(runtime: RuntimeConfig, device_type: str, cores: int, sharing: int = 1) -> LoaderSettings:
+    """The loader and thread settings of a rank on `device_type` with `cores` cores shared by `sharing` training
+    processes, where runtime.num_workers and runtime.cpu_threads are left unset (None); what they set wins.
+
+    On a GPU a rank's cores decode and augment: all but two become workers (one core for the training process,
+    which launches kernels and copies batches, one for the pin-memory thread), the training process keeps the
+    cores the workers leave, and each worker prefetches 2 batches (timm's default: 14 workers keep 28 batches
+    ready; 4 would hold over 2 GB of 256-image batches in shared memory per rank). On a CPU the training step
+    itself needs the cores: workers default to every core of the process (at low priority where the step limits
+    the run: `worker_niceness`) and torch keeps its own thread default."""
+    gpu = device_type == "cuda"
+    per_rank = max(cores // max(sharing, 1), 1) if gpu else cores
+    if runtime.num_workers is not None:
+        workers = runtime.num_workers
+    else:
+        workers = max(per_rank - 2, 1) if gpu else per_rank
+    threads = runtime.cpu_threads
+    if threads is None and gpu:
+        threads = max(per_rank - workers, 1)
+    return LoaderSettings(workers=workers, pin_memory=gpu, prefetch_factor=(2 if gpu else 4) if workers else None,
+                          persistent_workers=workers > 0, main_threads=threads)
+
+
+def device_type_of(runtime: RuntimeConfig) -> str:
+    """The kind of device a run of `runtime` trains on (runtime.device=auto: a GPU where there is one)."""
+    requested = runtime.device
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(requested).type
+
+
+def rank_loader_settings(runtime: RuntimeConfig, device_type: str | None = None) -> LoaderSettings:
+    """`loader_settings` for this process: its device (runtime.device unless given), its cores and the processes it
+    shares them with."""
+    return loader_settings(runtime, device_type or device_type_of(runtime), default_num_workers(),
+                           processes_sharing_cores())
 
 
 # At most this many pixels a side, a CPU's training step costs more than decoding and augmenting its images: the
@@ -167,12 +226,12 @@ def num_workers(configured: int | None) -> int:
 STEP_BOUND_SIZE = 64
 
 
-def worker_niceness(configured: int | None, device: torch.device | None, image_size: int | None) -> int:
+def worker_niceness(configured: int | None, device_type: str | None, image_size: int | None) -> int:
     """runtime.worker_nice, or where it is unset (None): 19 on a CPU training images of at most STEP_BOUND_SIZE px,
     where the step's threads should have the cores first, and 0 elsewhere, where the workers limit the run."""
     if configured is not None:
         return configured
-    on_cpu = device is None or device.type == "cpu"
+    on_cpu = device_type in (None, "cpu")
     return 19 if on_cpu and image_size is not None and image_size <= STEP_BOUND_SIZE else 0
 
 
@@ -183,16 +242,18 @@ def lower_worker_priority(niceness: int, worker_id: int) -> None:
 
 
 def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: RuntimeConfig,
-                 train: bool, niceness: int | None = None) -> DataLoader:
-    """A DataLoader with workers that live through the run, pinned memory on GPU and prefetch; a training one's
-    items are (index, seed) pairs (`SeededSamples`), each augmented from its own seed.
+                 train: bool, device_type: str | None = None, niceness: int | None = None) -> DataLoader:
+    """A DataLoader as `rank_loader_settings` resolves it (workers that live through the run, pinned memory on a
+    GPU, prefetch); a training one's items are (index, seed) pairs (`SeededSamples`), each augmented from its own
+    seed.
 
     The workers run `niceness` (`worker_niceness`; runtime.worker_nice, 0 when unset) below the training process's
     CPU priority: where cores are short they fill the time the training step leaves idle instead of preempting its
     threads (docs/PERFORMANCE.md, section 8).
     """
-    workers = num_workers(runtime.num_workers)
-    niceness = worker_niceness(runtime.worker_nice, None, None) if niceness is None else niceness
+    settings = rank_loader_settings(runtime, device_type)
+    workers = settings.workers
+    niceness = worker_niceness(runtime.worker_nice, device_type, None) if niceness is None else niceness
     if train:
         dataset = SeededItems(dataset)
     return DataLoader(
@@ -200,12 +261,12 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: R
         batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=settings.pin_memory,
         drop_last=train,
         # Workers start once: a fork per worker per epoch costs the training process copy-on-write page faults
         # (docs/PERFORMANCE.md); every training item carries its own seed.
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers > 0 else None,
+        persistent_workers=settings.persistent_workers,
+        prefetch_factor=settings.prefetch_factor,
         worker_init_fn=functools.partial(lower_worker_priority, niceness) if workers > 0 else None,
     )
 
@@ -217,10 +278,11 @@ def build_train_loader(dataset: Dataset, sampler: SeededSamples | SkipFirst, bat
     if spec.data.backend == DataBackend.dali:
         from deit_ablate.data.dali import DaliTrainLoader
 
-        return DaliTrainLoader(dataset, IndicesOnly(sampler), batch_size, spec, device,
-                               threads=max(1, num_workers(runtime.num_workers)))
-    niceness = worker_niceness(runtime.worker_nice, device, spec.resolution.train_size)
-    return build_loader(dataset, sampler, batch_size, runtime, train=True, niceness=niceness)
+        threads = rank_loader_settings(runtime, device.type if device is not None else None).workers
+        return DaliTrainLoader(dataset, IndicesOnly(sampler), batch_size, spec, device, threads=max(1, threads))
+    device_type = device.type if device is not None else None
+    niceness = worker_niceness(runtime.worker_nice, device_type, spec.resolution.train_size)
+    return build_loader(dataset, sampler, batch_size, runtime, train=True, device_type=device_type, niceness=niceness)
 
 
 class IndicesOnly(Sampler):

@@ -8,7 +8,14 @@ from typing import Any
 import torch
 from timm.utils import ModelEmaV3
 
-from deit_ablate.config.schema import DistillConfig, DistillKind, OptimizerConfig, Precision, TeacherView
+from deit_ablate.config.schema import (
+    DistillConfig,
+    DistillKind,
+    OptimizerConfig,
+    Precision,
+    RuntimeConfig,
+    TeacherView,
+)
 from deit_ablate.core.distributed import DistInfo, barrier
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
@@ -20,6 +27,7 @@ from deit_ablate.data.loader import (
     build_loader,
     build_train_loader,
     build_train_sampler,
+    rank_loader_settings,
     worker_niceness,
 )
 from deit_ablate.data.transforms import BatchNormalize, build_eval_transform, build_train_pipeline
@@ -61,9 +69,11 @@ def grad_scaler(setting: str, device: torch.device) -> torch.amp.GradScaler | No
     return torch.amp.GradScaler(device.type) if setting == Precision.fp16 else None
 
 
-def set_cpu_threads(threads: int | None, device: torch.device) -> None:
-    """Hold torch to `threads` intra-op threads on a CPU run (None keeps torch's default)."""
-    if threads is not None and device.type == "cpu":
+def set_cpu_threads(runtime: RuntimeConfig, device: torch.device) -> None:
+    """Hold torch to the training process's intra-op threads on `device` (data.loader.loader_settings: on a CPU
+    runtime.cpu_threads or torch's default, on a GPU the cores the loader workers leave)."""
+    threads = rank_loader_settings(runtime, device.type).main_threads
+    if threads is not None:
         torch.set_num_threads(threads)
 
 
@@ -112,8 +122,9 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
     train_sampler = SeededSamples(slots, RunStreams(cfg.seed, info.rank))
     train_loader = build_train_loader(train_set, train_sampler, per_rank, spec, cfg.runtime, info.device)
     val_loader = build_loader(val_set, ShardSampler(len(val_set), info.world_size, info.rank),
-                              cfg.runtime.eval_batch, cfg.runtime, train=False,
-                              niceness=worker_niceness(cfg.runtime.worker_nice, info.device, spec.resolution.eval_size))
+                              cfg.runtime.eval_batch, cfg.runtime, train=False, device_type=info.device.type,
+                              niceness=worker_niceness(cfg.runtime.worker_nice, info.device.type,
+                                                       spec.resolution.eval_size))
     if len(train_loader) == 0:
         raise ConfigError(f"an epoch of {len(train_set)} images (x{cfg.augment.repeated_aug} repeats) dealt to "
                           f"{batch.slots} micro-batches of {batch.micro_batch} holds no full step; lower the global "

@@ -125,7 +125,7 @@ def _train(plan: RunPlan, info: DistInfo) -> dict[str, Any]:
     """Build, resume, train and evaluate; record the result (rank 0) and return it on every rank."""
     streams = RunStreams(plan.settings.seed, info.rank)
     streams.seed_init()  # the same initial weights on every rank
-    set_cpu_threads(plan.settings.runtime.cpu_threads, info.device)
+    set_cpu_threads(plan.settings.runtime, info.device)
     pieces = build_pieces(plan, info)  # every input error is raised by now, before anything is logged
     progress, state = _resume(plan, info, pieces)
     tracker = Tracker(plan.declared, plan.identity, plan.data, enabled=info.is_main, run_dir=plan.run_dir.path)
@@ -225,7 +225,7 @@ def _start_line(plan: RunPlan, info: DistInfo, pieces: Pieces, tracker: Tracker)
                  + (f" in {batch.split} passes each" if batch.split > 1 else "") + ", "
                  f"{pieces.loaders.steps_per_epoch} steps/epoch, {recipe.epochs} epochs, "
                  f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}"
-                 + (f", {torch.get_num_threads()} torch thread(s)" if info.device.type == "cpu" else ""))
+                 + f", {torch.get_num_threads()} torch thread(s)")
         changes = stage_changes(plan.declared, cfg)
         if changes:
             log.info(f"[run] the {cfg.stage} runs its pre-training's config with: {', '.join(changes)}")
