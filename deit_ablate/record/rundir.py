@@ -46,6 +46,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -81,10 +82,83 @@ MULTIRUN, SWEEP_RECORD = "multirun.yaml", "multirun-{}.yaml"  # Hydra's sweep re
 SLURM_JOBS = "slurm-jobs.json"  # in the runs root: SLURM job id -> run folder name, from the SLURM launcher
 SUBMITIT = ".submitit"  # submitit's folder in the sweep folder (conf/hydra/launcher/*.yaml spell it too)
 RESULT_STATUSES = ("finished", "diverged", "failed")
+# The files a run folder holds that a launch or the status opens: each must be a regular file where it exists (a FIFO
+# there would block the reader forever).
+OWN_FILES = (*ATOMIC_FILES, LOCK, LOG)
+KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+         (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
 # One name per value in identity.json and result.json; identity.json used to say `digest` and `data`.
 DIGEST, DATA = "experiment_digest", "data_fingerprint"
 OLD_NAMES = {"digest": DIGEST, "data": DATA}
 IDENTITY_FIELDS = ("run_id", "name", DIGEST, DATA)  # what result.json holds beyond the run's summary
+
+
+class DamagedRecord(ConfigError):
+    """A file of a run folder that is not what this code writes there: not a regular file, not text, not its
+    record. `problem` says what is wrong with it; the message adds the fix."""
+
+    def __init__(self, path: Path, problem: str, fix: str | None = None) -> None:
+        self.path, self.problem, self.fix = Path(path), problem, fix
+        fix = fix or (f"A run folder holds only the files this code writes: delete it ({removal(self.path)}), or "
+                      f"move the run folder {self.path.parent} away to train the run again")
+        super().__init__(f"{path}: {problem}. {fix}.")
+
+    def __reduce__(self):  # pickled (distributed.agree sends it to the other ranks) by what builds it again
+        return type(self), (self.path, self.problem, self.fix)
+
+    @property
+    def detail(self) -> str:
+        """`result.json: a folder, not a file`: the file's name in its run folder and its problem, for the status."""
+        name = f"{HYDRA}/{self.path.name}" if self.path.parent.name == HYDRA else self.path.name
+        return f"{name}: {self.problem}"
+
+
+def kind_of(mode: int) -> str:
+    """What a file of `mode` (os.stat's st_mode) is, in words: `a folder`, `a FIFO (named pipe)`, ..."""
+    return next((kind for test, kind in KINDS if test(mode)), "not a regular file")
+
+
+def removal(path: Path) -> str:
+    """The command that removes `path`: rm, or rm -r for a folder."""
+    return f"rm {'-r ' if path.is_dir() else ''}'{path}'"
+
+
+def not_a_file(path: Path) -> str | None:
+    """What `path` is when it exists but is no regular file (`a folder, not a file`), else None (a file, or none)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return None if stat.S_ISREG(mode) else f"{kind_of(mode)}, not a file"
+
+
+def read_bytes(path: Path) -> bytes:
+    """The bytes of a run folder's file; a DamagedRecord when it is no regular file (a FIFO is never waited on),
+    FileNotFoundError when there is none."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DamagedRecord(path, f"{kind_of(mode)}, not a file")
+        return handle.read()
+
+
+def read_text(path: Path) -> str:
+    """A run folder's text file (UTF-8); a DamagedRecord when it is no regular file or holds binary data."""
+    try:
+        return read_bytes(path).decode()
+    except UnicodeDecodeError:
+        raise DamagedRecord(path, "binary data, not text") from None
+
+
+def read_json(path: Path) -> Any:
+    """A run folder's JSON file; a DamagedRecord when it is no regular file or not JSON."""
+    try:
+        return json.loads(read_text(path))
+    except ValueError as error:
+        if isinstance(error, DamagedRecord):
+            raise
+        raise DamagedRecord(path, f"not JSON ({type(error).__name__}: {str(error)[:80]})") from None
 
 
 def runs_root(output_root: str | os.PathLike) -> Path:
@@ -122,19 +196,22 @@ def result_record(identity: RunIdentity, data: Mapping[str, Any], final: Mapping
     return {"run_id": identity.run_id, "name": identity.name, **final, DIGEST: identity.digest, DATA: dict(data)}
 
 
+RESULT_FIX = "Delete it: the run then resumes from its checkpoint (or starts again) and writes it anew"
+
+
 def read_result(path: Path) -> dict[str, Any]:
-    """A run's result.json; a ConfigError naming the file when it is not one this code wrote."""
+    """A run's result.json; a DamagedRecord naming the file when it is not one this code wrote."""
     try:
-        result = json.loads(Path(path).read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        problem = f"not JSON ({type(error).__name__}: {str(error)[:80]})"
-    else:
-        if isinstance(result, dict) and result.get("status") in RESULT_STATUSES:
-            return read_record(result)
-        problem = (f"a {type(result).__name__}, not a result" if not isinstance(result, dict)
-                   else f"no status of {', '.join(RESULT_STATUSES)} in it")
-    raise ConfigError(f"{path} is not a run result ({problem}). Delete it: the run then resumes from its "
-                      "checkpoint (or starts again) and writes it anew.")
+        result = read_json(Path(path))
+    except DamagedRecord as error:
+        if not_a_file(Path(path)) is not None:  # nothing a run can write over: the folder must change by hand
+            raise
+        raise DamagedRecord(path, f"not a run result ({error.problem})", RESULT_FIX) from None
+    if isinstance(result, dict) and result.get("status") in RESULT_STATUSES:
+        return read_record(result)
+    problem = (f"a {type(result).__name__}, not a result" if not isinstance(result, dict)
+               else f"no status of {', '.join(RESULT_STATUSES)} in it")
+    raise DamagedRecord(path, f"not a run result ({problem})", RESULT_FIX)
 
 
 def folder_problem(path: Path) -> str | None:
@@ -249,6 +326,16 @@ class RunDir:
         """The temp file an atomic write of one of the run's own files goes through (`.<name>.tmp`)."""
         return file.with_name(f".{file.name}.tmp")
 
+    def check_files(self) -> None:
+        """A DamagedRecord for the first of the run's own files (OWN_FILES, the rank logs) that is there but no
+        regular file: a launch or the status would block on a FIFO, or fail on a folder, where that file belongs."""
+        rank_log = re.compile(re.escape(RANK_LOG).replace(r"\{\}", r"\d+"))
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                if (entry.name in OWN_FILES or rank_log.fullmatch(entry.name)) and not entry.is_file():
+                    problem = not_a_file(Path(entry.path)) or "a broken link, not a file"
+                    raise DamagedRecord(Path(entry.path), problem)
+
     def stale_temp_files(self) -> list[Path]:
         """The temp files a killed writer left (TEMP_PATTERNS), to remove while holding the lock."""
         return [path for pattern in TEMP_PATTERNS for path in sorted(self.path.glob(pattern))]
@@ -290,8 +377,14 @@ class RunDir:
 
     def read_identity(self) -> dict[str, Any] | None:
         """What the run recorded about itself when it first started (identity_record), under today's names, or
-        None."""
-        return read_record(json.loads(self.identity.read_text())) if self.identity.exists() else None
+        None; a DamagedRecord when identity.json is not that record."""
+        try:
+            record = read_json(self.identity)
+        except FileNotFoundError:
+            return None
+        if not isinstance(record, dict):
+            raise DamagedRecord(self.identity, f"a {type(record).__name__}, not the run's identity record")
+        return read_record(record)
 
     def recorded_data(self) -> dict[str, Any] | None:
         """The fingerprint of the data the run first trained on, as its identity.json records it, or None."""
