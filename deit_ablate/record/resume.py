@@ -215,7 +215,8 @@ def previous_result(run_dir: RunDir, is_main: bool) -> dict[str, Any] | None:
         if not_a_file(run_dir.result) is not None:
             raise
         if is_main:
-            log.warning(f"[run] {error} Treated as unfinished: the run resumes and writes it again.")
+            log.warning(f"[run] {error.path} is {error.problem}. Treated as unfinished: the run resumes and writes it "
+                        "again.")
         return None
 
 
