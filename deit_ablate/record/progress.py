@@ -23,7 +23,8 @@ from typing import Any
 from deit_ablate.core.atomic import write_json_atomic
 from deit_ablate.core.errors import RunError
 from deit_ablate.core.logs import log
-from deit_ablate.record.rundir import DamagedRecord, RunDir, read_json
+from deit_ablate.record.rundir import RunDir
+from deit_ablate.record.runfiles import DamagedRecord, read_json
 
 PROGRESS_EVERY_S = 5.0  # the most often a launch rewrites progress.json as steps go by
 STATES = ("running", "finished", "diverged", "stopped", "failed")

@@ -21,7 +21,8 @@ from typing import Any
 
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
-from deit_ablate.record.rundir import DamagedRecord, RunDir, not_a_file
+from deit_ablate.record.rundir import RunDir
+from deit_ablate.record.runfiles import DamagedRecord, not_a_file
 
 RESUME_KEYS = ("model", "optimizer", "scheduler", "epoch", "step")  # what every training state holds
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from deit_ablate.core.atomic import write_text_atomic
-from deit_ablate.record.rundir import LOCK, LOCK_ASIDE, read_bytes
+from deit_ablate.record.rundir import LOCK, LOCK_ASIDE
+from deit_ablate.record.runfiles import read_bytes
 
 LOCK_NAME = LOCK  # the name older imports use; the folder's layout is rundir's
 REFRESH_S = 60.0

@@ -27,7 +27,8 @@ from deit_ablate.config.studies import study_names
 from deit_ablate.core.atomic import write_text_atomic
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.identity import RunIdentity
-from deit_ablate.record.rundir import METRICS, DamagedRecord, read_text, removal, wandb_root
+from deit_ablate.record.rundir import METRICS, wandb_root
+from deit_ablate.record.runfiles import DamagedRecord, read_text, removal
 
 # Keys of the resolved config that never go to wandb (they could carry credentials or host details).
 _PRIVATE_KEYS = ("runtime.tracking.entity",)

@@ -17,7 +17,8 @@ from deit_ablate.analysis.status.sweep import PlannedRun, folder_runs, root_prob
 from deit_ablate.analysis.status.view import FILE_WIDTH, as_json, table
 from deit_ablate.record.progress import read_progress
 from deit_ablate.record.resume import LaunchAction, NoReadableCheckpoint
-from deit_ablate.record.rundir import DEFAULT_OUTPUT_ROOT, RUNS, DamagedRecord, read_slurm_jobs
+from deit_ablate.record.rundir import DEFAULT_OUTPUT_ROOT, RUNS, read_slurm_jobs
+from deit_ablate.record.runfiles import DamagedRecord
 from deit_ablate.run.commands import check_overrides, command
 
 WATCH_EVERY_S = 5.0  # --watch's default refresh
@@ -61,8 +62,7 @@ def damage_of(run: PlannedRun, error: DamagedRecord | NoReadableCheckpoint | OSE
     if isinstance(error, NoReadableCheckpoint):
         return error.detail
     if isinstance(error, DamagedRecord):
-        own = error.path.parent in (run.run_dir.path, run.run_dir.hydra)
-        return error.detail if own else f"{error.path}: {error.problem}"
+        return error.detail(run.run_dir.path)
     where = Path(error.filename).name if error.filename else "its folder"
     return f"{where}: cannot be read ({error.strerror or error})"
 

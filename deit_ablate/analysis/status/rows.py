@@ -26,7 +26,8 @@ from typing import Any
 from deit_ablate.analysis.status.slurm import SlurmJob
 from deit_ablate.record.progress import number_problem
 from deit_ablate.record.resume import ACTIONS, LaunchAction
-from deit_ablate.record.rundir import DamagedRecord, RunDir, read_result
+from deit_ablate.record.rundir import RunDir, read_result
+from deit_ablate.record.runfiles import DamagedRecord
 from deit_ablate.record.runlock import describe, read_lock, stale_reason, this_process
 
 STALL_AFTER_S = 600.0  # a held lock with no progress written for this long: stalled (`deit-status --stall-after`)

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from deit_ablate.config.studies import study_names
 from deit_ablate.record.resume import LaunchAction, folder_action
-from deit_ablate.record.rundir import DamagedRecord, RunDir, read_text, runs_root
+from deit_ablate.record.rundir import RunDir, runs_root
+from deit_ablate.record.runfiles import DamagedRecord, read_text
 
 if TYPE_CHECKING:
     from deit_ablate.run.plan import RunPlan
@@ -126,7 +127,7 @@ def folder_run(path: Path, studies: frozenset[str]) -> PlannedRun | None:
             return None
         return PlannedRun(run, folder_labels(run, studies))
     except DamagedRecord as error:
-        return PlannedRun(run, UNKNOWN_LABELS, damage=error.detail)
+        return PlannedRun(run, UNKNOWN_LABELS, damage=error.detail(run.path))
     except OSError as error:  # an unreadable folder (chmod 000)
         return PlannedRun(run, UNKNOWN_LABELS, damage=f"its folder cannot be read ({error.strerror or error})")
 
