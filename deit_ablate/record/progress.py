@@ -12,7 +12,7 @@ way (after an epoch's evaluation, that epoch).
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import socket
 import time
@@ -24,9 +24,12 @@ from deit_ablate.core.atomic import write_json_atomic
 from deit_ablate.core.errors import RunError
 from deit_ablate.core.logs import log
 from deit_ablate.record.rundir import RunDir
+from deit_ablate.record.runfiles import DamagedRecord, read_json
 
 PROGRESS_EVERY_S = 5.0  # the most often a launch rewrites progress.json as steps go by
 STATES = ("running", "finished", "diverged", "stopped", "failed")
+NUMBERS = ("epoch", "epochs", "step", "total_steps", "images_per_step", "img_per_s", "elapsed_s", "last_top1",
+           "best_top1")  # the record's numbers: each a finite number, or null
 
 
 def now_iso() -> str:
@@ -102,10 +105,30 @@ class ProgressFile:
             self._warned = True
 
 
+def number_problem(record: dict[str, Any], keys: tuple[str, ...]) -> str | None:
+    """What is wrong with the first of `keys` in `record` that is neither null nor a finite number
+    (`epoch is 'abc', not a number`), or None."""
+    for key in keys:
+        value = record.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"{key} is {value!r}, not a number"
+        if not math.isfinite(value):
+            return f"{key} is {value}, not a finite number"
+    return None
+
+
 def read_progress(run_dir: RunDir) -> dict[str, Any] | None:
-    """A run folder's progress.json, or None where there is none (or it cannot be read)."""
+    """A run folder's progress.json, or None where there is none; a DamagedRecord naming what is wrong when it is
+    not the record a launch writes (no regular file, not JSON, not a mapping, a number that is none)."""
     try:
-        record = json.loads(run_dir.progress.read_text())
-    except (OSError, ValueError):
+        record = read_json(run_dir.progress)
+    except FileNotFoundError:
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        raise DamagedRecord(run_dir.progress, f"a {type(record).__name__}, not a progress record")
+    problem = number_problem(record, NUMBERS)
+    if problem is not None:
+        raise DamagedRecord(run_dir.progress, problem)
+    return record

@@ -22,6 +22,7 @@ from typing import Any
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
 from deit_ablate.record.rundir import RunDir
+from deit_ablate.record.runfiles import DamagedRecord, not_a_file
 
 RESUME_KEYS = ("model", "optimizer", "scheduler", "epoch", "step")  # what every training state holds
 
@@ -55,6 +56,9 @@ def load(path: str | os.PathLike, source: str = "checkpoint") -> dict[str, Any]:
     """Read a checkpoint on the CPU without unpickling arbitrary objects; CheckpointUnreadable if it cannot be."""
     import torch  # here, not at the top: the status and the dry run read steps without it (peek_training_state)
 
+    kind = not_a_file(Path(path))
+    if kind is not None:  # a FIFO would block the reader
+        raise CheckpointUnreadable(Path(path), kind, source)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
@@ -81,12 +85,27 @@ def checked_training_state(path: Path, state: Any) -> dict[str, Any]:
     return state
 
 
+class NoReadableCheckpoint(ConfigError):
+    """A run folder with checkpoints, none of which can be read: the message names them and what to delete."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        self.detail = detail  # `checkpoint-last.pt: a FIFO (named pipe), not a file`, for the status's row
+        super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.detail)
+
+
 def find_resume_point(run_dir: Path, read: Callable[[Path], dict[str, Any]]) -> ResumePoint | None:
     """The newest checkpoint of a run folder `read` can read (last, then the copy before it); None for a fresh
     run. A ConfigError naming the files and what to delete when there are checkpoints but none can be read."""
     unreadable = []
     for path in (RunDir(run_dir).last_checkpoint, RunDir(run_dir).previous_checkpoint):
         if not path.exists():
+            continue
+        kind = not_a_file(path)
+        if kind is not None:  # never opened: a FIFO would block the reader
+            unreadable.append(CheckpointUnreadable(path, kind))
             continue
         try:
             return ResumePoint(path, read(path), unreadable)
@@ -96,8 +115,10 @@ def find_resume_point(run_dir: Path, read: Callable[[Path], dict[str, Any]]) -> 
         return None
     reasons = "; ".join(f"{error.path.name}: {error.reason}" for error in unreadable)
     paths = " ".join(f"'{error.path}'" for error in unreadable)
-    raise ConfigError(f"the run in {run_dir} cannot resume: no checkpoint there can be read ({reasons}). To train "
-                      f"the run again from the start, delete them (rm {paths}) and launch the same command again.")
+    folders = "-r " if any(error.path.is_dir() for error in unreadable) else ""
+    raise NoReadableCheckpoint(f"the run in {run_dir} cannot resume: no checkpoint there can be read ({reasons}). To "
+                               f"train the run again from the start, delete them (rm {folders}{paths}) and launch the "
+                               "same command again.", reasons)
 
 
 class _Opaque:
@@ -175,31 +196,43 @@ def _step_reader(path: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class LaunchAction:
-    """What launching a run would do now: `kind` (one of ACTIONS) and the dry run's words for it."""
+    """What launching a run would do now: `kind` (one of ACTIONS) and the dry run's words for it; a skip carries the
+    result it skips (read once: the status shows it)."""
 
     kind: str
     text: str
+    result: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 ACTIONS = ("skip", "wait", "record", "refuse", "resume", "train")
 
 
 def previous_result(run_dir: RunDir, is_main: bool) -> dict[str, Any] | None:
-    """The run's result.json when it holds one; a damaged one is reported and the run counts as unfinished."""
+    """The run's result.json when it holds one; a damaged one is reported and the run counts as unfinished. One that
+    is no regular file (a folder, a FIFO) is a DamagedRecord: nothing a run writes can replace it."""
     try:
         return run_dir.read_result()
-    except ConfigError as error:
+    except DamagedRecord as error:
+        if not_a_file(run_dir.result) is not None:
+            raise
         if is_main:
-            log.warning(f"[run] {error} Treated as unfinished: the run resumes and writes it again.")
+            log.warning(f"[run] {error.path} is {error.problem}. Treated as unfinished: the run resumes and writes it "
+                        "again.")
         return None
 
 
-def folder_action(run_dir: RunDir, train_text: str = "train from step 0") -> LaunchAction:
-    """What a launch does with the run folder alone (no run it starts from to wait for): skip its result, resume
-    its checkpoint, or train."""
-    result = previous_result(run_dir, is_main=False)
+def skip_action(result: dict[str, Any]) -> LaunchAction:
+    """The launch action of a run that holds its result."""
+    return LaunchAction("skip", f"skip (already {result['status']})", result)
+
+
+def folder_action(run_dir: RunDir, train_text: str = "train from step 0",
+                  result: dict[str, Any] | None = None) -> LaunchAction:
+    """What a launch does with the run folder alone (no run it starts from to wait for): skip its result (`result`
+    when read already), resume its checkpoint, or train."""
+    result = result if result is not None else previous_result(run_dir, is_main=False)
     if result is not None:
-        return LaunchAction("skip", f"skip (already {result['status']})")
+        return skip_action(result)
     point = find_resume_point(run_dir.path, _step_reader)
     if point is not None:
         return LaunchAction("resume", f"resume from step {point.state['step']} ({point.path.name})")

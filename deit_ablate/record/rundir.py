@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from deit_ablate.core.atomic import atomic_write, write_json_atomic, write_text_atomic
 from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.runfiles import DamagedRecord, folder_problem, not_a_file, read_json
 
 if TYPE_CHECKING:  # the aggregator reads run folders without importing omegaconf
     from omegaconf import DictConfig
@@ -82,6 +83,9 @@ MULTIRUN, SWEEP_RECORD = "multirun.yaml", "multirun-{}.yaml"  # Hydra's sweep re
 SLURM_JOBS = "slurm-jobs.json"  # in the runs root: SLURM job id -> run folder name, from the SLURM launcher
 SUBMITIT = ".submitit"  # submitit's folder in the sweep folder (conf/hydra/launcher/*.yaml spell it too)
 RESULT_STATUSES = ("finished", "diverged", "failed")
+# The files a run folder holds that a launch or the status opens: each must be a regular file where it exists (a FIFO
+# there would block the reader forever).
+OWN_FILES = (*ATOMIC_FILES, LOCK, LOG)
 # One name per value in identity.json and result.json; identity.json used to say `digest` and `data`.
 DIGEST, DATA = "experiment_digest", "data_fingerprint"
 OLD_NAMES = {"digest": DIGEST, "data": DATA}
@@ -123,31 +127,22 @@ def result_record(identity: RunIdentity, data: Mapping[str, Any], final: Mapping
     return {"run_id": identity.run_id, "name": identity.name, **final, DIGEST: identity.digest, DATA: dict(data)}
 
 
+RESULT_FIX = "Delete it: the run then resumes from its checkpoint (or starts again) and writes it anew"
+
+
 def read_result(path: Path) -> dict[str, Any]:
-    """A run's result.json; a ConfigError naming the file when it is not one this code wrote."""
+    """A run's result.json; a DamagedRecord naming the file when it is not one this code wrote."""
     try:
-        result = json.loads(Path(path).read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        problem = f"not JSON ({type(error).__name__}: {str(error)[:80]})"
-    else:
-        if isinstance(result, dict) and result.get("status") in RESULT_STATUSES:
-            return read_record(result)
-        problem = (f"a {type(result).__name__}, not a result" if not isinstance(result, dict)
-                   else f"no status of {', '.join(RESULT_STATUSES)} in it")
-    raise ConfigError(f"{path} is not a run result ({problem}). Delete it: the run then resumes from its "
-                      "checkpoint (or starts again) and writes it anew.")
-
-
-def folder_problem(path: Path) -> str | None:
-    """Why a run could not create `path` or write into it (a file in the way, a read-only folder), or None."""
-    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
-    if not existing.is_dir():
-        return f"{existing} is a file, not a folder"
-    if os.access(existing, os.W_OK | os.X_OK):  # root too: access() reports a read-only mount
-        return None
-    read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
-    why = "read-only file system" if read_only else f"no write permission for this user (uid {os.geteuid()})"
-    return f"{existing} is not writable ({why})"
+        result = read_json(Path(path))
+    except DamagedRecord as error:
+        if not_a_file(Path(path)) is not None:  # nothing a run can write over: the folder must change by hand
+            raise
+        raise DamagedRecord(path, f"not a run result ({error.problem})", RESULT_FIX) from None
+    if isinstance(result, dict) and result.get("status") in RESULT_STATUSES:
+        return read_record(result)
+    problem = (f"a {type(result).__name__}, not a result" if not isinstance(result, dict)
+               else f"no status of {', '.join(RESULT_STATUSES)} in it")
+    raise DamagedRecord(path, f"not a run result ({problem})", RESULT_FIX)
 
 
 def check_output_root(output_root: str | Path, tracking: bool = True) -> None:
@@ -250,6 +245,16 @@ class RunDir:
         """The temp file an atomic write of one of the run's own files goes through (`.<name>.tmp`)."""
         return file.with_name(f".{file.name}.tmp")
 
+    def check_files(self) -> None:
+        """A DamagedRecord for the first of the run's own files (OWN_FILES, the rank logs) that is there but no
+        regular file: a launch or the status would block on a FIFO, or fail on a folder, where that file belongs."""
+        rank_log = re.compile(re.escape(RANK_LOG).replace(r"\{\}", r"\d+"))
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                if (entry.name in OWN_FILES or rank_log.fullmatch(entry.name)) and not entry.is_file():
+                    problem = not_a_file(Path(entry.path)) or "a broken link, not a file"
+                    raise DamagedRecord(Path(entry.path), problem)
+
     def stale_temp_files(self) -> list[Path]:
         """The temp files a killed writer left (TEMP_PATTERNS), to remove while holding the lock."""
         return [path for pattern in TEMP_PATTERNS for path in sorted(self.path.glob(pattern))]
@@ -291,8 +296,14 @@ class RunDir:
 
     def read_identity(self) -> dict[str, Any] | None:
         """What the run recorded about itself when it first started (identity_record), under today's names, or
-        None."""
-        return read_record(json.loads(self.identity.read_text())) if self.identity.exists() else None
+        None; a DamagedRecord when identity.json is not that record."""
+        try:
+            record = read_json(self.identity)
+        except FileNotFoundError:
+            return None
+        if not isinstance(record, dict):
+            raise DamagedRecord(self.identity, f"a {type(record).__name__}, not the run's identity record")
+        return read_record(record)
 
     def recorded_data(self) -> dict[str, Any] | None:
         """The fingerprint of the data the run first trained on, as its identity.json records it, or None."""

@@ -26,6 +26,7 @@ from typing import Any
 
 from deit_ablate.core.atomic import write_text_atomic
 from deit_ablate.record.rundir import LOCK, LOCK_ASIDE
+from deit_ablate.record.runfiles import read_bytes
 
 LOCK_NAME = LOCK  # the name older imports use; the folder's layout is rundir's
 REFRESH_S = 60.0
@@ -91,7 +92,7 @@ def stale_reason(holder: dict[str, Any] | None, age_s: float, me: dict[str, Any]
 
 def read_lock(path: Path) -> tuple[str, dict[str, Any] | None, float]:
     """A lock's text, its parsed holder (None if empty or damaged) and its age in seconds (OSError when none)."""
-    text = path.read_text()
+    text = read_bytes(path).decode(errors="replace")  # never waits on a FIFO; a damaged lock has no holder
     age = max(time.time() - path.stat().st_mtime, 0.0)
     try:
         holder = json.loads(text)

@@ -28,6 +28,7 @@ from deit_ablate.core.atomic import write_text_atomic
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.identity import RunIdentity
 from deit_ablate.record.rundir import METRICS, wandb_root
+from deit_ablate.record.runfiles import DamagedRecord, read_text, removal
 
 # Keys of the resolved config that never go to wandb (they could carry credentials or host details).
 _PRIVATE_KEYS = ("runtime.tracking.entity",)
@@ -149,11 +150,11 @@ def write_epoch_row(path: Path, row: dict[str, Any]) -> None:
     """Add one epoch's metrics to a CSV; rows of this epoch and later (from before a resume) are replaced."""
     kept: list[dict[str, str]] = []
     fields: list[str] = []
-    if path.exists():
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            fields = list(reader.fieldnames or [])
-            kept = [r for r in reader if r.get("epoch", "").isdigit() and int(r["epoch"]) < int(row["epoch"])]
+    text = metrics_text(path)
+    if text is not None:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        fields = list(reader.fieldnames or [])
+        kept = [r for r in reader if r.get("epoch", "").isdigit() and int(r["epoch"]) < int(row["epoch"])]
     fields += [k for k in row if k not in fields]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n", restval="")
@@ -187,12 +188,24 @@ def wandb_logs(output_root: str | Path, run_id: str) -> list[Path]:
     return [folder for folder in found if any(folder.glob("*.wandb"))]
 
 
+def metrics_text(path: Path) -> str | None:
+    """A run's metrics.csv, or None where it has none; a DamagedRecord naming the fix when it is no text file."""
+    try:
+        return read_text(path)
+    except FileNotFoundError:
+        return None
+    except DamagedRecord as error:
+        raise DamagedRecord(path, error.problem, f"Delete it ({removal(path)}) to go on without the epochs it held "
+                            "(wandb then gets the run's result without them), or move the run folder away to train "
+                            "the run again") from None
+
+
 def read_epoch_rows(path: Path) -> list[dict[str, Any]]:
     """The per-epoch rows of a metrics.csv, numbers as numbers (empty when it is missing)."""
-    if not path.exists():
+    text = metrics_text(path)
+    if text is None:
         return []
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
     return [{key: _number(value) for key, value in row.items() if value != ""} for row in rows]
 
 

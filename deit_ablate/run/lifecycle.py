@@ -16,7 +16,7 @@ from deit_ablate.core.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.core.stopping import StopRequested
 from deit_ablate.core.streams import trained_before
 from deit_ablate.record import checkpoint as ckpt
-from deit_ablate.record.resume import LaunchAction, folder_action, previous_result
+from deit_ablate.record.resume import LaunchAction, folder_action, previous_result, skip_action
 from deit_ablate.record.rundir import RunDir, wandb_root
 from deit_ablate.record.runlock import RunLock
 from deit_ablate.record.tracking import Tracker, read_epoch_rows, wandb_logs
@@ -50,7 +50,9 @@ def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 
 @contextlib.contextmanager
 def hold_run_folder(run_dir: Path, info: DistInfo, wait: bool) -> Iterator[None]:
     """Hold the run folder for this launch: its lock (rank 0) and this rank's log file there, to which the error
-    or signal that stops the run is written too."""
+    or signal that stops the run is written too. First, every file of the run's there must be a regular file (a FIFO
+    would block the launch)."""
+    agree(info, RunDir(run_dir).check_files)
     lock = acquire_run_lock(run_dir, info, wait)
     handler = attach_run_log(RunDir(run_dir).rank_log(info.rank))
     try:
@@ -78,7 +80,9 @@ def hold_run_folder(run_dir: Path, info: DistInfo, wait: bool) -> Iterator[None]
 def report_finished(plan: RunPlan, result: dict[str, Any]) -> None:
     """Say that the run is done already (and how to run it again); log it to wandb again if its log is gone."""
     name = plan.identity.name
-    log.info(f"[run] {name}: already {result['status']} (top-1 {result.get('top1', float('nan')):.2f}); skipping."
+    top1 = result.get("top1", float("nan"))
+    top1_text = f"{top1:.2f}" if isinstance(top1, (int, float)) else repr(top1)  # a hand-edited result: as it is
+    log.info(f"[run] {name}: already {result['status']} (top-1 {top1_text}); skipping."
              f" Delete {plan.run_dir.result} to run it again.")
     log_again_if_lost(plan, "is missing")
     before = trained_before(result)
@@ -191,9 +195,12 @@ def launch_action(plan: RunPlan) -> LaunchAction:
     """What launching this run would do now: skip, train, resume, or wait for the run it starts from. The dry run
     prints it (dry_run_line) and `deit-status` shows the state it implies (analysis/status/)."""
     source = plan.layer_scale_source
-    waiting = None if previous_result(plan.run_dir, is_main=False) is not None else _waits_for(plan, source)
+    result = previous_result(plan.run_dir, is_main=False)
+    waiting = None if result is not None else _waits_for(plan, source)
     if waiting is not None:
         return waiting
+    if result is not None:
+        return skip_action(result)
     return folder_action(plan.run_dir, "train from step 0"
                          + (f", starting from {plan.upstream.name}" if plan.upstream is not None else "")
                          + (f", LayerScale diagonal fixed at the values of {source.name}" if source is not None

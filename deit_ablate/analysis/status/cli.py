@@ -10,13 +10,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from deit_ablate.analysis.status.rows import STALL_AFTER_S, RunRow, run_row
+from deit_ablate.analysis.status.rows import STALL_AFTER_S, RunRow, damaged_row, run_row
 from deit_ablate.analysis.status.slurm import slurm_jobs
 from deit_ablate.analysis.status.sweep import PlannedRun, folder_runs, root_problem, sweep_runs
 from deit_ablate.analysis.status.view import FILE_WIDTH, as_json, table
 from deit_ablate.record.progress import read_progress
+from deit_ablate.record.resume import LaunchAction, NoReadableCheckpoint
 from deit_ablate.record.rundir import DEFAULT_OUTPUT_ROOT, RUNS, read_slurm_jobs
+from deit_ablate.record.runfiles import DamagedRecord
 from deit_ablate.run.commands import check_overrides, command
 
 WATCH_EVERY_S = 5.0  # --watch's default refresh
@@ -51,14 +54,59 @@ def output_root(path: Path) -> Path:
     return path.parent if path.name == RUNS and not (path / RUNS).is_dir() else path
 
 
+class RootGone(Exception):
+    """The output root a --watch shows is no longer there (deleted, moved, unmounted)."""
+
+
+def damage_of(run: PlannedRun, error: DamagedRecord | NoReadableCheckpoint | OSError) -> str:
+    """The detail of a damaged run's row: its file and the problem (the whole path for another run's file)."""
+    if isinstance(error, NoReadableCheckpoint):
+        return error.detail
+    if isinstance(error, DamagedRecord):
+        return error.detail(run.run_dir.path)
+    where = Path(error.filename).name if error.filename else "its folder"
+    return f"{where}: cannot be read ({error.strerror or error})"
+
+
+def read_run(run: PlannedRun) -> tuple[dict[str, Any] | None, LaunchAction] | RunRow:
+    """A run's progress record and launch action, each read once; its damaged row where a file of its folder is not
+    what a run writes there."""
+    if run.damage is not None:
+        return damaged_row(run.run_dir, run.labels, run.damage)
+    try:
+        try:
+            run.run_dir.check_files()  # before anything is opened: a FIFO would block the status
+        except FileNotFoundError:  # a sweep's run not started
+            pass
+        action = run.action()
+    except (DamagedRecord, NoReadableCheckpoint, OSError) as error:
+        return damaged_row(run.run_dir, run.labels, damage_of(run, error))
+    try:  # a launch never reads progress.json: its damage leaves the launch action as it is
+        return read_progress(run.run_dir), action
+    except (DamagedRecord, OSError) as error:
+        return damaged_row(run.run_dir, run.labels, damage_of(run, error), action.text)
+
+
 def collect(runs: Sequence[PlannedRun], stall_after: float) -> list[RunRow]:
-    """The rows of `runs`, now: each run's action, its folder's records and SLURM's queue (one query)."""
+    """The rows of `runs`, now: each run's action, its folder's records and SLURM's queue (one query); a run with a
+    damaged file is one row naming it, the others as they are."""
     job_of_run = {run: job for root in {r.run_dir.path.parent for r in runs}
                   for job, run in read_slurm_jobs(root).items()}  # run folder name -> its newest job
-    progress_jobs = {str((read_progress(r.run_dir) or {}).get("slurm_job") or "") for r in runs}
+    records = [read_run(r) for r in runs]
+    progress_jobs = {str((seen[0] or {}).get("slurm_job") or "") for seen in records if isinstance(seen, tuple)}
     jobs = slurm_jobs((set(job_of_run.values()) | progress_jobs) - {""})
-    return [replace(run_row(r.run_dir, r.labels, r.action(), jobs, job_of_run, stall_after), also=list(r.also))
-            for r in runs]
+    rows = []
+    for run, seen in zip(runs, records, strict=True):
+        if isinstance(seen, RunRow):
+            rows.append(seen)
+            continue
+        progress, action = seen
+        try:
+            rows.append(replace(run_row(run.run_dir, run.labels, action, progress, jobs, job_of_run, stall_after),
+                                also=list(run.also)))
+        except (DamagedRecord, OSError) as error:
+            rows.append(damaged_row(run.run_dir, run.labels, damage_of(run, error), action.text))
+    return rows
 
 
 def show(rows: list[RunRow], where: str, as_json_too: bool) -> None:
@@ -113,10 +161,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"output root: {root}"
 
     def rows_now() -> list[RunRow]:
-        return collect(planned if planned is not None else folder_runs(root), args.stall_after)
+        if planned is not None:
+            return collect(planned, args.stall_after)
+        try:
+            return collect(folder_runs(root), args.stall_after)
+        except FileNotFoundError:  # the root went away while its folders were read
+            if root_problem(root) is None:
+                raise
+            raise RootGone(root_problem(root)) from None
 
     if args.watch and not args.json:
-        watch(rows_now, where, args.every)
+        try:
+            watch(rows_now, where, args.every)
+        except RootGone as gone:
+            return fail(f"{gone}: the output root went away while it was watched, and the watch ended there. Give it "
+                        f"again once it is back (deit-status {root} --watch).")
         return 0
     show(rows_now(), where, args.json)
     return 0

@@ -11,6 +11,8 @@ The states, and the launch action each goes with (tests/test_status.py checks th
     stalled     its lock is held by a process that is gone, or no progress for longer than STALL_AFTER_S
     preempted   stopped before its end by a signal or a time limit; a relaunch resumes it (resume)
     failed      its launch ended with an error (the error line, and train.log where the whole log is)
+    damaged     a file of its folder is not what a run writes there (a folder where result.json belongs, a number
+                that is none in progress.json, a list for Hydra's config): the file and its problem
     finished, diverged   its result.json (skip)
 """
 
@@ -22,19 +24,21 @@ from datetime import datetime
 from typing import Any
 
 from deit_ablate.analysis.status.slurm import SlurmJob
-from deit_ablate.record.progress import read_progress
-from deit_ablate.record.resume import LaunchAction
+from deit_ablate.record.progress import number_problem
+from deit_ablate.record.resume import ACTIONS, LaunchAction
 from deit_ablate.record.rundir import RunDir, read_result
+from deit_ablate.record.runfiles import DamagedRecord
 from deit_ablate.record.runlock import describe, read_lock, stale_reason, this_process
 
 STALL_AFTER_S = 600.0  # a held lock with no progress written for this long: stalled (`deit-status --stall-after`)
 PENDING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING")  # SLURM's states of a job not running yet
 STATES = ("planned", "waiting", "blocked", "queued", "requeued", "running", "stalled", "preempted", "failed",
-          "finished", "diverged")
+          "damaged", "finished", "diverged")
+RESULT_NUMBERS = ("steps_done", "epochs_done", "train_seconds", "top1", "top1_best")  # what the status shows of it
 ACTION_OF = {"planned": {"train", "record"}, "waiting": {"wait"}, "blocked": {"refuse"},
              "queued": {"train", "resume"}, "requeued": {"resume", "train"}, "running": {"train", "resume"},
              "stalled": {"train", "resume"}, "preempted": {"resume", "train"}, "failed": {"train", "resume", "skip"},
-             "finished": {"skip"}, "diverged": {"skip"}}  # the launch action each state goes with
+             "damaged": set(ACTIONS), "finished": {"skip"}, "diverged": {"skip"}}  # the launch action of each state
 
 
 @dataclass
@@ -137,7 +141,7 @@ def run_state(run_dir: RunDir, action: LaunchAction, progress: dict[str, Any] | 
               stall_after: float = STALL_AFTER_S) -> tuple[str, str]:
     """The state of one run (STATES) and its detail, consistent with the launch `action` (ACTION_OF)."""
     if action.kind == "skip":
-        result = read_result(run_dir.result)
+        result = action.result or read_result(run_dir.result)
         return result["status"], str(result.get("note", ""))
     if action.kind == "wait":
         role, _, name = action.text.removeprefix("wait for ").rpartition(" ")
@@ -170,14 +174,25 @@ def numbers(progress: dict[str, Any] | None, result: dict[str, Any] | None) -> d
     return {**{k: p.get(k) for k in keys}, "eta_s": eta}
 
 
+def damaged_row(run_dir: RunDir, labels: tuple[str, str, int | None], detail: str,
+                action: str = "refuse until it is repaired") -> RunRow:
+    """The row of a run whose folder holds a damaged file (`detail`: the file and its problem)."""
+    row, stage, seed = labels
+    return RunRow(run=run_dir.name, row=row, stage=stage, seed=seed, state="damaged", detail=detail, action=action)
+
+
 def run_row(run_dir: RunDir, labels: tuple[str, str, int | None], action: LaunchAction,
-            jobs: dict[str, SlurmJob], job_of_run: dict[str, str], stall_after: float = STALL_AFTER_S) -> RunRow:
-    """The row of the run in `run_dir` (`labels`: its study row, stage and seed), planned as `action`."""
-    progress = read_progress(run_dir)
+            progress: dict[str, Any] | None, jobs: dict[str, SlurmJob], job_of_run: dict[str, str],
+            stall_after: float = STALL_AFTER_S) -> RunRow:
+    """The row of the run in `run_dir` (`labels`: its study row, stage and seed), planned as `action`, its
+    progress.json read as `progress`; a DamagedRecord when its result holds a number that is none."""
+    result = (action.result or read_result(run_dir.result)) if action.kind == "skip" else None
+    problem = number_problem(result, RESULT_NUMBERS) if result is not None else None
+    if problem is not None:
+        raise DamagedRecord(run_dir.result, problem)
     job_id = job_of_run.get(run_dir.name) or (progress or {}).get("slurm_job")  # the launcher's record first
     job = jobs.get(str(job_id)) if job_id else None
     state, detail = run_state(run_dir, action, progress, job, stall_after)
-    result = read_result(run_dir.result) if action.kind == "skip" else None
     row, stage, seed = labels
     log = str(run_dir.log) if run_dir.log.exists() else None
     return RunRow(run=run_dir.name, row=row, stage=stage, seed=seed, state=state, detail=detail, action=action.text,

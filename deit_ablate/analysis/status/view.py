@@ -13,9 +13,10 @@ from rich.text import Text
 from deit_ablate.analysis.status.rows import STATES, RunRow
 
 STYLE = {"finished": "green", "running": "cyan", "diverged": "yellow", "failed": "bold red", "stalled": "bold red",
-         "preempted": "magenta", "queued": "blue", "requeued": "blue", "waiting": "dim", "planned": "dim",
-         "blocked": "red"}
+         "damaged": "bold red", "preempted": "magenta", "queued": "blue", "requeued": "blue", "waiting": "dim",
+         "planned": "dim", "blocked": "red"}
 ACTIVE = ("running", "stalled")
+ENDED = ("finished", "diverged", "failed", "blocked", "damaged")  # nothing left to run until a person acts
 RUN_WIDTH = 36  # the run column's widest: its study row, cut with an ellipsis
 TITLE_WIDTH = 100  # a sweep's overrides above the table, cut with an ellipsis
 FILE_WIDTH = 160  # the table's width where the output is not a terminal (a file, a pipe)
@@ -52,7 +53,7 @@ def sweep_eta(rows: Sequence[RunRow]) -> float | None:
     typical = sum(lengths) / len(lengths) if lengths else None
     left = 0.0
     for row in rows:
-        if row.state in ("finished", "diverged", "failed", "blocked"):
+        if row.state in ENDED:
             continue
         if row.eta_s is not None and row.state in ACTIVE:
             left += row.eta_s
@@ -74,7 +75,7 @@ def totals_line(rows: Sequence[RunRow]) -> str:
     """`12 runs: 5 finished, 2 running, 5 planned | sweep ETA 1:02:05`."""
     t = totals(rows)
     states = ", ".join(f"{n} {s}" for s, n in t["states"].items())
-    left = sum(n for s, n in t["states"].items() if s not in ("finished", "diverged", "failed", "blocked"))
+    left = sum(n for s, n in t["states"].items() if s not in ENDED)
     eta = (" | nothing left to run" if not left else f" | sweep ETA {clock(t['eta_s'])}" if t["eta_s"] is not None
            else " | sweep ETA unknown until a run has progressed")
     return f"{t['runs']} run{'s' if t['runs'] != 1 else ''}: {states}{eta}"

@@ -1,0 +1,96 @@
+"""Reading a run folder's files as records: regular files only (a FIFO is never waited on), text, JSON; what is
+wrong with one is a DamagedRecord naming the file, its problem and the fix; whether a folder can be written.
+record/rundir.py names the files."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from deit_ablate.core.errors import ConfigError
+
+KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+         (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+
+
+class DamagedRecord(ConfigError):
+    """A file of a run folder that is not what this code writes there: not a regular file, not text, not its
+    record. `problem` says what is wrong with it; the message adds the fix."""
+
+    def __init__(self, path: Path, problem: str, fix: str | None = None) -> None:
+        self.path, self.problem, self.fix = Path(path), problem, fix
+        fix = fix or (f"A run folder holds only the files this code writes: delete it ({removal(self.path)}), or "
+                      f"move the run folder {self.path.parent} away to train the run again")
+        super().__init__(f"{path}: {problem}. {fix}.")
+
+    def __reduce__(self):  # pickled (distributed.agree sends it to the other ranks) by what builds it again
+        return type(self), (self.path, self.problem, self.fix)
+
+    def detail(self, run_folder: Path) -> str:
+        """`result.json: a folder, not a file`: the file (by its path in `run_folder` when it is there) and its
+        problem, for the status's row."""
+        name = self.path.relative_to(run_folder) if self.path.is_relative_to(run_folder) else self.path
+        return f"{name}: {self.problem}"
+
+
+def kind_of(mode: int) -> str:
+    """What a file of `mode` (os.stat's st_mode) is, in words: `a folder`, `a FIFO (named pipe)`, ..."""
+    return next((kind for test, kind in KINDS if test(mode)), "not a regular file")
+
+
+def removal(path: Path) -> str:
+    """The command that removes `path`: rm, or rm -r for a folder."""
+    return f"rm {'-r ' if path.is_dir() else ''}'{path}'"
+
+
+def not_a_file(path: Path) -> str | None:
+    """What `path` is when it exists but is no regular file (`a folder, not a file`), else None (a file, or none)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return None if stat.S_ISREG(mode) else f"{kind_of(mode)}, not a file"
+
+
+def read_bytes(path: Path) -> bytes:
+    """The bytes of a run folder's file; a DamagedRecord when it is no regular file (a FIFO is never waited on),
+    FileNotFoundError when there is none."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DamagedRecord(path, f"{kind_of(mode)}, not a file")
+        return handle.read()
+
+
+def read_text(path: Path) -> str:
+    """A run folder's text file (UTF-8); a DamagedRecord when it is no regular file or holds binary data."""
+    try:
+        return read_bytes(path).decode()
+    except UnicodeDecodeError:
+        raise DamagedRecord(path, "binary data, not text") from None
+
+
+def read_json(path: Path) -> Any:
+    """A run folder's JSON file; a DamagedRecord when it is no regular file or not JSON."""
+    try:
+        return json.loads(read_text(path))
+    except ValueError as error:
+        if isinstance(error, DamagedRecord):
+            raise
+        raise DamagedRecord(path, f"not JSON ({type(error).__name__}: {str(error)[:80]})") from None
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why a run could not create `path` or write into it (a file in the way, a read-only folder), or None."""
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if os.access(existing, os.W_OK | os.X_OK):  # root too: access() reports a read-only mount
+        return None
+    read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+    why = "read-only file system" if read_only else f"no write permission for this user (uid {os.geteuid()})"
+    return f"{existing} is not writable ({why})"
