@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import math
 import re
 
 import timm
-from omegaconf import DictConfig, ListConfig, OmegaConf
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf, read_write
 from timm.optim import list_optimizers
 
 from deit_ablate.config.schema import (
@@ -30,13 +32,13 @@ from deit_ablate.config.schema import (
     TrackingMode,
     schema_ranges,
 )
-from deit_ablate.config.stage_config import check_stage_overrides, stage_config
+from deit_ablate.config.stage_config import STAGE_BLOCKS, check_stage_overrides, stage_changes, stage_config
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.dali import check_dali_config
-from deit_ablate.data.datasets import check_data_root
+from deit_ablate.data.datasets import check_cifar_data, check_data_root
 from deit_ablate.record.rundir import check_output_root
 from deit_ablate.record.tracking import check_tracking
-from deit_ablate.run.stages import layer_scale_row, stage_batch
+from deit_ablate.run.stages import classifier_names, layer_scale_row, stage_batch
 from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.run.teacher import check_distill_config
 from deit_ablate.run.transfer import check_transfer_config
@@ -232,6 +234,76 @@ def check_model_options(student: StudentSpec) -> None:
     layer_scale_row(student.model.kwargs.get("layer_scale_from"))
 
 
+def meta_model(student: StudentSpec, img_size: int | None = None) -> torch.nn.Module:
+    """The network `student` describes, built on the meta device (no memory, no initialisation); a ConfigError
+    naming model.kwargs and the fix when timm refuses its arguments (num_heads that do not divide embed_dim, a
+    negative size), so such a value stops the launch, not the run."""
+    try:
+        with torch.device("meta"):
+            return build_stage_model(student, img_size)
+    except ConfigError:
+        raise
+    except Exception as error:  # whatever timm raises for arguments it cannot build: AssertionError, RuntimeError, ...
+        kwargs = OmegaConf.to_container(student.model.kwargs, resolve=True)
+        given = ", ".join(f"model.kwargs.{key}={value}" for key, value in kwargs.items()) or "no model.kwargs"
+        raise ConfigError(f"{student.name} cannot be built with {given}: timm refuses them ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else 'no message'}). Change the model.kwargs "
+                          "value it names (e.g. model.kwargs.num_heads a divisor of model.kwargs.embed_dim, sizes "
+                          "positive), or drop it to keep the model option's own (conf/model/).") from None
+
+
+# Model settings a later stage may change without changing the weights it loads: how the network trains.
+TRAINING_ONLY = ("drop_path", "dropout")
+
+
+def _architecture(spec: StudentSpec) -> tuple:
+    """What of a student's spec decides its weights' names and shapes (its model block but for drop rates)."""
+    model = OmegaConf.to_container(spec.model, resolve=True, enum_to_str=True)
+    return spec.name, spec.num_classes, {key: value for key, value in model.items() if key not in TRAINING_ONLY}
+
+
+def _weight_shapes(spec: StudentSpec, img_size: int) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
+    """The names and shapes of the weights of the network `spec` describes at `img_size`, and its heads' names."""
+    model = meta_model(spec, img_size)
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}, classifier_names(model)
+
+
+def check_stage_architecture(cfg: DictConfig) -> None:
+    """A fine-tune's or transfer's network holds the weights of the run it starts from: its override set may change
+    how it trains (drop rates, image size) but not the architecture, which would fail only when the weights load,
+    after that run trained. Checked for the stage a launch runs and for every stage block with an override set (a
+    sweep's pre-training is refused for its fine-tune's), unless the stage starts from an init_checkpoint."""
+    for stage, block in STAGE_BLOCKS.items():
+        if (str(cfg.stage) != stage and not cfg[block].overrides) or cfg[block].init_checkpoint:
+            continue
+        with read_write(staged := copy.deepcopy(cfg)):
+            staged.stage = stage
+        with read_write(upstream := copy.deepcopy(cfg)):
+            upstream.stage = Stage.pretrain
+        source, target = student_spec(upstream), student_spec(staged)
+        if _architecture(source) == _architecture(target):
+            continue
+        heads_new = stage == str(Stage.transfer)  # a transfer's classifier starts anew for its classes
+        before, source_heads = _weight_shapes(source, target.img_size)
+        after, target_heads = _weight_shapes(target, target.img_size)
+        heads = (*source_heads, *target_heads) if heads_new else ()
+        kept = {key: shape for key, shape in before.items() if not key.startswith(tuple(f"{h}." for h in heads))}
+        now = {key: shape for key, shape in after.items() if not key.startswith(tuple(f"{h}." for h in heads))}
+        differ = sorted(kept.keys() ^ now.keys()) + sorted(k for k in kept.keys() & now.keys() if kept[k] != now[k])
+        if not differ:
+            continue
+        changes = [c for c in stage_changes(upstream, stage_config(staged)) if c.startswith(("model.", "distill.",
+                                                                                          "data."))]
+        starts = "its pre-training" if stage == str(Stage.finetune) else "its source run"
+        shown = f"{', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}"
+        raise ConfigError(f"{block}.overrides changes the network ({'; '.join(changes)}), but stage={stage} loads the "
+                          f"weights of {starts} into it: {target.name} as the stage builds it has other weights "
+                          f"than {starts}'s {source.name} ({shown}), so the stage would fail to load them after "
+                          f"{starts} trained. A stage may change how the network trains ({block}.drop_path, "
+                          "model.dropout, the image size), not its architecture: drop the model keys from "
+                          f"{block}.overrides, or set them for the whole run.")
+
+
 def check_image_sizes(student: StudentSpec, size: ResolutionConfig) -> None:
     """A model that takes one image size (a ViT's strict patch embedding) is evaluated at the size it trains at."""
     import torch
@@ -339,7 +411,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     the run's stage runs (stage_config.py), every stage's override set checked."""
     check_known_keys(cfg)
     check_stage_overrides(cfg)
-    cfg = stage_config(cfg)
+    declared, cfg = cfg, stage_config(cfg)
     check_ranges(cfg)
     check_names(cfg.runtime.tracking)
     check_criterion(cfg.mix)
@@ -358,16 +430,19 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
                               "Pick a `model=` option (see conf/model/) or a timm model name in model.name.")
     student = student_spec(cfg)
     check_model_options(student)
+    meta_model(student)
     check_image_sizes(student, cfg.resolution)
     check_layer_decay(cfg.finetune.layer_decay, student)
     check_pretrain_size(cfg.stage, cfg.finetune.pretrain_size, cfg.resolution.train_size)
     check_mixer_size(student, cfg.stage, cfg.finetune.pretrain_size)
+    check_stage_architecture(declared)
     optimizers = {cfg.optimizer.name, cfg.finetune.optimizer, cfg.transfer.optimizer}
     for name in optimizers:
         if name not in list_optimizers():
             raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw, sgd or lamb.")
     if cfg.data.name != DataName.builtin:
         check_data_root(cfg.data)
+        check_cifar_data(cfg.data)
     check_teacher_view(cfg.distill, cfg.mix, cfg.data)
     row = OmegaConf.select(cfg, "hydra.runtime.choices.transfer", default=None)
     check_transfer_config(cfg.stage, cfg.transfer, cfg.data, cfg.distill, row)
