@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import difflib
 import functools
-import json
 import math
 import re
 
 import timm
-import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf, read_write
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.optim import list_optimizers
 
 from deit_ablate.config.schema import (
@@ -39,7 +36,8 @@ from deit_ablate.data.dali import check_dali_config
 from deit_ablate.data.datasets import check_cifar_data, check_data_root
 from deit_ablate.record.rundir import check_output_root
 from deit_ablate.record.tracking import check_tracking
-from deit_ablate.run.stages import classifier_names, layer_scale_row, stage_batch
+from deit_ablate.run.architecture import check_stage_architecture, meta_weights
+from deit_ablate.run.stages import layer_scale_row, stage_batch
 from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.run.teacher import check_distill_config
 from deit_ablate.run.transfer import check_transfer_config
@@ -235,88 +233,6 @@ def check_model_options(student: StudentSpec) -> None:
     layer_scale_row(student.model.kwargs.get("layer_scale_from"))
 
 
-def meta_model(student: StudentSpec, img_size: int | None = None) -> torch.nn.Module:
-    """The network `student` describes, built on the meta device (no memory, no initialisation); a ConfigError
-    naming model.kwargs and the fix when timm refuses its arguments (num_heads that do not divide embed_dim, a
-    negative size), so such a value stops the launch, not the run."""
-    try:
-        with torch.device("meta"):
-            return build_stage_model(student, img_size)
-    except ConfigError:
-        raise
-    except Exception as error:  # whatever timm raises for arguments it cannot build: AssertionError, RuntimeError, ...
-        kwargs = OmegaConf.to_container(student.model.kwargs, resolve=True)
-        given = ", ".join(f"model.kwargs.{key}={value}" for key, value in kwargs.items()) or "no model.kwargs"
-        raise ConfigError(f"{student.name} cannot be built with {given}: timm refuses them ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0] if str(error) else 'no message'}). Change the model.kwargs "
-                          "value it names (e.g. model.kwargs.num_heads a divisor of model.kwargs.embed_dim, sizes "
-                          "positive), or drop it to keep the model option's own (conf/model/).") from None
-
-
-# Model settings a later stage may change without changing the weights it loads: how the network trains.
-TRAINING_ONLY = ("drop_path", "dropout")
-
-
-def _architecture(spec: StudentSpec) -> tuple:
-    """What of a student's spec decides its weights' names and shapes (its model block but for drop rates)."""
-    model = OmegaConf.to_container(spec.model, resolve=True, enum_to_str=True)
-    return spec.name, spec.num_classes, {key: value for key, value in model.items() if key not in TRAINING_ONLY}
-
-
-# The weights' names and shapes and the heads of each network built on meta, by its spec and size: a sweep's runs
-# mostly share one, and a paper-scale build takes about 0.2 s.
-_WEIGHTS: dict[str, tuple[dict[str, tuple[int, ...]], tuple[str, ...]]] = {}
-
-
-def meta_weights(spec: StudentSpec, img_size: int | None = None) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
-    """The names and shapes of the weights of the network `spec` describes (at `img_size`, else its training size),
-    and its heads' names; built on meta (meta_model) once per spec and size."""
-    model_block = OmegaConf.to_container(spec.model, resolve=True, enum_to_str=True)
-    key = json.dumps([spec.name, spec.num_classes, img_size or spec.img_size, model_block], sort_keys=True, default=str)
-    if key not in _WEIGHTS:
-        model = meta_model(spec, img_size)
-        _WEIGHTS[key] = {name: tuple(value.shape) for name, value in model.state_dict().items()}, \
-            classifier_names(model)
-    return _WEIGHTS[key]
-
-
-def check_stage_architecture(cfg: DictConfig) -> None:
-    """A fine-tune's or transfer's network holds the weights of the run it starts from: its override set may change
-    how it trains (drop rates, image size) but not the architecture, which would fail only when the weights load,
-    after that run trained. Checked for the stage a launch runs and for every stage block with an override set (a
-    sweep's pre-training is refused for its fine-tune's), unless the stage starts from an init_checkpoint."""
-    for stage, block in STAGE_BLOCKS.items():
-        if (str(cfg.stage) != stage and not cfg[block].overrides) or cfg[block].init_checkpoint:
-            continue
-        with read_write(staged := copy.deepcopy(cfg)):
-            staged.stage = stage
-        with read_write(upstream := copy.deepcopy(cfg)):
-            upstream.stage = Stage.pretrain
-        source, target = student_spec(upstream), student_spec(staged)
-        if _architecture(source) == _architecture(target):
-            continue
-        heads_new = stage == str(Stage.transfer)  # a transfer's classifier starts anew for its classes
-        before, source_heads = meta_weights(source, target.img_size)
-        after, target_heads = meta_weights(target, target.img_size)
-        heads = (*source_heads, *target_heads) if heads_new else ()
-        kept = {key: shape for key, shape in before.items() if not key.startswith(tuple(f"{h}." for h in heads))}
-        now = {key: shape for key, shape in after.items() if not key.startswith(tuple(f"{h}." for h in heads))}
-        differ = sorted(kept.keys() ^ now.keys()) + sorted(k for k in kept.keys() & now.keys() if kept[k] != now[k])
-        if not differ:
-            continue
-        changes = [change for change in stage_changes(upstream, stage_config(staged))
-                   if change.startswith(("model.", "distill.type", "data.num_classes"))
-                   and not change.startswith(tuple(f"model.{key} " for key in TRAINING_ONLY))]
-        starts = "its pre-training" if stage == str(Stage.finetune) else "its source run"
-        shown = f"{', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}"
-        raise ConfigError(f"{block}.overrides changes the network ({'; '.join(changes)}), but stage={stage} loads the "
-                          f"weights of {starts} into it: {target.name} as the stage builds it has other weights "
-                          f"than {starts}'s {source.name} ({shown}), so the stage would fail to load them after "
-                          f"{starts} trained. A stage may change how the network trains (drop path, dropout, the "
-                          "image size), not its architecture: drop the model keys from "
-                          f"{block}.overrides, or set them for the whole run.")
-
-
 def check_image_sizes(student: StudentSpec, size: ResolutionConfig) -> None:
     """A model that takes one image size (a ViT's strict patch embedding) is evaluated at the size it trains at."""
     import torch
@@ -443,12 +359,16 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
                               "Pick a `model=` option (see conf/model/) or a timm model name in model.name.")
     student = student_spec(cfg)
     check_model_options(student)
-    meta_weights(student)
+    meta_weights(student)  # timm builds it from model.kwargs
     check_image_sizes(student, cfg.resolution)
     check_layer_decay(cfg.finetune.layer_decay, student)
     check_pretrain_size(cfg.stage, cfg.finetune.pretrain_size, cfg.resolution.train_size)
     check_mixer_size(student, cfg.stage, cfg.finetune.pretrain_size)
-    check_stage_architecture(declared)
+    for stage, block in STAGE_BLOCKS.items():  # a later stage loads its upstream's weights: the same network
+        if (str(declared.stage) == stage or declared[block].overrides) and not declared[block].init_checkpoint:
+            upstream, staged = (OmegaConf.merge(declared, {"stage": name}) for name in (Stage.pretrain, stage))
+            check_stage_architecture(block, stage, student_spec(upstream), student_spec(staged),
+                                     stage_changes(upstream, stage_config(staged)))
     optimizers = {cfg.optimizer.name, cfg.finetune.optimizer, cfg.transfer.optimizer}
     for name in optimizers:
         if name not in list_optimizers():
