@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,13 +298,18 @@ def check_batch(path: Path, data: object, labels: object, classes: int) -> tuple
     return data.reshape(-1, 3, SIDE, SIDE).transpose(0, 2, 3, 1), label_array.astype(int).tolist()
 
 
+def _batches(folder: Path, layout: CifarLayout, files: tuple[str, ...],
+             classes: int) -> Iterator[tuple[np.ndarray, list[int]]]:
+    """The images and labels of each data file `files` under `folder`, each file checked (check_batch)."""
+    for name in files:
+        yield check_batch(folder / name, *_fields(folder / name, b"data", layout.labels_key), classes)
+
+
 def _read_files(folder: Path, layout: CifarLayout, files: tuple[str, ...],
                 classes: int) -> tuple[np.ndarray, list[int]]:
-    """The images and labels of the data files `files` under `folder`, each file checked (check_batch)."""
+    """The images and labels of the data files `files` under `folder`, in order, each file checked."""
     images, labels = [], []
-    for name in files:
-        batch_images, batch_labels = check_batch(folder / name, *_fields(folder / name, b"data", layout.labels_key),
-                                                 classes)
+    for batch_images, batch_labels in _batches(folder, layout, files, classes):
         images.append(batch_images)
         labels += batch_labels
     return np.concatenate(images), labels
@@ -367,7 +372,8 @@ def _fingerprint(layout: CifarLayout, folder: Path) -> dict:
     """Every file of `layout` under `folder` read and checked (check_batch), and its fingerprint: the digest of
     the files' bytes, the class count and the images per split."""
     classes = len(class_names(folder / layout.meta, layout.names_key))
-    counts = {split: len(_read_files(folder, layout, files, classes)[1]) for split, files in layout.splits.items()}
+    counts = {split: sum(len(labels) for _, labels in _batches(folder, layout, files, classes))
+              for split, files in layout.splits.items()}
     return {"digest": _content_digest(layout, folder), "classes": classes, "images": counts}
 
 
