@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -11,12 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from deit_ablate.config.compose import register_configs
 from deit_ablate.config.stage_config import stage_config
+from deit_ablate.data.cifar10 import CIFAR100_FILES, CIFAR100_FOLDER, FOLDER, META_FILE, TEST_FILES, TRAIN_FILES
 from deit_ablate.data.transforms import TransformSpec
 from deit_ablate.record.identity import RunIdentity, composed_choices, run_identity
 from deit_ablate.record.resolvers import register_resolvers
@@ -288,3 +291,40 @@ def stopped_at_step_3(tmp_path_factory: pytest.TempPathFactory, data_cache: Path
     cwd = tmp_path_factory.mktemp("stopped_at_step_3")
     proc = run_train(args + ["train.max_steps=3", f"hydra.run.dir={cwd / 'run'}"], cwd, data_cache)
     return SharedRun(cwd, proc), args
+
+
+CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def write_cifar10(root: Path, per_class: int = 2, protocol: int = pickle.DEFAULT_PROTOCOL,
+                  ) -> dict[str, tuple[np.ndarray, list[int]]]:
+    """The CIFAR-10 pickle layout under `root` with `per_class` images of each class per batch file: each image's
+    pixels hold its batch index, class and place (pickled with `protocol`); the rows written, by file."""
+    folder = root / FOLDER
+    folder.mkdir(parents=True)
+    written = {}
+    for batch, name in enumerate((*TRAIN_FILES, *TEST_FILES)):
+        labels = [label for label in range(10) for _ in range(per_class)]
+        data = np.zeros((len(labels), 3 * 32 * 32), dtype=np.uint8)
+        for row, label in enumerate(labels):
+            planes = data[row].reshape(3, 32, 32)
+            planes[0], planes[1], planes[2] = batch, label, row
+        with open(folder / name, "wb") as handle:
+            pickle.dump({b"data": data, b"labels": labels, b"batch_label": name.encode()}, handle, protocol)
+        written[name] = (data, labels)
+    with open(folder / META_FILE, "wb") as handle:
+        pickle.dump({b"label_names": [c.encode() for c in CIFAR_CLASSES], b"num_vis": 3072}, handle, protocol)
+    return written
+
+
+def write_cifar100(root: Path, train_per_class: int = 1) -> None:
+    """torchvision's CIFAR-100 pickle layout under `root`: train, test (one image per class) and meta."""
+    folder = root / CIFAR100_FOLDER
+    folder.mkdir(parents=True)
+    for name, per_class in (("train", train_per_class), ("test", 1)):
+        labels = [label for label in range(100) for _ in range(per_class)]
+        with open(folder / name, "wb") as handle:
+            pickle.dump({b"data": np.zeros((len(labels), 3072), dtype=np.uint8), b"fine_labels": labels,
+                         b"coarse_labels": [label // 5 for label in labels]}, handle)
+    with open(folder / CIFAR100_FILES["meta"], "wb") as handle:
+        pickle.dump({b"fine_label_names": [f"c{k}".encode() for k in range(100)]}, handle)

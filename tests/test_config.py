@@ -9,6 +9,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
+from deit_ablate.core.errors import ConfigError
+from deit_ablate.run.validate import validate_config
 from tests.conftest import REPO, compose_config, identity_of
 
 
@@ -100,3 +102,13 @@ def test_cfg_job_prints_the_resolved_paper_recipe():
     assert "name: deit_base_patch16_224" in proc.stdout
     assert "${" not in proc.stdout  # resolved: no interpolation left for the reader to work out
 
+
+@pytest.mark.parametrize(("override", "problem"), [
+    ("model.kwargs.num_heads=3", r"AssertionError: dim should be divisible by num_heads"),
+    ("model.kwargs.embed_dim=-128", r"RuntimeError: Trying to create tensor with negative dimension -128"),
+])
+def test_model_arguments_timm_refuses_stop_the_launch(override, problem):
+    """The model is built on the meta device before anything is written: not after the run's folder is made."""
+    with pytest.raises(ConfigError, match=rf"deit_tiny_patch16_224 cannot be built with .*{override}.*: timm refuses "
+                                          rf"them \({problem}.*Change the model.kwargs value it names"):
+        validate_config(compose_config([override]))

@@ -13,7 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, compose_config, identity_of, run_train, tiny_with
+from conftest import (
+    CIFAR_CLASSES,
+    TINY,
+    compose_config,
+    identity_of,
+    run_train,
+    tiny_with,
+    write_cifar10,
+    write_cifar100,
+)
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
@@ -29,7 +38,6 @@ from deit_ablate.data.cifar10 import (
     CIFAR100_FOLDER,
     FOLDER,
     META_FILE,
-    TEST_FILES,
     TRAIN_FILES,
     CIFAR10Pickles,
 )
@@ -42,44 +50,10 @@ from deit_ablate.run.student import student_model_name
 from deit_ablate.run.transfer import check_transfer_config
 from deit_ablate.train.models import build_model
 
-CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 TABLE7 = {"cifar10": ("cifar10", 10, 99.2), "cifar100": ("cifar100", 100, 91.4),
           "flowers": ("imagefolder", 102, 98.9), "cars": ("imagefolder", 196, 93.9),
           "inat18": ("imagefolder", 8142, 80.1), "inat19": ("imagefolder", 1010, 83.0)}
 TEACHER = "/nowhere/regnety_160.pth"  # names the source's teacher; a transfer never reads it
-
-
-def write_cifar10(root: Path, per_class: int = 2) -> dict[str, tuple[np.ndarray, list[int]]]:
-    """The CIFAR-10 pickle layout under `root` with `per_class` images of each class per batch file: each image's
-    pixels hold its batch index, class and place; the rows written, by file."""
-    folder = root / FOLDER
-    folder.mkdir(parents=True)
-    written = {}
-    for batch, name in enumerate((*TRAIN_FILES, *TEST_FILES)):
-        labels = [label for label in range(10) for _ in range(per_class)]
-        data = np.zeros((len(labels), 3 * 32 * 32), dtype=np.uint8)
-        for row, label in enumerate(labels):
-            planes = data[row].reshape(3, 32, 32)
-            planes[0], planes[1], planes[2] = batch, label, row
-        with open(folder / name, "wb") as handle:
-            pickle.dump({b"data": data, b"labels": labels, b"batch_label": name.encode()}, handle)
-        written[name] = (data, labels)
-    with open(folder / META_FILE, "wb") as handle:
-        pickle.dump({b"label_names": [c.encode() for c in CIFAR_CLASSES], b"num_vis": 3072}, handle)
-    return written
-
-
-def write_cifar100(root: Path, train_per_class: int = 1) -> None:
-    """torchvision's CIFAR-100 pickle layout under `root`: train, test (one image per class) and meta."""
-    folder = root / CIFAR100_FOLDER
-    folder.mkdir(parents=True)
-    for name, per_class in (("train", train_per_class), ("test", 1)):
-        labels = [label for label in range(100) for _ in range(per_class)]
-        with open(folder / name, "wb") as handle:
-            pickle.dump({b"data": np.zeros((len(labels), 3072), dtype=np.uint8), b"fine_labels": labels,
-                         b"coarse_labels": [label // 5 for label in labels]}, handle)
-    with open(folder / CIFAR100_FILES["meta"], "wb") as handle:
-        pickle.dump({b"fine_label_names": [f"c{k}".encode() for k in range(100)]}, handle)
 
 
 def _check_transfer(cfg):

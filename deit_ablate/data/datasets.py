@@ -206,6 +206,17 @@ def data_fingerprint(data: DataConfig) -> dict:
     return fingerprint
 
 
+def check_cifar_data(data: DataConfig) -> None:
+    """A CIFAR dataset read through and checked (its fingerprint checks every batch: data/cifar10.py), with as many
+    classes as data.num_classes; a ConfigError naming the file or the key otherwise. Nothing else is read."""
+    if data.name not in (DataName.cifar10, DataName.cifar100):
+        return
+    fingerprint = data_fingerprint(data)
+    if fingerprint["classes"] != data.num_classes:
+        raise ConfigError(f"data.num_classes={data.num_classes} but the {data.name} files under data.root={data.root} "
+                          f"name {fingerprint['classes']} classes. Set data.num_classes={fingerprint['classes']}.")
+
+
 def describe_data(fingerprint: dict) -> str:
     """One line that tells two datasets apart."""
     if "builtin" in fingerprint:

@@ -16,6 +16,8 @@ what it hashes; no file is ever read. A tree whose folders changed within the la
 second change within the same mtime tick would be unseen.
 The cache is the root's CACHE_NAME, or, where the root is not writable (read-only or shared data), a file named by a
 hash of the root under $DEIT_ABLATE_CACHE/fingerprints (default ~/.cache/deit-ablate/fingerprints).
+`files_fingerprint` caches a fingerprint that reads a few named files through (a CIFAR folder's: data/cifar10.py) the
+same way, against each file's size and mtime_ns.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -167,6 +169,43 @@ def dataset_fingerprint(root: str | Path, splits: Sequence[str] = ("train", "val
         entry = {"version": VERSION, "root": str(root), "stamp": stamp, "nested": nested, "files": files,
                  "fingerprint": fp}
         if not _write(root / CACHE_NAME, entry):
+            with contextlib.suppress(OSError):
+                fallback.parent.mkdir(parents=True, exist_ok=True)
+            _write(fallback, entry)
+    return fp
+
+
+def _file_stamps(folder: Path, names: Sequence[str]) -> list[list]:
+    """[name, size, mtime_ns] of each file `names` under `folder`."""
+    stamps = []
+    for name in names:
+        st = os.stat(folder / name)
+        stamps.append([name, st.st_size, st.st_mtime_ns])
+    return stamps
+
+
+def files_fingerprint(folder: str | Path, names: Sequence[str], compute: Callable[[], dict], kind: str,
+                      cache_dir: Path | None = None) -> dict:
+    """`compute()`, the fingerprint of the files `names` under `folder` (a CIFAR folder's, which reads them all),
+    cached as dataset_fingerprint caches a tree's: against each file's size and mtime_ns, in the folder's CACHE_NAME
+    or, where it is not writable, under `cache_dir`; a file changed within RACY_NS is not cached yet."""
+    folder = Path(folder).resolve()
+    t0 = time.time_ns()
+    stamps = _file_stamps(folder, names)  # before the computation: a change during it makes the cache stale
+    key = hashlib.sha256(f"{kind}\0{folder}".encode()).hexdigest()[:16]
+    fallback = Path(cache_dir or default_cache_dir()) / f"{key}.json"
+    expected = {"version": VERSION, "kind": kind, "root": str(folder), "files": stamps}
+    for path in (folder / CACHE_NAME, fallback):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if {k: data.get(k) for k in expected} == expected and isinstance(data.get("fingerprint"), dict):
+                return data["fingerprint"]
+        except (OSError, ValueError, AttributeError):
+            continue
+    fp = compute()
+    if all(mtime < t0 - RACY_NS for _, _, mtime in stamps):
+        entry = {**expected, "fingerprint": fp}
+        if not _write(folder / CACHE_NAME, entry):
             with contextlib.suppress(OSError):
                 fallback.parent.mkdir(parents=True, exist_ok=True)
             _write(fallback, entry)

@@ -30,12 +30,13 @@ from deit_ablate.config.schema import (
     TrackingMode,
     schema_ranges,
 )
-from deit_ablate.config.stage_config import check_stage_overrides, stage_config
+from deit_ablate.config.stage_config import STAGE_BLOCKS, check_stage_overrides, stage_changes, stage_config
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.dali import check_dali_config
-from deit_ablate.data.datasets import check_data_root
+from deit_ablate.data.datasets import check_cifar_data, check_data_root
 from deit_ablate.record.rundir import check_output_root
 from deit_ablate.record.tracking import check_tracking
+from deit_ablate.run.architecture import check_stage_architecture, meta_weights
 from deit_ablate.run.stages import layer_scale_row, stage_batch
 from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.run.teacher import check_distill_config
@@ -339,7 +340,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     the run's stage runs (stage_config.py), every stage's override set checked."""
     check_known_keys(cfg)
     check_stage_overrides(cfg)
-    cfg = stage_config(cfg)
+    declared, cfg = cfg, stage_config(cfg)
     check_ranges(cfg)
     check_names(cfg.runtime.tracking)
     check_criterion(cfg.mix)
@@ -358,16 +359,23 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
                               "Pick a `model=` option (see conf/model/) or a timm model name in model.name.")
     student = student_spec(cfg)
     check_model_options(student)
+    meta_weights(student)  # timm builds it from model.kwargs
     check_image_sizes(student, cfg.resolution)
     check_layer_decay(cfg.finetune.layer_decay, student)
     check_pretrain_size(cfg.stage, cfg.finetune.pretrain_size, cfg.resolution.train_size)
     check_mixer_size(student, cfg.stage, cfg.finetune.pretrain_size)
+    for stage, block in STAGE_BLOCKS.items():  # a later stage loads its upstream's weights: the same network
+        if (str(declared.stage) == stage or declared[block].overrides) and not declared[block].init_checkpoint:
+            upstream, staged = (OmegaConf.merge(declared, {"stage": name}) for name in (Stage.pretrain, stage))
+            check_stage_architecture(block, stage, student_spec(upstream), student_spec(staged),
+                                     stage_changes(upstream, stage_config(staged)))
     optimizers = {cfg.optimizer.name, cfg.finetune.optimizer, cfg.transfer.optimizer}
     for name in optimizers:
         if name not in list_optimizers():
             raise ConfigError(f"optimizer '{name}' is not a timm optimizer; use optimizer=adamw, sgd or lamb.")
     if cfg.data.name != DataName.builtin:
         check_data_root(cfg.data)
+        check_cifar_data(cfg.data)
     check_teacher_view(cfg.distill, cfg.mix, cfg.data)
     row = OmegaConf.select(cfg, "hydra.runtime.choices.transfer", default=None)
     check_transfer_config(cfg.stage, cfg.transfer, cfg.data, cfg.distill, row)
