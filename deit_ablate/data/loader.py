@@ -271,6 +271,16 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: R
     )
 
 
+def end_workers(*loaders: object) -> None:
+    """Stop the workers of `loaders` now, as torch stops them when a loader's iterator is freed. Left to the
+    garbage collector (a run's loaders sit in reference cycles), the iterator's queues are finalized before it, its
+    stop signal never reaches the workers, and each worker is waited on for 5 s, then killed."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)  # torch's DataLoader keeps its persistent workers' iterator
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
 def build_train_loader(dataset: Dataset, sampler: SeededSamples | SkipFirst, batch_size: int, spec: TransformSpec,
                        runtime: RuntimeConfig, device: torch.device | None = None):
     """The training loader of data.backend: a DataLoader over the PIL transform, or DALI's (on `device`, augmenting

@@ -28,6 +28,7 @@ from deit_ablate.core.distributed import (
 from deit_ablate.core.logs import log
 from deit_ablate.core.stopping import StopRequested, StopSignals
 from deit_ablate.core.streams import STREAMS_VERSION, RunStreams
+from deit_ablate.data.loader import end_workers
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.identity import current_run_dir
 from deit_ablate.record.predictions import INDEX, compact, gather_in_order
@@ -127,6 +128,14 @@ def _train(plan: RunPlan, info: DistInfo) -> dict[str, Any]:
     streams.seed_init()  # the same initial weights on every rank
     set_cpu_threads(plan.settings.runtime, info.device)
     pieces = build_pieces(plan, info)  # every input error is raised by now, before anything is logged
+    try:
+        return _train_built(plan, info, pieces, streams)
+    finally:
+        end_workers(pieces.loaders.train_loader, pieces.loaders.val_loader)
+
+
+def _train_built(plan: RunPlan, info: DistInfo, pieces: Pieces, streams: RunStreams) -> dict[str, Any]:
+    """`_train` once its pieces are built."""
     progress, state = _resume(plan, info, pieces)
     tracker = Tracker(plan.declared, plan.identity, plan.data, enabled=info.is_main, run_dir=plan.run_dir.path)
     if info.is_main:
