@@ -1,14 +1,28 @@
 """Train one run of the DeiT recipe: `python train.py [group=option ...] [key=value ...]` (see README)."""
 
 import os
+import signal
 import sys
 
-import hydra
-from omegaconf import DictConfig
 
-from deit_ablate.core.errors import ConfigError, RunError, no_access
-from deit_ablate.run.commands import check_overrides, prepare_configs, show_stage_config
-from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides
+class StoppedWhileStarting(BaseException):
+    """SIGTERM or Ctrl-C before the run took these signals over (core/stopping.py): imports, composing the config."""
+
+
+def stopped_while_starting(signum: int, frame) -> None:
+    raise StoppedWhileStarting(signum)
+
+
+if __name__ == "__main__":  # before the imports, which take seconds
+    for _signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_signum, stopped_while_starting)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from deit_ablate.core.errors import ConfigError, RunError, no_access  # noqa: E402
+from deit_ablate.run.commands import check_overrides, prepare_configs, show_stage_config  # noqa: E402
+from hydra_plugins.deit_ablate_launcher.slurm import one_writer_overrides  # noqa: E402
 
 prepare_configs()
 
@@ -32,6 +46,8 @@ def main(cfg: DictConfig) -> None:
     speaks = os.environ.get("RANK", "0") == "0"  # one line from a torchrun/SLURM job, not one per rank
     try:
         run(cfg)
+        for signum in (signal.SIGTERM, signal.SIGINT):  # the run is recorded: its exit is not interrupted
+            signal.signal(signum, signal.SIG_IGN)
     except (ConfigError, RunError) as error:
         discard_empty_run_dir()
         print(f"\nerror: {error}\n", file=sys.stderr)
@@ -81,14 +97,25 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
+def say_stopped_while_starting(stopped: StoppedWhileStarting) -> int:
+    """One line for a stop before the run took the signals over (nothing trained, nothing to save); the exit status."""
+    signum = stopped.args[0]
+    if os.environ.get("RANK", "0") == "0":
+        print(f"\nstopped by {signal.Signals(signum).name} while starting, before the first step: nothing to save; "
+              "the same command starts the run\n", file=sys.stderr)
+    return 128 + signum
+
+
 if __name__ == "__main__":
-    check_group_options(sys.argv[1:])
-    check_overrides(sys.argv[1:])
-    if show_stage_config(sys.argv[1:]):  # a fine-tune or transfer as it runs, not as composed
-        exit_now(0)
-    sys.argv += one_writer_overrides(int(os.environ.get("RANK", "0")))  # under torchrun: rank 0 saves .hydra/
     try:
+        check_group_options(sys.argv[1:])
+        check_overrides(sys.argv[1:])
+        if show_stage_config(sys.argv[1:]):  # a fine-tune or transfer as it runs, not as composed
+            exit_now(0)
+        sys.argv += one_writer_overrides(int(os.environ.get("RANK", "0")))  # under torchrun: rank 0 saves .hydra/
         main()
     except SystemExit as stop:
         exit_now(exit_status(stop))
+    except StoppedWhileStarting as stopped:
+        exit_now(say_stopped_while_starting(stopped))
     exit_now(0)
