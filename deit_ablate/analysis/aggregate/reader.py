@@ -1,7 +1,15 @@
-"""Runs from local wandb folders (offline or synced) and from the W&B API, as plain `RunInfo` values."""
+"""Runs from local wandb folders (offline or synced) and from the W&B API, as plain `RunInfo` values.
+
+A run's per-epoch rows come from its run folder's `metrics.csv` when the folder is found beside the wandb folder
+(`<output_root>/runs/<run name>/` for a log in `<output_root>/wandb/`): the trainer writes each row there atomically
+as it is logged, so a killed launch keeps every row it logged, while wandb writes its log every second and loses
+what a kill cut (docs/reliability.md, "What each stop keeps"). Logs without their run folder (copied elsewhere, the
+W&B API) give their own history.
+"""
 
 from __future__ import annotations
 
+import csv
 import fnmatch
 import json
 import math
@@ -17,7 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.record.rundir import wandb_root
+from deit_ablate.record.rundir import RunDir, wandb_root
 
 from .wandb_log import read_log
 
@@ -320,11 +328,45 @@ def read_histories(files: list[Path], jobs: int | None = None) -> list[list[dict
     return [info.history if info is not None else None for info, _ in _read_many(files, jobs, history=True)]
 
 
+def csv_path(run: RunInfo) -> Path | None:
+    """Where the run folder's metrics.csv sits for an offline log in `<output_root>/wandb/<folder>/`."""
+    name = run.config.get("run_name")
+    if is_api_source(run.source) or not name or not run.source:
+        return None
+    parents = Path(run.source).parents
+    return RunDir.under(parents[2], str(name)).metrics if len(parents) > 2 else None
+
+
+def _csv_number(text: str) -> Any:
+    try:
+        return float(text) if text != "" else None
+    except ValueError:
+        return text
+
+
+def read_metrics_csv(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.csv, numbers as floats (`epoch` as int)."""
+    with path.open(newline="") as f:
+        rows = [{k: _csv_number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return [{**r, "epoch": int(r["epoch"])} for r in rows if isinstance(r.get("epoch"), float)]
+
+
+def _history_from_run_folder(run: RunInfo) -> None:
+    """Take the run's per-epoch rows from its run folder's metrics.csv, when it is there (the source of truth)."""
+    path = csv_path(run)
+    if path is None or not path.is_file():
+        return
+    try:
+        run.history = read_metrics_csv(path)
+    except (OSError, ValueError, csv.Error):  # unreadable: the log's own rows stay
+        pass
+
+
 def read_offline(
     path: str | Path, jobs: int | None = None, warn: Warn = stderr_warn, history: bool = False
 ) -> list[RunInfo]:
-    """Read every run log found under `path` (with `history`: the per-epoch rows too); damaged logs are read
-    in part and reported through `warn`."""
+    """Read every run log found under `path` (with `history`: the per-epoch rows too, from the run folder's
+    metrics.csv where it is found); damaged logs are read in part and reported through `warn`."""
     files = find_run_files(path, warn)
     if jobs is None:
         jobs = min(4, os.cpu_count() or 1)
@@ -333,6 +375,8 @@ def read_offline(
         for message in warnings:
             warn(message)
         if info is not None:
+            if history:
+                _history_from_run_folder(info)
             runs.append(info)
     return runs
 
