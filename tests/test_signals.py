@@ -162,7 +162,7 @@ def _checkpoint_temp(name: str) -> bool:
     return name.startswith(".checkpoint-last.pt.") and name.endswith(".tmp")
 
 
-def _wait_alive(proc: subprocess.Popen, condition, timeout: float = 300.0) -> bool:
+def _wait_alive(proc: subprocess.Popen, condition, timeout: float = 900.0) -> bool:
     """Wait for `condition` while `proc` runs; False when it ended first."""
     deadline = time.monotonic() + timeout
     while not condition():
