@@ -48,13 +48,15 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
         for signum in (signal.SIGTERM, signal.SIGINT):  # the run is recorded: its exit is not interrupted
             signal.signal(signum, signal.SIG_IGN)
-    except (ConfigError, RunError) as error:
+    except (ConfigError, RunError) as error:  # every rank of a torchrun job refuses alike; one says it
         discard_empty_run_dir()
-        print(f"\nerror: {error}\n", file=sys.stderr)
+        if speaks:
+            print(f"\nerror: {error}\n", file=sys.stderr)
         sys.exit(2 if isinstance(error, ConfigError) else 1)
     except PermissionError as error:  # a teammate's teacher run, data or cache this user may not read
         discard_empty_run_dir()
-        print(f"\nerror: {no_access(error)}\n", file=sys.stderr)
+        if speaks:
+            print(f"\nerror: {no_access(error)}\n", file=sys.stderr)
         sys.exit(2)
     except StopRequested as stopped:
         if speaks:

@@ -315,6 +315,19 @@ class RunDir:
         own_logs = re.compile(re.escape(LOG) + "|" + re.escape(RANK_LOG).replace(r"\{\}", r"\d+"))
         if self.path.is_dir() and all(p.name == HYDRA or own_logs.fullmatch(p.name) for p in self.path.iterdir()):
             shutil.rmtree(self.path, ignore_errors=True)
+            self._discard_empty_roots()
+
+    def _discard_empty_roots(self) -> None:
+        """Remove the `runs/` root this folder left empty, and then the default output root (`outputs/`) when that is
+        empty too; the other ranks of a torchrun job may be removing them at the same moment."""
+        roots = [self.path.parent] if self.path.parent.name == RUNS else []
+        if roots and roots[0].parent.name == DEFAULT_OUTPUT_ROOT:
+            roots.append(roots[0].parent)
+        for root in roots:
+            try:
+                root.rmdir()
+            except OSError:  # not empty (other runs), gone already, or not ours to remove
+                return
 
 
 def find_run(reference: Path, runs_root: Path) -> RunDir | None:
