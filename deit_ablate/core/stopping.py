@@ -83,13 +83,15 @@ class StopSignals:
             self._sigchld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
     def before_training(self, resumed_from: object | None) -> None:
-        """Raise StopRequested for a stop asked before the first step: nothing new to save, and the line says so."""
-        if self.requested is None:
+        """Raise StopRequested for a stop asked before the first step (on any rank: they agree, as at an epoch's end):
+        nothing new to save, and the line says so."""
+        signum = self.agreed()
+        if signum is None:
             return
         where = (f"before the first step of this launch: nothing new to save; the same command resumes it from "
                  f"{resumed_from}" if resumed_from is not None else
                  "before the first step: nothing to save; the same command starts the run")
-        raise StopRequested(self.requested, where)
+        raise StopRequested(signum, where)
 
     def agreed(self, step: int | None = None) -> int | None:
         """The signal every rank stops on, or None: each rank's own flag in one process; under DDP the ranks
