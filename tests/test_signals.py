@@ -247,3 +247,24 @@ def test_a_signal_to_the_process_group_stops_with_one_line_and_the_relaunch_fini
         assert f"step {stopped_at}" in relaunch.stdout, where  # resumed where it stopped
     assert torch.load(folder.last_checkpoint, weights_only=True)["step"] == 24, where
     assert '"status": "finished"' in folder.result.read_text(), where
+
+
+@pytest.mark.faults
+def test_loader_workers_killed_during_a_stop_end_as_the_stop(tmp_path, data_cache):
+    args = [o for o in GROUP_ARGS if not o.startswith("runtime.checkpoint_every")] + SLOW_EVAL  # epoch ends only
+    proc = start(args, tmp_path, data_cache)
+    _wait_alive(proc, lambda: run_folder(tmp_path) is not None and
+                RunDir(run_folder(tmp_path)).last_checkpoint.exists())
+    os.killpg(proc.pid, signal.SIGTERM)  # epoch 0's end is saved, its evaluation runs on 2 workers
+    time.sleep(0.5)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    workers = [pid for pid in children if "train.py" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert workers, children
+    for pid in workers:  # killed anyway (SIGKILL, the OOM killer) while the stop waits for the evaluation's end
+        os.kill(int(pid), signal.SIGKILL)
+    returned, _, err = finish(proc)
+    assert "Traceback" not in err and returned == 143, err[-3000:]  # it was torch's `DataLoader worker ... exited`
+    stop_lines = [line for line in err.splitlines() if line.startswith("stopped by ")]
+    assert len(stop_lines) == 1 and stop_lines[0].startswith("stopped by SIGTERM at step 8;"), err[-3000:]
+    state = torch.load(RunDir(run_folder(tmp_path)).last_checkpoint, weights_only=True)
+    assert (state["epoch"], state["step"], state["batches_done"]) == (1, 8, 0)

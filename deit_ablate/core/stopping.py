@@ -47,7 +47,6 @@ class StopSignals:
         self.info, self.every_steps = info, max(1, every_steps)
         self.requested: int | None = None
         self._previous: dict[int, object] = {}
-        self._sigchld: object | None = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -61,9 +60,6 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
-        if self._sigchld is not None:
-            signal.signal(signal.SIGCHLD, self._sigchld)
-            self._sigchld = None
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested is not None and signum == signal.SIGINT:
@@ -78,9 +74,10 @@ class StopSignals:
 
     def _quiet_worker_deaths(self) -> None:
         """Set aside torch's SIGCHLD handler, which raises a dead loader worker's error wherever the main thread is (in
-        a backward pass, a checkpoint write): during a stop the loader's own check raises it between steps."""
+        a backward pass, a checkpoint write, wandb's wait for its service at exit): during a stop the loader's own
+        check raises it between steps. Not restored: the process is ending."""
         if hasattr(signal, "SIGCHLD"):
-            self._sigchld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
     def before_training(self, resumed_from: object | None) -> None:
         """Raise StopRequested for a stop asked before the first step (on any rank: they agree, as at an epoch's end):
