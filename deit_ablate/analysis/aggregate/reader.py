@@ -3,8 +3,9 @@
 A run's per-epoch rows come from its run folder's `metrics.csv` when the folder is found beside the wandb folder
 (`<output_root>/runs/<run name>/` for a log in `<output_root>/wandb/`): the trainer writes each row there atomically
 as it is logged, so a killed launch keeps every row it logged, while wandb writes its log every second and loses
-what a kill cut (docs/reliability.md, "What each stop keeps"). Logs without their run folder (copied elsewhere, the
-W&B API) give their own history.
+what a kill cut (docs/reliability.md, "What each stop keeps"); a log cut before its run record is read from its run
+folder, found by the run id in the log's name. Logs without their run folder (copied elsewhere, the W&B API) give
+their own history.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.record.rundir import RunDir, wandb_root
+from deit_ablate.record.rundir import RunDir, runs_root, wandb_root
 
 from .wandb_log import read_log
 
 STATUSES = ("finished", "diverged", "failed", "unfinished")
 API_PREFIX = "wandb://"
 Warn = Callable[[str], None]
+NO_RUN_RECORD = "no run record (the log ends before wandb.init was written)"
 
 
 @dataclass
@@ -237,7 +239,7 @@ def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | No
         )
     scan = _scan(log.records, path, history, warnings)
     if scan.run is None:
-        warnings.append(f"{path}: no run record (the log ends before wandb.init was written); run skipped")
+        warnings.append(f"{path}: {NO_RUN_RECORD}; run skipped")
         return None, warnings
     return _run_info(scan, path, log), warnings
 
@@ -362,6 +364,30 @@ def _history_from_run_folder(run: RunInfo) -> None:
         pass
 
 
+def _run_from_its_folder(path: Path, history: bool) -> RunInfo | None:
+    """The run of a log cut before its run record (a launch killed within a second of starting wandb), as its run
+    folder records it (identity.json, result.json, metrics.csv), found under the log's output root by its run id."""
+    run_id, parents = path.stem.removeprefix("run-"), path.parents
+    root = runs_root(parents[2]) if len(parents) > 2 else None
+    if root is None or not root.is_dir():
+        return None
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        run = RunDir(folder)
+        try:
+            identity = run.read_identity() or {}
+            if identity.get("run_id") != run_id:
+                continue
+            summary = run.read_summary()
+        except (OSError, ValueError):  # unreadable or damaged: not this run's record
+            continue
+        info = RunInfo(run_id=run_id, name=str(identity.get("name", "")), config={"run_name": identity.get("name")},
+                       summary=summary, source=str(path), problem=NO_RUN_RECORD)
+        if history:
+            info.history = read_metrics_csv(run.metrics) if run.metrics.is_file() else []
+        return info
+    return None
+
+
 def read_offline(
     path: str | Path, jobs: int | None = None, warn: Warn = stderr_warn, history: bool = False
 ) -> list[RunInfo]:
@@ -371,7 +397,12 @@ def read_offline(
     if jobs is None:
         jobs = min(4, os.cpu_count() or 1)
     runs: list[RunInfo] = []
-    for info, warnings in _read_many(files, jobs, history):
+    for file, (info, warnings) in zip(files, _read_many(files, jobs, history), strict=True):
+        if info is None and any(NO_RUN_RECORD in message for message in warnings):
+            info = _run_from_its_folder(file, history)
+            if info is not None:
+                warnings = [f"{file}: {NO_RUN_RECORD}; the run read from its run folder" if NO_RUN_RECORD in m
+                            else m for m in warnings]
         for message in warnings:
             warn(message)
         if info is not None:
