@@ -1,13 +1,27 @@
 """Train one run of the DeiT recipe: `python train.py [group=option ...] [key=value ...]` (see README)."""
 
 import os
+import signal
 import sys
 
-import hydra
-from omegaconf import DictConfig
 
-from deit_ablate.core.errors import ConfigError, RunError, RunInUse, no_access
-from deit_ablate.run.commands import check_overrides, prepare_configs, show_stage_config
+class StoppedWhileStarting(BaseException):
+    """SIGTERM or Ctrl-C before the run took these signals over (core/stopping.py): imports, composing the config."""
+
+
+def stopped_while_starting(signum: int, frame) -> None:
+    raise StoppedWhileStarting(signum)
+
+
+if __name__ == "__main__":  # before the imports, which take seconds
+    for _signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_signum, stopped_while_starting)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from deit_ablate.core.errors import ConfigError, RunError, RunInUse, no_access  # noqa: E402
+from deit_ablate.run.commands import check_overrides, prepare_configs, show_stage_config  # noqa: E402
 
 prepare_configs()
 
@@ -31,19 +45,24 @@ def main(cfg: DictConfig) -> None:
     speaks = os.environ.get("RANK", "0") == "0"  # one line from a torchrun/SLURM job, not one per rank
     try:
         run(cfg)
+        for signum in (signal.SIGTERM, signal.SIGINT):  # the run is recorded: its exit is not interrupted
+            signal.signal(signum, signal.SIG_IGN)
     except RunInUse as error:
         discard_empty_run_dir()
-        print(f"\nerror: {error}\n", file=sys.stderr)
+        if speaks:
+            print(f"\nerror: {error}\n", file=sys.stderr)
         if in_sweep():
             raise  # the job's failure, which the sweeper notes: it goes on and names the run at its end
         sys.exit(1)
-    except (ConfigError, RunError) as error:
+    except (ConfigError, RunError) as error:  # every rank of a torchrun job refuses alike; one says it
         discard_empty_run_dir()
-        print(f"\nerror: {error}\n", file=sys.stderr)
+        if speaks:
+            print(f"\nerror: {error}\n", file=sys.stderr)
         sys.exit(2 if isinstance(error, ConfigError) else 1)
     except PermissionError as error:  # a teammate's teacher run, data or cache this user may not read
         discard_empty_run_dir()
-        print(f"\nerror: {no_access(error)}\n", file=sys.stderr)
+        if speaks:
+            print(f"\nerror: {no_access(error)}\n", file=sys.stderr)
         sys.exit(2)
     except StopRequested as stopped:
         if speaks:
@@ -94,13 +113,24 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
+def say_stopped_while_starting(stopped: StoppedWhileStarting) -> int:
+    """One line for a stop before the run took the signals over (nothing trained, nothing to save); the exit status."""
+    signum = stopped.args[0]
+    if os.environ.get("RANK", "0") == "0":
+        print(f"\nstopped by {signal.Signals(signum).name} while starting, before the first step: nothing to save; "
+              "the same command starts the run\n", file=sys.stderr)
+    return 128 + signum
+
+
 if __name__ == "__main__":
-    check_group_options(sys.argv[1:])
-    check_overrides(sys.argv[1:])
-    if show_stage_config(sys.argv[1:]):  # a fine-tune or transfer as it runs, not as composed
-        exit_now(0)
     try:
+        check_group_options(sys.argv[1:])
+        check_overrides(sys.argv[1:])
+        if show_stage_config(sys.argv[1:]):  # a fine-tune or transfer as it runs, not as composed
+            exit_now(0)
         main()
     except SystemExit as stop:
         exit_now(exit_status(stop))
+    except StoppedWhileStarting as stopped:
+        exit_now(say_stopped_while_starting(stopped))
     exit_now(0)

@@ -3,7 +3,7 @@ kept at this path for the command line."""
 
 import sys
 
-from deit_ablate.analysis.disagreement import main
+from deit_ablate.run.commands import run_entry
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # imported inside run_entry: a Ctrl-C during the imports ends with one line too
+    sys.exit(run_entry("python -m deit_ablate.disagreement", "deit_ablate.analysis.disagreement:main"))

@@ -3,7 +3,7 @@ command line as `deit-status`."""
 
 import sys
 
-from deit_ablate.analysis.status.cli import main
+from deit_ablate.run.commands import deit_status
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(deit_status())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deit_ablate.analysis.aggregate.cli import main  # noqa: E402
+from deit_ablate.run.commands import deit_aggregate  # noqa: E402
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(deit_aggregate())

@@ -163,3 +163,41 @@ def test_ctrl_c_while_a_command_writes_keeps_its_previous_file(study_runs, data_
     assert_stopped_quietly(status, stderr, f"python -m deit_ablate.{name}")
     assert target.read_bytes() == before
     assert not [p for p in target.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("command, argv, option", [
+    ("deit_ablate.analysis.sharpness", ["run", "--sigma", "nan"], "--sigma"),
+    ("deit_ablate.analysis.sharpness", ["run", "--tol", "inf"], "--tol"),
+    ("deit_ablate.analysis.sharpness", ["run", "--images", "-3"], "--images"),
+    ("deit_ablate.analysis.status.cli", ["outputs", "--every", "nan"], "--every"),
+    ("deit_ablate.analysis.status.cli", ["outputs", "--stall-after", "-1"], "--stall-after"),
+    ("deit_ablate.analysis.aggregate.cli", ["outputs", "--digits", "-1"], "--digits"),
+    ("deit_ablate.analysis.aggregate.cli", ["outputs", "--jobs", "0"], "--jobs"),
+])
+def test_a_numeric_option_out_of_range_is_an_argparse_error(capsys, command, argv, option):
+    import importlib
+
+    module = importlib.import_module(command)
+    parse = getattr(module, "build_parser", None)
+    with pytest.raises(SystemExit) as stop:  # it was parsed: `--sigma nan` measured and recorded nan, exit 0
+        parse().parse_args(argv) if parse is not None else module.parse(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"argument {option}: {argv[2]} is out of range" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "deit_ablate.sharpness", "outputs/runs/x"],
+                                     [sys.executable, "-m", "deit_ablate.status", "outputs"],
+                                     [sys.executable, "-m", "deit_ablate.disagreement", "a", "b"], AGGREGATE + ["x"]])
+def test_ctrl_c_during_a_commands_imports_is_one_line(tmp_path, data_cache, command):
+    for delay in (0.3, 0.8, 1.5):  # torch, timm and wandb take seconds to import on the development machine
+        proc = subprocess.Popen(command, cwd=tmp_path, env=clean_env(data_cache), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the process group
+        _, err = proc.communicate(timeout=120)
+        if proc.returncode != 130:  # it ended before the signal came: nothing to check at this moment
+            assert "Traceback" not in err, err[-3000:]
+            continue
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and "stopped by Ctrl-C" in lines[0], f"after {delay} s:\n{err[-3000:]}"

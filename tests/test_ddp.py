@@ -6,6 +6,7 @@ import json
 import re
 import sys
 
+import pytest
 import torch
 
 from deit_ablate.core.errors import ConfigError
@@ -172,3 +173,14 @@ def test_every_error_class_that_crosses_agree_arrives_whole_on_one_rank_and_on_t
     _check_what_agree_raised(seen[1], str(garbage), other_rank=True)
     assert {name: seen[1][name] for name in alone if name != "unpicklable"} == \
         {name: alone[name] for name in alone if name != "unpicklable"}
+
+
+@pytest.mark.slow
+def test_a_world_size_the_batch_cannot_take_is_refused_once_and_leaves_nothing(tmp_path, data_cache):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--master_port=29535",
+                str(REPO / "train.py")]
+    slots_of_2 = [o for o in TINY if not o.startswith("train.micro_batch=")] + ["train.micro_batch=16"]
+    proc = run_train(slots_of_2, tmp_path, data_cache, module=torchrun, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("cannot be dealt equally over 3 processes") == 1, proc.stderr[-3000:]  # it was 3
+    assert not (tmp_path / "outputs").exists(), list(tmp_path.rglob("*"))  # it left an empty outputs/runs/

@@ -315,3 +315,23 @@ def test_disk_full_at_an_epochs_end_save_then_a_resume_logs_the_epochs_true_loss
     assert loss == pytest.approx(true_loss, rel=1e-5), (loss, true_loss)  # it was logged as 0.0
     SUMMARY.append(f"  disk full at the epoch-end save, resumed at batch 2 of 2: epoch 0's train loss {loss:.4f} "
                    f"(straight run: {true_loss:.4f})")
+
+
+def test_a_kill_after_an_evaluated_epoch_keeps_its_rows_for_the_aggregator(tmp_path, cache):
+    proc = launch(ARGS, tmp_path, cache)  # the run folder under outputs/runs/<name>, where the reader looks for it
+    deadline = time.monotonic() + 900
+    folders: list[Path] = []
+    while not (folders and RunDir(folders[0]).metrics.exists()):  # epoch 0 evaluated and logged
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        folders = list(runs_root(tmp_path / "outputs").glob("*-*"))
+        time.sleep(0.01)
+    kill9(proc)  # at once: wandb's service had no time to write the row it was just given
+    (folder,) = folders
+    run_id = RunDir(folder).read_identity()["run_id"]
+    warnings: list[str] = []
+    runs = read_offline(wandb_root(tmp_path / "outputs"), history=True, warn=warnings.append)
+    assert [r.run_id for r in runs] == [run_id], warnings  # the killed launch's log holds its run
+    assert [row["epoch"] for row in runs[0].history] == [0], runs[0].history
+    assert runs[0].history[0]["val/top1"] == read_epoch_rows(RunDir(folder).metrics)[0]["val/top1"]
+    SUMMARY.append(f"  kill -9 of the group right after epoch 0's row: the reader has the run and epoch 0 "
+                   f"(top-1 {runs[0].history[0]['val/top1']:.1f}), {len(warnings)} warning(s) on the cut log")

@@ -78,3 +78,14 @@ def test_disagreement_labels_are_study_rows_and_the_empty_paper_panel_says_why(t
     assert saved["paper_missing"].startswith(why) and "No run here (or more than one) is a distilled run" in \
         saved["paper_missing"]
     assert why in printed and why in (out / "disagreement.md").read_text()
+
+
+def test_the_end_of_run_summary_says_whose_each_accuracy_is():
+    from deit_ablate.run.report import accuracy_line, summarize
+
+    model, ema = {"top1": 41.0, "top5": 80.0, "loss": 1.0}, {"top1": 44.0, "top5": 83.0, "loss": 0.9}
+    with_ema = accuracy_line(summarize("finished", model, ema, 45.0, 2, 16, 1.0))
+    assert with_ema == ("top-1     EMA 44.00% final, 45.00% best; model 41.00% final   top-5 EMA 83.00%, model "
+                        "80.00%"), with_ema  # it said `top-1 44.00% final, 45.00% best   top-5 83.00%`
+    alone = accuracy_line(summarize("finished", model, {}, 42.0, 2, 16, 1.0))
+    assert alone == "top-1     model 41.00% final, 42.00% best   top-5 80.00%", alone

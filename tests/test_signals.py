@@ -148,3 +148,123 @@ def test_a_wandb_folder_removed_mid_run_is_noticed_and_logged_again(tmp_path, da
     assert again.summary["top1"] == result["top1"] and again.summary["status"] == "finished"
     third = run_train(args, tmp_path, data_cache)
     assert "logged its result" not in third.stdout + third.stderr  # once is enough
+
+
+# A signal to the whole process group (what `timeout`, SLURM at a time limit or preemption and systemd send; a
+# terminal's Ctrl-C): the loader workers get it too. Each trial stops a run with 2 workers at one moment, then
+# relaunches it to the end.
+GROUP_ARGS = [o for o in TINY if not o.startswith("runtime.num_workers=")] + [
+    "runtime.num_workers=2", "train.epochs=3", "runtime.checkpoint_every_steps=2"]
+GROUP_SEED = int(os.environ.get("DEIT_FAULT_SEED", str(int(time.time()) % 100_000)))
+
+
+def _checkpoint_temp(name: str) -> bool:
+    return name.startswith(".checkpoint-last.pt.") and name.endswith(".tmp")
+
+
+def _wait_alive(proc: subprocess.Popen, condition, timeout: float = 900.0) -> bool:
+    """Wait for `condition` while `proc` runs; False when it ended first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            return False
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return True
+
+
+def _group_gone(pgid: int, timeout: float = 15.0) -> bool:
+    """Whether every process of the group (loader workers, the wandb service) has ended within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _stop_group_at(moment: str, rng, run_dir: Path, proc: subprocess.Popen) -> None:
+    """Wait for `moment` of the run in `run_dir` (the trials' moments, below) plus a random delay."""
+    from tests.test_faults import Watch
+
+    folder = RunDir(run_dir)
+    if moment == "imports":
+        time.sleep(rng.uniform(0.2, 3.0))
+    elif moment == "start-up":
+        _wait_alive(proc, lambda: folder.log.exists())
+        time.sleep(rng.uniform(0.0, 0.5))
+    elif moment in ("first steps", "checkpoint write"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        watch = Watch(run_dir)
+        try:
+            watch.wait_for(proc, _checkpoint_temp, 1 if moment == "first steps" else rng.randint(2, 10))
+        finally:
+            watch.close()
+        time.sleep(rng.uniform(0.0, 0.3) if moment == "first steps" else 0.0)
+    elif moment in ("mid-training", "evaluation"):  # after epoch 0's row; after an epoch's end is saved
+        done = folder.metrics if moment == "mid-training" else folder.last_checkpoint
+        _wait_alive(proc, lambda: done.exists())
+        time.sleep(rng.uniform(0.0, 0.6))
+    os.killpg(proc.pid, signal.SIGTERM if moment != "ctrl-c" else signal.SIGINT)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("moment", ["imports", "start-up", "first steps", "checkpoint write", "mid-training",
+                                    "evaluation", "ctrl-c"])
+def test_a_signal_to_the_process_group_stops_with_one_line_and_the_relaunch_finishes(tmp_path, data_cache, moment):
+    import random
+
+    rng = random.Random(GROUP_SEED * 100 + len(moment))
+    args = GROUP_ARGS + (SLOW_EVAL if moment == "evaluation" else [])
+    run_dir = runs_root(tmp_path / "outputs") / "run"
+    args += [f"hydra.run.dir={run_dir}"]
+    proc = start(args, tmp_path, data_cache)
+    if moment == "ctrl-c":
+        _wait_alive(proc, lambda: RunDir(run_dir).metrics.exists())
+        time.sleep(rng.uniform(0.0, 0.6))
+    _stop_group_at(moment, rng, run_dir, proc)
+    returned, _, err = finish(proc)
+    signame = "SIGINT" if moment == "ctrl-c" else "SIGTERM"
+    where = f"{moment} (seed {GROUP_SEED})"
+    assert "Traceback" not in err and "killed by signal" not in err, f"{where}:\n{err[-3000:]}"
+    stop_lines = [line for line in err.splitlines() if line.startswith("stopped by ")]
+    assert len(stop_lines) == 1 and stop_lines[0].startswith(f"stopped by {signame} "), f"{where}:\n{err[-3000:]}"
+    assert returned == 128 + signal.Signals[signame].value, f"{where}: exit {returned}\n{err[-2000:]}"
+    assert _group_gone(proc.pid), f"{where}: a process of the group outlived the run"  # workers, wandb service
+    folder = RunDir(run_dir)
+    assert not folder.lock.exists() and not folder.result.exists(), where
+    if "nothing to save" in stop_lines[0]:
+        assert not folder.last_checkpoint.exists(), where
+        stopped_at = None
+    else:
+        stopped_at = int(stop_lines[0].split("at step ")[-1].split(";")[0])
+        assert torch.load(folder.last_checkpoint, weights_only=True)["step"] == stopped_at, where
+    relaunch = run_train(args, tmp_path, data_cache, check=False)
+    assert relaunch.returncode == 0 and "Traceback" not in relaunch.stderr, f"{where}:\n{relaunch.stderr[-3000:]}"
+    if stopped_at is not None:
+        assert f"step {stopped_at}" in relaunch.stdout, where  # resumed where it stopped
+    assert torch.load(folder.last_checkpoint, weights_only=True)["step"] == 24, where
+    assert '"status": "finished"' in folder.result.read_text(), where
+
+
+@pytest.mark.faults
+def test_loader_workers_killed_during_a_stop_end_as_the_stop(tmp_path, data_cache):
+    args = [o for o in GROUP_ARGS if not o.startswith("runtime.checkpoint_every")] + SLOW_EVAL  # epoch ends only
+    proc = start(args, tmp_path, data_cache)
+    _wait_alive(proc, lambda: run_folder(tmp_path) is not None and
+                RunDir(run_folder(tmp_path)).last_checkpoint.exists())
+    os.killpg(proc.pid, signal.SIGTERM)  # epoch 0's end is saved, its evaluation runs on 2 workers
+    time.sleep(0.5)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    workers = [pid for pid in children if "train.py" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert workers, children
+    for pid in workers:  # killed anyway (SIGKILL, the OOM killer) while the stop waits for the evaluation's end
+        os.kill(int(pid), signal.SIGKILL)
+    returned, _, err = finish(proc)
+    assert "Traceback" not in err and returned == 143, err[-3000:]  # it was torch's `DataLoader worker ... exited`
+    stop_lines = [line for line in err.splitlines() if line.startswith("stopped by ")]
+    assert len(stop_lines) == 1 and stop_lines[0].startswith("stopped by SIGTERM at step 8;"), err[-3000:]
+    state = torch.load(RunDir(run_folder(tmp_path)).last_checkpoint, weights_only=True)
+    assert (state["epoch"], state["step"], state["batches_done"]) == (1, 8, 0)

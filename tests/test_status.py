@@ -24,8 +24,9 @@ from deit_ablate.analysis.status.view import as_json, table
 from deit_ablate.core.atomic import write_json_atomic, write_text_atomic
 from deit_ablate.core.logs import PlainBar
 from deit_ablate.record.progress import ProgressFile, read_progress
-from deit_ablate.record.rundir import RunDir, read_slurm_jobs, runs_root
+from deit_ablate.record.rundir import RunDir, runs_root
 from deit_ablate.record.runlock import _proc_start, this_process
+from deit_ablate.record.sweep_records import read_slurm_jobs
 from deit_ablate.run.lifecycle import dry_run_line
 from tests.conftest import REPO, TINY, run_train
 

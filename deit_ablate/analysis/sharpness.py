@@ -22,7 +22,7 @@ from deit_ablate.config.schema import DataConfig
 from deit_ablate.core.distributed import choose_device
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.rundir import RunDir, find_run, runs_root, wandb_root
-from deit_ablate.run.commands import command
+from deit_ablate.run.commands import command, number_option
 from deit_ablate.run.measure_sharpness import measure_weights
 from deit_ablate.train.sharpness import SharpnessSettings, figures_text, summary_values
 
@@ -126,13 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     d = SharpnessSettings()
     parser = argparse.ArgumentParser(prog="python -m deit_ablate.sharpness", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="a finished run's folder (outputs/runs/<name>) or its name under outputs/runs")
-    parser.add_argument("--images", type=int, default=d.images, help="training images measured on")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="images per pass (memory only)")
-    parser.add_argument("--iters", type=int, default=d.iters, help="most power iterations for lambda_max")
-    parser.add_argument("--tol", type=float, default=d.tol, help="relative change of lambda_max that stops it")
-    parser.add_argument("--sigma", type=float, default=d.sigma, help="std of the Gaussian weight noise")
-    parser.add_argument("--draws", type=int, default=d.draws, help="noise draws the noisy loss averages")
-    parser.add_argument("--seed", type=int, default=d.seed, help="picks the images, start vector and noise")
+    count, positive = number_option(int, 1), number_option(float, 0, above=True)  # NaN and inf refused too
+    parser.add_argument("--images", type=count, default=d.images, help="training images measured on")
+    parser.add_argument("--batch-size", type=count, default=d.batch_size, help="images per pass (memory only)")
+    parser.add_argument("--iters", type=count, default=d.iters, help="most power iterations for lambda_max")
+    parser.add_argument("--tol", type=positive, default=d.tol, help="relative change of lambda_max that stops it")
+    parser.add_argument("--sigma", type=number_option(float, 0), default=d.sigma,
+                        help="std of the Gaussian weight noise")
+    parser.add_argument("--draws", type=count, default=d.draws, help="noise draws the noisy loss averages")
+    parser.add_argument("--seed", type=number_option(int, 0), default=d.seed,
+                        help="picks the images, start vector and noise")
     parser.add_argument("--device", default="auto", help="auto (the GPU where there is one), cpu, cuda, cuda:1, ...")
     parser.add_argument("--data-root", default=None, help="where the run's data lies now (default: its config's)")
     parser.add_argument("--no-wandb", action="store_true", help="record in result.json only")

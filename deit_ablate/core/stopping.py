@@ -2,8 +2,12 @@
 
 The first SIGTERM or SIGINT asks the run to stop: it saves a resumable checkpoint at the next step (or keeps the
 epoch-end one it has just written), releases its lock, prints how to resume and exits with 128 + the signal's
-number. A second Ctrl-C stops at once. Inside a submitit job SIGTERM and USR2 are left to submitit, which
-checkpoints and requeues the job itself.
+number. A second Ctrl-C stops at once. A stop asked before the first step saves nothing (there is nothing new) and
+says so. The loader workers ignore both signals (data/loader.py), so a signal to the whole process group (what
+`timeout`, SLURM and systemd send, and a terminal's Ctrl-C) stops the run the same way; once a stop is pending, a
+worker killed anyway no longer raises torch's error in the middle of a step (its SIGCHLD handler is set aside) and
+the loop stops on the loader's error instead (run/loop.py). Inside a submitit job SIGTERM and USR2 are left to
+submitit, which checkpoints and requeues the job itself.
 """
 
 from __future__ import annotations
@@ -64,7 +68,27 @@ class StopSignals:
             name = signal.Signals(signum).name
             os.write(2, f"\n[run] {name} received: saving a checkpoint at the next step, then stopping "
                         "(Ctrl-C again stops at once)\n".encode())
+        if self.requested is None:
+            self._quiet_worker_deaths()
         self.requested = self.requested or signum
+
+    def _quiet_worker_deaths(self) -> None:
+        """Set aside torch's SIGCHLD handler, which raises a dead loader worker's error wherever the main thread is (in
+        a backward pass, a checkpoint write, wandb's wait for its service at exit): during a stop the loader's own
+        check raises it between steps. Not restored: the process is ending."""
+        if hasattr(signal, "SIGCHLD"):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+    def before_training(self, resumed_from: object | None) -> None:
+        """Raise StopRequested for a stop asked before the first step (on any rank: they agree, as at an epoch's end):
+        nothing new to save, and the line says so."""
+        signum = self.agreed()
+        if signum is None:
+            return
+        where = (f"before the first step of this launch: nothing new to save; the same command resumes it from "
+                 f"{resumed_from}" if resumed_from is not None else
+                 "before the first step: nothing to save; the same command starts the run")
+        raise StopRequested(signum, where)
 
     def agreed(self, step: int | None = None) -> int | None:
         """The signal every rank stops on, or None: each rank's own flag in one process; under DDP the ranks

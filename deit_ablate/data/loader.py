@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import math
 import os
+import signal
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -241,6 +244,29 @@ def lower_worker_priority(niceness: int, worker_id: int) -> None:
         os.nice(niceness)
 
 
+def start_worker(niceness: int, worker_id: int) -> None:
+    """A DataLoader worker_init_fn: SIGTERM and SIGINT ignored, the CPU niceness lowered (`lower_worker_priority`).
+
+    A scheduler's SIGTERM and a terminal's Ctrl-C reach the whole process group; a worker they ended would turn the
+    training process's orderly stop (core/stopping.py) into torch's `DataLoader worker ... is killed by signal`
+    error. The training process stops its workers itself, and a worker whose parent is gone exits on its own."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    lower_worker_priority(niceness, worker_id)
+
+
+# Loaders whose workers `start_worker` started: they ignore SIGTERM, which is how multiprocessing's exit stops daemonic
+# children before it joins them, so they are stopped at exit the way torch stops them (before multiprocessing's exit
+# handler: atexit runs the later registration first).
+_WORKER_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+
+
+@atexit.register
+def stop_workers_at_exit() -> None:
+    """Stop the workers of every loader built here that still has them (persistent workers outlive their epochs)."""
+    end_workers(*list(_WORKER_LOADERS))
+
+
 def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: RuntimeConfig,
                  train: bool, device_type: str | None = None, niceness: int | None = None) -> DataLoader:
     """A DataLoader as `rank_loader_settings` resolves it (workers that live through the run, pinned memory on a
@@ -256,7 +282,7 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: R
     niceness = worker_niceness(runtime.worker_nice, device_type, None) if niceness is None else niceness
     if train:
         dataset = SeededItems(dataset)
-    return DataLoader(
+    loader = DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -267,8 +293,11 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: R
         # (docs/PERFORMANCE.md); every training item carries its own seed.
         persistent_workers=settings.persistent_workers,
         prefetch_factor=settings.prefetch_factor,
-        worker_init_fn=functools.partial(lower_worker_priority, niceness) if workers > 0 else None,
+        worker_init_fn=functools.partial(start_worker, niceness) if workers > 0 else None,
     )
+    if workers > 0:
+        _WORKER_LOADERS.add(loader)
+    return loader
 
 
 def end_workers(*loaders: object) -> None:

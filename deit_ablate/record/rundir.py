@@ -4,9 +4,10 @@
       runs/                       runs_root(): Hydra's run.dir and sweep.dir (conf/config.yaml, checked against
                                   RUNS by tests/test_rundir.py)
         multirun.yaml             Hydra's sweeper, at the start of each `-m` sweep (rewritten by every sweep)
-        multirun-<time>.yaml      keep_sweep_record(), from our sweeper: each sweep's own copy, never overwritten
-        slurm-jobs.json           record_slurm_jobs(), from the SLURM launcher: each submitted job's id -> its run
-                                  folder's name (how the status finds a run's job while it is still queued)
+        multirun-<time>.yaml      sweep_records.keep_sweep_record(), our sweeper: each sweep's own copy, never
+                                  overwritten
+        slurm-jobs.json           sweep_records.record_slurm_jobs(), the SLURM launcher: each submitted job's id ->
+                                  its run folder's name (how the status finds a run's job while it is still queued)
         .submitit/<job>/          submitit's logs and pickles, SLURM sweeps only (conf/hydra/launcher/*.yaml)
         <run name>/               one RunDir; the name is identity.folder_name() (readable overrides + digest)
           .hydra/config.yaml      RunDir.record_launch (rank 0), by each launch that trains the run or records it
@@ -47,7 +48,6 @@ import json
 import os
 import re
 import shutil
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +58,6 @@ from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.runfiles import DamagedRecord, folder_problem, not_a_file, read_json
 
 if TYPE_CHECKING:  # the aggregator reads run folders without importing omegaconf
-    from omegaconf import DictConfig
 
     from deit_ablate.record.identity import RunIdentity
 
@@ -336,6 +335,19 @@ class RunDir:
         own_logs = re.compile(re.escape(LOG) + "|" + re.escape(RANK_LOG).replace(r"\{\}", r"\d+"))
         if self.path.is_dir() and all(p.name == HYDRA or own_logs.fullmatch(p.name) for p in self.path.iterdir()):
             shutil.rmtree(self.path, ignore_errors=True)
+            self._discard_empty_roots()
+
+    def _discard_empty_roots(self) -> None:
+        """Remove the `runs/` root this folder left empty, and then the default output root (`outputs/`) when that is
+        empty too; the other ranks of a torchrun job may be removing them at the same moment."""
+        roots = [self.path.parent] if self.path.parent.name == RUNS else []
+        if roots and roots[0].parent.name == DEFAULT_OUTPUT_ROOT:
+            roots.append(roots[0].parent)
+        for root in roots:
+            try:
+                root.rmdir()
+            except OSError:  # not empty (other runs), gone already, or not ours to remove
+                return
 
 
 def find_run(reference: Path, runs_root: Path) -> RunDir | None:
@@ -353,40 +365,3 @@ def find_run(reference: Path, runs_root: Path) -> RunDir | None:
         if len(matches) == 1:
             return RunDir(matches[0])
     return None
-
-
-def slurm_jobs_file(runs_root: Path) -> Path:
-    """`<runs root>/slurm-jobs.json`: the SLURM job id of each submitted run (its folder's name)."""
-    return Path(runs_root) / SLURM_JOBS
-
-
-def read_slurm_jobs(runs_root: Path) -> dict[str, str]:
-    """SLURM job id -> run folder name, as the SLURM launcher recorded them (empty without a record)."""
-    try:
-        jobs = json.loads(slurm_jobs_file(runs_root).read_text())
-    except (OSError, ValueError):
-        return {}
-    return {str(k): str(v) for k, v in jobs.items()} if isinstance(jobs, dict) else {}
-
-
-def record_slurm_jobs(runs_root: Path, jobs: Mapping[str, str]) -> None:
-    """Add `jobs` (SLURM job id -> run folder name) to the runs root's record, atomically."""
-    write_json_atomic(slurm_jobs_file(runs_root), {**read_slurm_jobs(runs_root), **jobs})
-
-
-def keep_sweep_record(config: DictConfig) -> Path:
-    """Save the sweep's config as `multirun-<start time>.yaml` in its sweep folder, never over another sweep's."""
-    from omegaconf import OmegaConf
-
-    sweep_dir = Path(str(config.hydra.sweep.dir))
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    n = 1
-    while True:
-        path = sweep_dir / SWEEP_RECORD.format(stamp if n == 1 else f"{stamp}-{n}")
-        try:
-            with path.open("x") as file:
-                OmegaConf.save(config, file)
-            return path
-        except FileExistsError:  # another sweep started in the same second
-            n += 1

@@ -6,7 +6,11 @@ is replaced atomically, so an interrupted write leaves the previous file as it w
 
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib
+import math
+import signal
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -48,6 +52,48 @@ def command(name: str) -> Callable[[Main], Main]:
         return run  # type: ignore[return-value]
 
     return wrap
+
+
+def run_entry(name: str, target: str) -> int:
+    """Import and run `target` ("module:function") as command `name`, a Ctrl-C at any moment ending it with one line
+    and status 130: during its imports (seconds of torch, timm, wandb), which happen before `command` wraps its main,
+    and during the interpreter's exit, where it is ignored (the command's work is done)."""
+    try:
+        module, _, function = target.partition(":")
+        status = getattr(importlib.import_module(module), function)()
+    except KeyboardInterrupt:
+        return interrupted(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return status or 0
+
+
+def deit_aggregate() -> int:
+    """The `deit-aggregate` console script (analysis/aggregate/cli.py)."""
+    return run_entry("deit-aggregate", "deit_ablate.analysis.aggregate.cli:main")
+
+
+def deit_status() -> int:
+    """The `deit-status` console script (analysis/status/cli.py)."""
+    return run_entry("deit-status", "deit_ablate.analysis.status.cli:main")
+
+
+def number_option(kind: type, low: float | None = None, above: bool = False) -> Callable[[str], float]:
+    """An argparse `type` for a numeric option: a finite `kind` (int or float), at least `low` (more than it with
+    `above`); anything else an argparse error naming the value and the range (NaN passed every comparison)."""
+    bound = "" if low is None else f" {'>' if above else '>='} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") \
+                from None
+        if not math.isfinite(value) or (low is not None and (value <= low if above else value < low)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: a finite number{bound}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def quoted(override: str) -> str:

@@ -99,6 +99,7 @@ class EpochLoop:
         self.record = self.progress_file()  # progress.json, for a reader outside the run (deit-status)
         self.current_epoch = progress.start_epoch
         self.started: StartedEpoch | None = None
+        self.batches_in_loader: int | None = None  # of the epoch training now (None between epochs)
         runtime, run_dir = plan.settings.runtime, plan.run_dir
         self.saver = ckpt.MidEpochSaver(self.trainer, run_dir.last_checkpoint, runtime.checkpoint_every_steps,
                                         runtime.checkpoint_every_minutes, info.is_main,
@@ -146,6 +147,10 @@ class EpochLoop:
                          "goes on.")
         except BadImageError:
             raise stop_error(image_folders(self.pieces)) from None
+        except RuntimeError as error:
+            if self.stop.requested is None or "DataLoader worker" not in str(error):
+                raise
+            raise self.stopped_without_worker(error) from None
         progress.seconds = self.clock()
         return progress
 
@@ -183,8 +188,10 @@ class EpochLoop:
         steps_before = trainer.step
         resumed_sum = self.resumed_state.get("epoch_loss_sum") if skipped else None  # None: before it was kept
         before = (float(resumed_sum), skipped) if resumed_sum is not None else (0.0, 0)
+        self.batches_in_loader = 0  # a stop in the epoch saves its steps so far; None: the epoch's end is saved
         train_loss = trainer.train_steps(loader, epoch, self.max_steps, step_hook=self.step_hook,
                                          streams=self.streams, first_step=skipped, done=before)
+        self.batches_in_loader = None
         batches_done = skipped + trainer.step - steps_before
         if not before[1] and trainer.step == steps_before:  # no batch of the epoch counted: no loss to log
             train_loss = None
@@ -207,9 +214,20 @@ class EpochLoop:
 
     def step_hook(self, batches_in_loader: int) -> None:
         """After each optimizer step: the mid-epoch checkpoint when due, and a stop when one is agreed."""
+        self.batches_in_loader = batches_in_loader
         self.saver(batches_in_loader)
         self.record.step(self.current_epoch, self.trainer.step)
         self.stop_if_asked(self.trainer.step, batches_in_loader)
+
+    def stopped_without_worker(self, error: RuntimeError) -> StopRequested:
+        """The stop when a loader worker was killed while it was pending (a SIGKILL to the process group after its
+        SIGTERM): the steps done this epoch saved (an epoch's end is saved already), no traceback."""
+        if self.batches_in_loader is not None:
+            self.saver.save(self.batches_in_loader)
+        if self.info.is_main:
+            log.info(f"[run] a loader worker ended during the stop ({str(error).strip().splitlines()[0]})")
+        return StopRequested(self.stop.requested, f"at step {self.trainer.step}; the same command resumes it from "
+                                                  f"{self.plan.run_dir.last_checkpoint}")
 
     def stop_if_asked(self, step: int | None = None, batches_in_loader: int | None = None) -> None:
         """Stop on an agreed signal: save the mid-epoch state first (the epoch-end one is written already)."""

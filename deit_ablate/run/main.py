@@ -66,9 +66,10 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     the run folder's lock, and every rank logs to its own file there."""
     info = init_distributed(cfg.runtime.device)
     try:
-        plan = make_plan(cfg, info)
-        with hold_run_folder(plan.run_dir.path, info, plan.settings.runtime.wait_for_lock):
-            return _run_locked(plan, info)
+        with StopSignals(info, cfg.runtime.log_interval) as stop:  # from the start: a stop before training says so
+            plan = make_plan(cfg, info)
+            with hold_run_folder(plan.run_dir.path, info, plan.settings.runtime.wait_for_lock):
+                return _run_locked(plan, info, stop)
     except RuntimeError as error:
         lost = stopped_by_peer(error, info)  # before the folder is held (its file has it otherwise)
         if lost is None:
@@ -86,7 +87,7 @@ def end_loader_workers() -> None:
     gc.collect()
 
 
-def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
+def _run_locked(plan: RunPlan, info: DistInfo, stop: StopSignals) -> dict[str, Any] | None:
     """What run() does while holding the run folder: skip a finished run, or train (resuming) to the end."""
     if info.is_main:
         for path in ckpt.remove_stale_temp_files(plan.run_dir.path):
@@ -101,7 +102,7 @@ def _run_locked(plan: RunPlan, info: DistInfo) -> dict[str, Any] | None:
         record_launch(plan)
     if upstream != "finished":
         return record_without_training(plan, upstream, info.is_main)
-    return _train(plan, info)
+    return _train(plan, info, stop)
 
 
 def _resume(plan: RunPlan, info: DistInfo, pieces: Pieces) -> tuple[Progress, dict[str, Any]]:
@@ -122,19 +123,20 @@ def _resume(plan: RunPlan, info: DistInfo, pieces: Pieces) -> tuple[Progress, di
     return progress, state
 
 
-def _train(plan: RunPlan, info: DistInfo) -> dict[str, Any]:
+def _train(plan: RunPlan, info: DistInfo, stop: StopSignals) -> dict[str, Any]:
     """Build, resume, train and evaluate; record the result (rank 0) and return it on every rank."""
     streams = RunStreams(plan.settings.seed, info.rank)
     streams.seed_init()  # the same initial weights on every rank
     set_cpu_threads(plan.settings.runtime, info.device)
     pieces = build_pieces(plan, info)  # every input error is raised by now, before anything is logged
     try:
-        return _train_built(plan, info, pieces, streams)
+        return _train_built(plan, info, pieces, streams, stop)
     finally:
         end_workers(pieces.loaders.train_loader, pieces.loaders.val_loader)
 
 
-def _train_built(plan: RunPlan, info: DistInfo, pieces: Pieces, streams: RunStreams) -> dict[str, Any]:
+def _train_built(plan: RunPlan, info: DistInfo, pieces: Pieces, streams: RunStreams,
+                 stop: StopSignals) -> dict[str, Any]:
     """`_train` once its pieces are built."""
     progress, state = _resume(plan, info, pieces)
     tracker = Tracker(plan.declared, plan.identity, plan.data, enabled=info.is_main, run_dir=plan.run_dir.path)
@@ -143,10 +145,10 @@ def _train_built(plan: RunPlan, info: DistInfo, pieces: Pieces, streams: RunStre
     pieces.trainer.on_log = tracker.log
     loop: EpochLoop | None = None
     try:
-        with StopSignals(info, plan.settings.runtime.log_interval) as stop:
-            run_facts = _start_line(plan, info, pieces, tracker)
-            loop = EpochLoop(plan, info, pieces, streams, tracker, stop, state, progress)
-            progress = loop.run()
+        run_facts = _start_line(plan, info, pieces, tracker)
+        stop.before_training(progress.resumed_from)
+        loop = EpochLoop(plan, info, pieces, streams, tracker, stop, state, progress)
+        progress = loop.run()
     except BaseException as error:
         with contextlib.suppress(Exception):
             tracker.finish(exit_code=1)

@@ -40,13 +40,25 @@ def wandb_summary(final: dict[str, Any]) -> dict[str, Any]:
     return {**summary, **summary_values(final["sharpness"])} if "sharpness" in final else summary
 
 
+def accuracy_line(final: dict[str, Any]) -> str:
+    """The summary's accuracy line, each figure labelled with whose it is: the EMA's (the headline when a run keeps
+    one) with the model's beside it, or the model's alone."""
+    if "top1_ema_final" not in final:
+        top5 = f"   top-5 {final['top5_final']:.2f}%" if "top5_final" in final else ""
+        return f"top-1     model {final['top1']:.2f}% final, {final['top1_best']:.2f}% best{top5}"
+    model = final.get("top1_final")
+    return (f"top-1     EMA {final['top1']:.2f}% final, {final['top1_best']:.2f}% best"
+            + (f"; model {model:.2f}% final" if model is not None else "")
+            + f"   top-5 EMA {final['top5_ema_final']:.2f}%"
+            + (f", model {final['top5_final']:.2f}%" if "top5_final" in final else ""))
+
+
 def print_summary(name: str, run_id: str, final: dict[str, Any], run_dir: Path) -> None:
     """A few lines a person reads at the end of a run (on the console and in train.log)."""
     lines = ["", "=" * 72, f"run       {name}  (wandb id {run_id})",
              f"status    {final['status']} after {final['steps_done']} steps, {final['train_seconds']:.0f}s"]
     if "top1" in final:
-        lines.append(f"top-1     {final['top1']:.2f}% final, {final['top1_best']:.2f}% best   "
-                     f"top-5 {final.get('top5_ema_final', final.get('top5_final', float('nan'))):.2f}%")
+        lines.append(accuracy_line(final))
     if "top1_cls" in final:
         lines.append(f"heads     class {final['top1_cls']:.2f}%  distillation {final['top1_dist']:.2f}%  "
                      f"fused {final['top1_fused']:.2f}% (other rule {final['top1_fused_alt']:.2f}%)")

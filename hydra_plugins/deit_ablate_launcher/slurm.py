@@ -119,7 +119,7 @@ def record_jobs(sweep_dir: str, jobs: dict[str, str]) -> None:
     run whose job is still queued); a failure to write it is a warning, never a failed submission."""
     from pathlib import Path
 
-    from deit_ablate.record.rundir import record_slurm_jobs
+    from deit_ablate.record.sweep_records import record_slurm_jobs
 
     try:
         record_slurm_jobs(Path(sweep_dir), jobs)

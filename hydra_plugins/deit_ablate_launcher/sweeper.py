@@ -29,7 +29,7 @@ class DeitSweeper(BasicSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """Check every run, then plan them (dry run) or launch them in order, as BasicSweeper does."""
-        from deit_ablate.record.rundir import keep_sweep_record
+        from deit_ablate.record.sweep_records import keep_sweep_record
         from deit_ablate.run.preflight import print_plans, sweep_plans, sweep_run_dir
 
         jobs, configs = self.checked_jobs(arguments)

@@ -10,7 +10,7 @@ from typing import Any
 from deit_ablate.config.studies import studies as all_studies
 from deit_ablate.core.atomic import write_figure_atomic, write_text_atomic
 from deit_ablate.core.errors import no_access
-from deit_ablate.run.commands import command
+from deit_ablate.run.commands import command, number_option
 
 from .api import read_api
 from .cells import METRICS, Table
@@ -76,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep only each row's main setting (the baseline's other settings) instead of sub-rows",
     )
-    p.add_argument("--digits", type=int, default=2, help="decimals for our numbers (default 2)")
+    p.add_argument("--digits", type=number_option(int, 0), default=2, help="decimals for our numbers (default 2)")
     p.add_argument("--list-runs", action="store_true", help="print the runs each cell counts, not the table")
-    p.add_argument("--jobs", type=int, help="processes that read log files (default: up to 4)")
+    p.add_argument("--jobs", type=number_option(int, 1), help="processes that read log files (default: up to 4)")
     p.add_argument("-q", "--quiet", action="store_true", help="no warnings or run counts on stderr")
     return p
 

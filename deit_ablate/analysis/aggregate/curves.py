@@ -10,7 +10,6 @@ history: the log's history records offline, `Run.scan_history` through the W&B A
 
 from __future__ import annotations
 
-import csv
 import math
 import statistics
 from dataclasses import dataclass
@@ -18,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from deit_ablate.core.atomic import write_figure_atomic
-from deit_ablate.record.rundir import METRICS, RunDir
+from deit_ablate.record.rundir import METRICS
 
 from .about import footer, headline
 from .cells import Table
 from .paper import STAGE_NAMES
 from .plot import framed_figure, literal
-from .reader import RunInfo, is_api_source, read_histories
+from .reader import RunInfo, csv_path, is_api_source, read_histories, read_metrics_csv
 from .stats import NO_SPREAD
 
 METRICS_CSV = METRICS
@@ -54,29 +53,6 @@ class Series:
     def mean(self) -> list[float]:
         """Mean over the runs at each epoch."""
         return [statistics.fmean(v) for v in self.values]
-
-
-def csv_path(run: RunInfo) -> Path | None:
-    """Where the run folder's metrics.csv sits for an offline log in `<output_root>/wandb/<folder>/`."""
-    name = run.config.get("run_name")
-    if is_api_source(run.source) or not name or not run.source:
-        return None
-    parents = Path(run.source).parents
-    return RunDir.under(parents[2], str(name)).metrics if len(parents) > 2 else None
-
-
-def _number(text: str) -> Any:
-    try:
-        return float(text) if text != "" else None
-    except ValueError:
-        return text
-
-
-def read_metrics_csv(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.csv, numbers as floats (`epoch` as int)."""
-    with path.open(newline="") as f:
-        rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
-    return [{**r, "epoch": int(r["epoch"])} for r in rows if isinstance(r.get("epoch"), float)]
 
 
 def _api_history(run: RunInfo, keys: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -1,14 +1,20 @@
-"""Runs from local wandb folders (offline or synced) and from the W&B API, as plain `RunInfo` values."""
+"""Runs from local wandb folders (offline or synced) and from the W&B API, as plain `RunInfo` values.
+
+A run's per-epoch rows come from its run folder's `metrics.csv` when the folder is found beside the wandb folder
+(`<output_root>/runs/<run name>/` for a log in `<output_root>/wandb/`): the trainer writes each row there atomically
+as it is logged, so a killed launch keeps every row it logged, while wandb writes its log every second and loses
+what a kill cut (docs/reliability.md, "What each stop keeps"); a log cut before its run record is read from its run
+folder, found by the run id in the log's name. Logs without their run folder (copied elsewhere, the W&B API) give
+their own history.
+"""
 
 from __future__ import annotations
 
-import fnmatch
+import csv
 import json
 import math
 import os
-import stat
-import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -17,13 +23,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.record.rundir import wandb_root
+from deit_ablate.record.rundir import RunDir, runs_root
 
+from .find import MAX_LOG_BYTES, Warn, find_run_files, stderr_warn  # noqa: F401 (the reader's names)
 from .wandb_log import read_log
 
 STATUSES = ("finished", "diverged", "failed", "unfinished")
 API_PREFIX = "wandb://"
-Warn = Callable[[str], None]
+NO_RUN_RECORD = "no run record (the log ends before wandb.init was written)"
 
 
 @dataclass
@@ -53,11 +60,6 @@ class RunInfo:
         """`finished`, `diverged` or `failed` as the trainer wrote it into the summary, else `unfinished`."""
         value = self.summary.get("status")
         return value if value in STATUSES[:3] else "unfinished"
-
-
-def stderr_warn(message: str) -> None:
-    """Print a warning line on stderr."""
-    print(f"warning: {message}", file=sys.stderr)
 
 
 def _item_path(item: Any) -> tuple[str, ...]:
@@ -229,77 +231,9 @@ def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | No
         )
     scan = _scan(log.records, path, history, warnings)
     if scan.run is None:
-        warnings.append(f"{path}: no run record (the log ends before wandb.init was written); run skipped")
+        warnings.append(f"{path}: {NO_RUN_RECORD}; run skipped")
         return None, warnings
     return _run_info(scan, path, log), warnings
-
-
-MAX_LOG_BYTES = 4 * 1024**3  # a run log above this is skipped (a 300-epoch DeiT run writes a few MB)
-
-
-def _skip_reason(path: Path, root: Path | None) -> str | None:
-    """Why a found path is not read: not a regular file, a symlink out of the folder, too large; None to read."""
-    try:
-        target = path.resolve(strict=True)
-        size, mode = target.stat().st_size, target.stat().st_mode
-    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop
-        return f"cannot be resolved ({error})"
-    if root is not None and not target.is_relative_to(root):
-        return f"a symlink to {target}, outside {root}"
-    if not stat.S_ISREG(mode):
-        return "not a regular file"
-    if size > MAX_LOG_BYTES:
-        return f"{size} bytes, above the {MAX_LOG_BYTES}-byte cap for a run log"
-    return None
-
-
-def _readable(files: Iterable[Path], root: Path | None, warn: Warn) -> list[Path]:
-    """The files that are safe to open; every other one reported through `warn`."""
-    kept = []
-    for file in files:
-        reason = _skip_reason(file, root)
-        if reason is None:
-            kept.append(file)
-        else:
-            warn(f"{file}: skipped, {reason}")
-    return kept
-
-
-def _search(root: Path, warn: Warn) -> list[Path]:
-    """Every run-*.wandb below `root` (no symlinked folder followed, as rglob); each folder this user may not read
-    is named through `warn` instead of being passed over in silence."""
-    found = []
-
-    def unreadable(error: OSError) -> None:
-        warn(f"{error.filename}: skipped, cannot be read ({error.strerror}); ask its owner for read access "
-             "(chmod -R g+rX for a group)")
-
-    for folder, _, files in os.walk(root, onerror=unreadable):
-        found += [Path(folder) / name for name in files if fnmatch.fnmatchcase(name, "run-*.wandb")]
-    return found
-
-
-def find_run_files(path: str | Path, warn: Warn = stderr_warn) -> list[Path]:
-    """The `run-*.wandb` files under a wandb folder, its parent, one run folder, or a single file: regular files
-    only, no symlink followed out of the folder, none above MAX_LOG_BYTES (each skipped one reported)."""
-    root = Path(path)
-    if not root.exists():
-        raise FileNotFoundError(f"no such file or folder: {root}")
-    if not root.is_dir():
-        return _readable([root], None, warn)
-    found = list(root.glob("run-*.wandb"))
-    if not found:
-        found = list(root.glob("*/run-*.wandb"))
-    if not found and wandb_root(root).is_dir():
-        found = list(wandb_root(root).glob("*/run-*.wandb"))
-    if not found:
-        found = _search(root, warn)
-    unique: dict[Path, Path] = {}
-    for file in sorted(found):  # `latest-run` is a symlink to a run folder already listed
-        if any(part == "latest-run" for part in file.parts):
-            continue
-        unique.setdefault(file.resolve(), file)
-    return _readable(sorted(unique.values()), root.resolve(), warn)
 
 
 def _read_many(files: list[Path], jobs: int, history: bool = False) -> list[tuple[RunInfo | None, list[str]]]:
@@ -320,19 +254,84 @@ def read_histories(files: list[Path], jobs: int | None = None) -> list[list[dict
     return [info.history if info is not None else None for info, _ in _read_many(files, jobs, history=True)]
 
 
+def csv_path(run: RunInfo) -> Path | None:
+    """Where the run folder's metrics.csv sits for an offline log in `<output_root>/wandb/<folder>/`."""
+    name = run.config.get("run_name")
+    if is_api_source(run.source) or not name or not run.source:
+        return None
+    parents = Path(run.source).parents
+    return RunDir.under(parents[2], str(name)).metrics if len(parents) > 2 else None
+
+
+def _csv_number(text: str) -> Any:
+    try:
+        return float(text) if text != "" else None
+    except ValueError:
+        return text
+
+
+def read_metrics_csv(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.csv, numbers as floats (`epoch` as int)."""
+    with path.open(newline="") as f:
+        rows = [{k: _csv_number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return [{**r, "epoch": int(r["epoch"])} for r in rows if isinstance(r.get("epoch"), float)]
+
+
+def _history_from_run_folder(run: RunInfo) -> None:
+    """Take the run's per-epoch rows from its run folder's metrics.csv, when it is there (the source of truth)."""
+    path = csv_path(run)
+    if path is None or not path.is_file():
+        return
+    try:
+        run.history = read_metrics_csv(path)
+    except (OSError, ValueError, csv.Error):  # unreadable: the log's own rows stay
+        pass
+
+
+def _run_from_its_folder(path: Path, history: bool) -> RunInfo | None:
+    """The run of a log cut before its run record (a launch killed within a second of starting wandb), as its run
+    folder records it (identity.json, result.json, metrics.csv), found under the log's output root by its run id."""
+    run_id, parents = path.stem.removeprefix("run-"), path.parents
+    root = runs_root(parents[2]) if len(parents) > 2 else None
+    if root is None or not root.is_dir():
+        return None
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        run = RunDir(folder)
+        try:
+            identity = run.read_identity() or {}
+            if identity.get("run_id") != run_id:
+                continue
+            summary = run.read_summary()
+        except (OSError, ValueError):  # unreadable or damaged: not this run's record
+            continue
+        info = RunInfo(run_id=run_id, name=str(identity.get("name", "")), config={"run_name": identity.get("name")},
+                       summary=summary, source=str(path), problem=NO_RUN_RECORD)
+        if history:
+            info.history = read_metrics_csv(run.metrics) if run.metrics.is_file() else []
+        return info
+    return None
+
+
 def read_offline(
     path: str | Path, jobs: int | None = None, warn: Warn = stderr_warn, history: bool = False
 ) -> list[RunInfo]:
-    """Read every run log found under `path` (with `history`: the per-epoch rows too); damaged logs are read
-    in part and reported through `warn`."""
+    """Read every run log found under `path` (with `history`: the per-epoch rows too, from the run folder's
+    metrics.csv where it is found); damaged logs are read in part and reported through `warn`."""
     files = find_run_files(path, warn)
     if jobs is None:
         jobs = min(4, os.cpu_count() or 1)
     runs: list[RunInfo] = []
-    for info, warnings in _read_many(files, jobs, history):
+    for file, (info, warnings) in zip(files, _read_many(files, jobs, history), strict=True):
+        if info is None and any(NO_RUN_RECORD in message for message in warnings):
+            info = _run_from_its_folder(file, history)
+            if info is not None:
+                warnings = [f"{file}: {NO_RUN_RECORD}; the run read from its run folder" if NO_RUN_RECORD in m
+                            else m for m in warnings]
         for message in warnings:
             warn(message)
         if info is not None:
+            if history:
+                _history_from_run_folder(info)
             runs.append(info)
     return runs
 

@@ -18,9 +18,10 @@ from deit_ablate.analysis.status.sweep import PlannedRun, folder_runs, root_prob
 from deit_ablate.analysis.status.view import FILE_WIDTH, as_json, table
 from deit_ablate.record.progress import read_progress
 from deit_ablate.record.resume import LaunchAction, NoReadableCheckpoint
-from deit_ablate.record.rundir import DEFAULT_OUTPUT_ROOT, RUNS, read_slurm_jobs
+from deit_ablate.record.rundir import DEFAULT_OUTPUT_ROOT, RUNS
 from deit_ablate.record.runfiles import DamagedRecord
-from deit_ablate.run.commands import check_overrides, command
+from deit_ablate.record.sweep_records import read_slurm_jobs
+from deit_ablate.run.commands import check_overrides, command, number_option
 
 WATCH_EVERY_S = 5.0  # --watch's default refresh
 
@@ -35,9 +36,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                              "`python train.py -m` (its runs not started yet show too)")
     parser.add_argument("-m", "--multirun", action="store_true", help="accepted for the sweep's own command line")
     parser.add_argument("--watch", action="store_true", help="refresh in place in the terminal (Ctrl-C ends it)")
-    parser.add_argument("--every", type=float, default=WATCH_EVERY_S, help="seconds between refreshes (--watch)")
+    parser.add_argument("--every", type=number_option(float, 0, above=True), default=WATCH_EVERY_S,
+                        help="seconds between refreshes (--watch)")
     parser.add_argument("--json", action="store_true", help="print the rows and totals as JSON, for scripts")
-    parser.add_argument("--stall-after", type=float, default=STALL_AFTER_S,
+    parser.add_argument("--stall-after", type=number_option(float, 0, above=True), default=STALL_AFTER_S,
                         help=f"seconds without progress after which a held run shows as stalled (default "
                              f"{STALL_AFTER_S:.0f})")
     return parser.parse_args(list(argv))
