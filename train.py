@@ -1,5 +1,6 @@
 """Train one run of the DeiT recipe: `python train.py [group=option ...] [key=value ...]` (see README)."""
 
+import gc
 import os
 import signal
 import sys
@@ -16,6 +17,9 @@ def stopped_while_starting(signum: int, frame) -> None:
 if __name__ == "__main__":  # before the imports, which take seconds
     for _signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(_signum, stopped_while_starting)
+    # Start-up makes millions of objects that live as long as the process (torch, timm, wandb, the config): no
+    # collection passes over them while they are made (0.5 s of a 4 s start), one freeze once they are (main()).
+    gc.disable()
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
@@ -39,6 +43,8 @@ def check_group_options(argv: list[str]) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    gc.freeze()  # what start-up made is kept for the run: the collector skips it (and forked workers share it)
+    gc.enable()
     from deit_ablate.core.stopping import StopRequested
     from deit_ablate.run.main import discard_empty_run_dir, run
 
