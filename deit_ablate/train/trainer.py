@@ -15,7 +15,7 @@ from timm.data import Mixup
 from timm.utils import ModelEmaV3
 from torch.nn.modules.batchnorm import _NormBase
 
-from deit_ablate.core.distributed import DistInfo, all_reduce_sum
+from deit_ablate.core.distributed import DistInfo, all_reduce_sum, broadcast_tensors
 from deit_ablate.core.logs import progress_bar
 from deit_ablate.core.streams import EpochStreams, RunStreams, Stream, slot_positions
 from deit_ablate.record.predictions import LocalPredictions
@@ -335,8 +335,10 @@ def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dt
 
     A model with a distillation token is ranked by its fused prediction (rule `fusion`); the class head, the
     distillation head and the other fusion rule are reported as top1_cls, top1_dist and top1_fused_alt. A ViT also
-    reports high_norm_tokens: the percentage of its output patch tokens of high norm (deit_ablate.train.artifacts)."""
+    reports high_norm_tokens: the percentage of its output patch tokens of high norm (deit_ablate.train.artifacts).
+    Every rank scores with the running statistics one process has (share_running_stats)."""
     model = getattr(model, "module", model)
+    share_running_stats(model, info)
     model.eval()
     counter = HighNormCounter(model, info.device) if measures_high_norm(model) else None
     try:
@@ -348,6 +350,17 @@ def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dt
         all_reduce_sum(counter.sums, info)
         metrics["high_norm_tokens"] = high_norm_percent(counter.sums)
     return metrics
+
+
+def share_running_stats(model: torch.nn.Module, info: DistInfo) -> None:
+    """Give every rank rank 0's BatchNorm running statistics (a collective; nothing to do without BatchNorm).
+
+    Only slot 0's micro-batches update them (Trainer._running_stats_of) and rank 0 computes slot 0, so its buffers,
+    and its EMA's, are the ones one process computing every slot has, and the ones it saves; another rank's lag a
+    step behind, where DDP last broadcast rank 0's before slot 0's update, and its EMA averages those."""
+    stats = [buffer for module in model.modules() if isinstance(module, _NormBase) and module.track_running_stats
+             for buffer in module.buffers(recurse=False)]
+    broadcast_tensors(stats, info)
 
 
 def _evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dtype | None,
