@@ -94,6 +94,13 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return tensor
 
 
+def broadcast_tensors(tensors: list[torch.Tensor], info: DistInfo) -> None:
+    """Make each tensor rank 0's, in place, on every rank (a no-op alone)."""
+    if info.enabled:
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0)
+
+
 def barrier(info: DistInfo) -> None:
     """Wait for every rank (a no-op alone)."""
     if info.enabled:

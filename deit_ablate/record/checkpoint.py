@@ -114,12 +114,16 @@ def remove_stale_temp_files(run_dir: Path) -> list[Path]:
 
 class MidEpochSaver:
     """Called after every step: rank 0 saves a resumable checkpoint every N steps or M minutes, so a
-    preempted or timed-out job loses at most that much work and ends with the same step count."""
+    preempted or timed-out job loses at most that much work and ends with the same step count. Rank 0 alone
+    keeps the time, so a save M minutes on waits for a step where `ready()` says that what `extra` holds is
+    whole (the loss summed over the ranks: the next logging step); every rank knows the steps of the N-step rule
+    (`by_steps`)."""
 
     def __init__(self, trainer, path: Path, every_steps: int, every_minutes: float, enabled: bool,
-                 keep_previous: Path | None = None, extra: Callable[[], dict[str, Any]] = dict) -> None:
+                 keep_previous: Path | None = None, extra: Callable[[], dict[str, Any]] = dict,
+                 ready: Callable[[], bool] = lambda: True) -> None:
         self.trainer, self.path, self.enabled = trainer, path, enabled
-        self.keep_previous, self.extra = keep_previous, extra
+        self.keep_previous, self.extra, self.ready = keep_previous, extra, ready
         self.every_steps, self.every_seconds = every_steps, 60 * every_minutes
         self.last_save = time.monotonic()
         self.epoch, self.best_top1, self.skipped = 0, 0.0, 0
@@ -127,12 +131,15 @@ class MidEpochSaver:
     def start_epoch(self, epoch: int, best_top1: float, skipped: int) -> None:
         self.epoch, self.best_top1, self.skipped = epoch, best_top1, skipped
 
+    def by_steps(self) -> bool:
+        """Whether the N-step rule saves at the trainer's step (the same answer on every rank)."""
+        return bool(self.every_steps) and self.trainer.step % self.every_steps == 0
+
     def __call__(self, batches_in_loader: int) -> None:
         if not self.enabled:
             return
-        by_steps = self.every_steps and self.trainer.step % self.every_steps == 0
-        by_time = self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds
-        if by_steps or by_time:
+        by_time = self.every_seconds and time.monotonic() - self.last_save >= self.every_seconds and self.ready()
+        if self.by_steps() or by_time:
             self.save(batches_in_loader)
 
     def save(self, batches_in_loader: int) -> None:

@@ -103,7 +103,8 @@ class EpochLoop:
         runtime, run_dir = plan.settings.runtime, plan.run_dir
         self.saver = ckpt.MidEpochSaver(self.trainer, run_dir.last_checkpoint, runtime.checkpoint_every_steps,
                                         runtime.checkpoint_every_minutes, info.is_main,
-                                        keep_previous=run_dir.previous_checkpoint, extra=self.mid_epoch_extra)
+                                        keep_previous=run_dir.previous_checkpoint, extra=self.mid_epoch_extra,
+                                        ready=lambda: self.trainer.losses.readable())
 
     def progress_file(self) -> ProgressFile:
         """The launch's progress.json (record/progress.py), written by rank 0."""
@@ -118,9 +119,10 @@ class EpochLoop:
                 "bad_images": sorted(self.progress.bad_images)}
 
     def mid_epoch_extra(self) -> dict[str, Any]:
-        """What a mid-epoch checkpoint holds beside `extra`: the loss sum of the epoch's batches so far, so that a
-        resume logs the whole epoch's mean (at an epoch's last batch, resumed with no batch left, it logged 0.0)."""
-        return {**self.extra(), "epoch_loss_sum": float(self.trainer.epoch_loss_sum)}
+        """What a mid-epoch checkpoint holds beside `extra`: the loss sum of the epoch's batches so far, over every
+        rank's images, so that a resume on any layout logs the whole epoch's mean (at an epoch's last batch,
+        resumed with no batch left, it logged 0.0)."""
+        return {**self.extra(), "epoch_loss_sum": self.trainer.losses.epoch_sum()}
 
     def run(self) -> Progress:
         """Train the epochs left and evaluate each; the progress at the end (status `diverged` on divergence)."""
@@ -202,7 +204,7 @@ class EpochLoop:
         if self.info.is_main:  # the epoch's end is saved before its evaluation: a stop there loses no training
             state = ckpt.training_state(trainer, progress.epochs_done, progress.best_top1,
                                         0 if complete else batches_done, evaluated=False, train_loss=train_loss,
-                                        **self.extra(done))
+                                        **self.extra(done), epoch_loss_sum=trainer.losses.epoch_sum())
             ckpt.save_atomic(state, self.plan.run_dir.last_checkpoint,
                              keep_previous=self.plan.run_dir.previous_checkpoint)
         self.stop_if_asked()
@@ -215,6 +217,8 @@ class EpochLoop:
     def step_hook(self, batches_in_loader: int) -> None:
         """After each optimizer step: the mid-epoch checkpoint when due, and a stop when one is agreed."""
         self.batches_in_loader = batches_in_loader
+        if self.saver.by_steps():  # on every rank: the checkpoint keeps the loss summed over the ranks
+            self.trainer.losses.reduce()
         self.saver(batches_in_loader)
         self.record.step(self.current_epoch, self.trainer.step)
         self.stop_if_asked(self.trainer.step, batches_in_loader)
@@ -235,6 +239,7 @@ class EpochLoop:
         if signum is None:
             return
         if batches_in_loader is not None:
+            self.trainer.losses.reduce()  # every rank stops here: the checkpoint keeps the loss summed over them
             self.saver.save(batches_in_loader)
         barrier(self.info)
         raise StopRequested(signum, f"at step {self.trainer.step}; the same command resumes it from "

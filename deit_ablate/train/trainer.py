@@ -15,11 +15,12 @@ from timm.data import Mixup
 from timm.utils import ModelEmaV3
 from torch.nn.modules.batchnorm import _NormBase
 
-from deit_ablate.core.distributed import DistInfo, all_reduce_sum
+from deit_ablate.core.distributed import DistInfo, all_reduce_sum, broadcast_tensors
 from deit_ablate.core.logs import progress_bar
 from deit_ablate.core.streams import EpochStreams, RunStreams, Stream, slot_positions
 from deit_ablate.record.predictions import LocalPredictions
 from deit_ablate.train.artifacts import HighNormCounter, high_norm_percent, measures_high_norm
+from deit_ablate.train.loss_sums import LossSums
 from deit_ablate.train.losses import distilled_eval_outputs, distilled_head_logits
 from deit_ablate.train.models import set_training_mode
 from deit_ablate.train.sam import (
@@ -73,6 +74,7 @@ class Trainer:
     _skipped: torch.Tensor | None = field(default=None, init=False, repr=False)  # on the device: no host sync
     _sam_timer: PassTimer | None = field(default=None, init=False, repr=False)
     _epoch: EpochStreams | None = field(default=None, init=False, repr=False)  # this epoch's draws, by train_steps
+    losses: LossSums | None = field(default=None, init=False, repr=False)  # this epoch's loss, set by train_steps
 
     def __post_init__(self) -> None:
         if self.batch is not None:
@@ -265,17 +267,16 @@ class Trainer:
                     step_hook: Callable[[int], None] | None = None, streams: RunStreams | None = None,
                     first_step: int = 0, done: tuple[float, int] = (0.0, 0)) -> float:
         """Run the epoch's batches (from its step `first_step` on, after a resume); returns the mean training loss of
-        the epoch, the loss sum and count of the batches `done` before a resume included (`epoch_loss_sum`: the
-        running sum, for a mid-epoch checkpoint). With the run's `streams`, every draw is keyed by (epoch, step,
-        slot) or the sample's position (streams.py).
+        the epoch over every rank's images, the loss sum and count of the batches `done` before a resume included
+        (`losses`: the running sums, for a mid-epoch checkpoint). With the run's `streams`, every draw is keyed by
+        (epoch, step, slot) or the sample's position (streams.py).
         Raises Diverged on a non-finite loss."""
         set_training_mode(self.model, self.train_mode)
         self._epoch = EpochStreams(streams, epoch) if streams is not None else None
         bar = progress_bar(loader, desc=f"epoch {epoch}", disable=not self.info.is_main, dynamic_ncols=True,
                            leave=False, mininterval=1.0)  # plain lines, not a redrawn bar, in a log file
-        loss_sum = self.epoch_loss_sum = torch.full((), done[0], device=self.info.device)
-        window_loss = torch.zeros((), device=self.info.device)
-        steps_in_epoch, window_steps, window_images = 0, 0, 0
+        losses = self.losses = LossSums(self.info, done)
+        steps_in_epoch, window_images = 0, 0
         window_start = time.perf_counter()
         reused = None  # on CPU, the float batch of the per-batch step: a fresh 38 MB tensor per step costs page faults
         for images, targets in bar:
@@ -288,15 +289,13 @@ class Trainer:
                 images = self.batch_transform(images, out=reused,
                                               seeds=self.sample_seeds(Stream.ERASING, step_in_epoch))
                 reused = images if images.device.type == "cpu" else None
-            loss = self.train_step(images, targets, step_in_epoch)
-            loss_sum += loss
-            window_loss += loss
+            losses.add(self.train_step(images, targets, step_in_epoch), images.shape[0])
             steps_in_epoch += 1
-            window_steps += 1
             window_images += images.shape[0] * self.info.world_size
             if self.step % self.log_interval == 0:
-                # The only host-device sync of the loop: once per logging interval.
-                mean_loss = window_loss.item() / window_steps
+                # The only host-device sync of the loop, once per logging interval: the ranks' loss sums added up.
+                losses.reduce()
+                mean_loss = losses.window_mean()
                 rate = window_images / (time.perf_counter() - window_start)
                 lr = self.optimizer.param_groups[0]["lr"]
                 bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}")
@@ -304,13 +303,13 @@ class Trainer:
                              **self.amp_metrics(), **self.sam_metrics()}, self.step)
                 if not math.isfinite(mean_loss):
                     raise Diverged(self.step, mean_loss)
-                window_loss.zero_()
-                window_steps, window_images = 0, 0
+                window_images = 0
                 window_start = time.perf_counter()
             if step_hook is not None:
                 step_hook(steps_in_epoch)
         bar.close()
-        mean = loss_sum.item() / max(steps_in_epoch + done[1], 1)
+        losses.reduce()
+        mean = losses.epoch_mean()
         if not math.isfinite(mean):
             raise Diverged(self.step, mean)
         return mean
@@ -336,8 +335,10 @@ def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dt
 
     A model with a distillation token is ranked by its fused prediction (rule `fusion`); the class head, the
     distillation head and the other fusion rule are reported as top1_cls, top1_dist and top1_fused_alt. A ViT also
-    reports high_norm_tokens: the percentage of its output patch tokens of high norm (deit_ablate.train.artifacts)."""
+    reports high_norm_tokens: the percentage of its output patch tokens of high norm (deit_ablate.train.artifacts).
+    Every rank scores with the running statistics one process has (share_running_stats)."""
     model = getattr(model, "module", model)
+    share_running_stats(model, info)
     model.eval()
     counter = HighNormCounter(model, info.device) if measures_high_norm(model) else None
     try:
@@ -349,6 +350,17 @@ def evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dt
         all_reduce_sum(counter.sums, info)
         metrics["high_norm_tokens"] = high_norm_percent(counter.sums)
     return metrics
+
+
+def share_running_stats(model: torch.nn.Module, info: DistInfo) -> None:
+    """Give every rank rank 0's BatchNorm running statistics (a collective; nothing to do without BatchNorm).
+
+    Only slot 0's micro-batches update them (Trainer._running_stats_of) and rank 0 computes slot 0, so its buffers,
+    and its EMA's, are the ones one process computing every slot has, and the ones it saves; another rank's lag a
+    step behind, where DDP last broadcast rank 0's before slot 0's update, and its EMA averages those."""
+    stats = [buffer for module in model.modules() if isinstance(module, _NormBase) and module.track_running_stats
+             for buffer in module.buffers(recurse=False)]
+    broadcast_tensors(stats, info)
 
 
 def _evaluate(model: torch.nn.Module, loader, info: DistInfo, amp_dtype: torch.dtype | None,
