@@ -24,7 +24,7 @@ if __name__ == "__main__":  # before the imports, which take seconds
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from deit_ablate.core.errors import ConfigError, RunError, RunInUse, no_access  # noqa: E402
+from deit_ablate.core.errors import ConfigError, DataError, RunError, RunInUse, no_access  # noqa: E402
 from deit_ablate.run.commands import check_overrides, prepare_configs, show_stage_config  # noqa: E402
 
 prepare_configs()
@@ -60,9 +60,9 @@ def main(cfg: DictConfig) -> None:
         if in_sweep():
             raise  # the job's failure, which the sweeper notes: it goes on and names the run at its end
         sys.exit(1)
-    except (ConfigError, RunError) as error:  # every rank of a torchrun job refuses alike; one says it
+    except (ConfigError, RunError) as error:
         discard_empty_run_dir()
-        if speaks:
+        if speaks or not isinstance(error, ConfigError) or isinstance(error, DataError):  # a config: one says it
             print(f"\nerror: {error}\n", file=sys.stderr)
         sys.exit(2 if isinstance(error, ConfigError) else 1)
     except PermissionError as error:  # a teammate's teacher run, data or cache this user may not read

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from deit_ablate.config.schema import Precision
-from deit_ablate.data.loader import build_loader, loader_settings
+from deit_ablate.data.loader import build_loader, device_type_of, loader_settings
 from deit_ablate.run.assemble import amp_dtype
 from deit_ablate.train.optim import build_optimizer
 from tests.conftest import REPO, compose_config
@@ -86,3 +86,10 @@ def test_a_cuda_run_builds_its_loaders_from_the_rank_cores(monkeypatch: pytest.M
     one_worker = build_loader(Threads(), [0, 1], 2, _runtime("runtime.num_workers=1", "runtime.device=cpu"),
                               train=False)
     assert [int(value) for batch in one_worker for value in batch] == [1, 1]  # torch threads in a worker
+
+
+def test_auto_is_a_gpu_where_torch_sees_one(monkeypatch: pytest.MonkeyPatch):
+    assert device_type_of(_runtime("runtime.device=auto")) == "cpu"  # this machine: no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a stand-in for the one CUDA query
+    assert device_type_of(_runtime("runtime.device=auto")) == "cuda"
+    assert device_type_of(_runtime("runtime.device=cpu")) == "cpu"

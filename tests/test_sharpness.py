@@ -194,7 +194,9 @@ def test_bad_input_is_one_line(tmp_path: Path, tiny_run: SharedRun, capsys: pyte
         assert message in err and err.count("\n") == 1, err
 
     refused([str(tmp_path)], "is not a run folder")
-    refused([str(run_dir), "--sigma", "-1"], "--sigma=-1.0 is out of range")
+    with pytest.raises(SystemExit) as refusal:  # an out-of-range number is argparse's error, before any reading
+        sharpness_cli.main([str(run_dir), "--sigma", "-1"])
+    assert refusal.value.code == 2 and "argument --sigma: -1 is out of range" in capsys.readouterr().err
     (run_dir / "checkpoint-last.pt").unlink()
     refused([str(run_dir)], "has no checkpoint-last.pt")
     (run_dir / "result.json").unlink()

@@ -5,6 +5,10 @@ class ConfigError(ValueError):
     """A run cannot start as configured; the message says what is wrong and how to fix it."""
 
 
+class DataError(ConfigError):
+    """The data stopped a run part-way (an unreadable image): only the rank that read it knows, so it says so."""
+
+
 class RunError(RuntimeError):
     """A run cannot go on (its folder is in use, the disk is full); the message says why and what to do."""
 

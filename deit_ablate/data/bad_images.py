@@ -13,7 +13,7 @@ import torch
 from torchvision.datasets import ImageFolder
 
 from deit_ablate.config.schema import BadImagePolicy
-from deit_ablate.core.errors import ConfigError, RunError
+from deit_ablate.core.errors import DataError, RunError
 from deit_ablate.data.images import IMAGE_EXTENSIONS, class_names, load_rgb, scan_class
 
 MAX_TRIES = 64  # consecutive unreadable samples before a dataset counts as broken
@@ -105,7 +105,7 @@ class SkippingImageFolder(ImageFolder):
                 self.reported.add(index[path])
 
 
-def stop_error(datasets: Sequence[SkippingImageFolder]) -> ConfigError | RunError:
+def stop_error(datasets: Sequence[SkippingImageFolder]) -> DataError | RunError:
     """Why reading the data stopped the run: its folder vanished, too many unreadable images in a row (skip), or
     the first unreadable image (runtime.on_bad_image=fail); names the path and the fix."""
     gone = [d for d in datasets if not os.path.isdir(d.root)]
@@ -113,13 +113,13 @@ def stop_error(datasets: Sequence[SkippingImageFolder]) -> ConfigError | RunErro
         return RunError(f"the files under {Path(gone[0].root).parent} are gone: {gone[0].gone_hint}")
     damaged = [(d, d.bad_paths()) for d in datasets if d.bad_paths()]
     if not damaged:
-        return ConfigError("a loader worker found an unreadable image (runtime.on_bad_image=fail). Set "
+        return DataError("a loader worker found an unreadable image (runtime.on_bad_image=fail). Set "
                            "runtime.on_bad_image=skip to train on with the next readable image in its place.")
     dataset, paths = damaged[0]
     if dataset.on_bad_image == BadImagePolicy.skip:
-        return ConfigError(f"{MAX_TRIES} images in a row under {dataset.root} cannot be read, the first {paths[0]} "
+        return DataError(f"{MAX_TRIES} images in a row under {dataset.root} cannot be read, the first {paths[0]} "
                            f"({decode_problem(paths[0])}): too many for runtime.on_bad_image=skip to replace. Check "
                            "those files (their format, an interrupted copy), or point data.root at an intact copy.")
-    return ConfigError(f"{paths[0]} cannot be read as an image ({decode_problem(paths[0])}); runtime.on_bad_image=fail "
+    return DataError(f"{paths[0]} cannot be read as an image ({decode_problem(paths[0])}); runtime.on_bad_image=fail "
                        "stops the run. Replace or delete the file, or set runtime.on_bad_image=skip to train on with "
                        "the next readable image in its place.")
