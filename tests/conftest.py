@@ -82,6 +82,20 @@ def identity_of(overrides: list[str], conf: Path = CONF) -> RunIdentity:
     return run_identity(cfg, overrides, composed_choices(cfg))
 
 
+def mounted_tmpfs(tmp_path: Path, size: str):
+    """A tmpfs of `size` (`64k`) under `tmp_path`, for a full disk; unmounted afterwards; skipped, saying why, where
+    it cannot be mounted (it needs root and CAP_SYS_ADMIN). Use as a fixture's body: `yield from`."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); needs root and "
+                    "CAP_SYS_ADMIN")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
     """One built-in dataset cache for the whole session."""

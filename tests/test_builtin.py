@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import subprocess
 
 import pytest
 from torchvision.datasets import ImageFolder
 
 from deit_ablate.core.errors import RunError
 from deit_ablate.data.builtin import CLASSES, ensure_builtin_dataset
-from tests.conftest import TINY, run_train
+from tests.conftest import TINY, mounted_tmpfs, run_train
 
 
 def _digest(root) -> str:
@@ -53,15 +52,7 @@ def test_an_incomplete_tree_is_drawn_again_and_a_complete_one_is_reused(tmp_path
 @pytest.fixture
 def full_disk(tmp_path):
     """A 64 KiB tmpfs: too small for the built-in set (about 40 PNGs fit), unmounted afterwards."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); needs root and "
-                    "CAP_SYS_ADMIN")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield from mounted_tmpfs(tmp_path, "64k")
 
 
 def test_a_full_disk_while_drawing_is_one_error_naming_the_folder_and_leaves_nothing(full_disk):

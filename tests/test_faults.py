@@ -31,7 +31,7 @@ from deit_ablate.data.builtin import ensure_builtin_dataset
 from deit_ablate.record.rundir import LAST, PREV, RESULT, RunDir, runs_root, wandb_root
 from deit_ablate.record.runlock import LOCK_NAME
 from deit_ablate.record.tracking import read_epoch_rows
-from tests.conftest import REPO, TINY, run_train
+from tests.conftest import REPO, TINY, mounted_tmpfs, run_train
 
 pytestmark = [pytest.mark.faults,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify and /proc: Linux only")]
@@ -266,15 +266,7 @@ def test_two_launches_of_one_run(tmp_path, cache):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 700 KiB tmpfs (room for two checkpoints of the tiny model, not three), unmounted afterwards."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); needs root and "
-                    "CAP_SYS_ADMIN")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield from mounted_tmpfs(tmp_path, "700k")
 
 
 def test_disk_full_while_saving(tmp_path, cache, small_tmpfs):
