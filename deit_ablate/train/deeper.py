@@ -121,6 +121,10 @@ class ClassAttentionViT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.head_drop(self.forward_features(x)))
 
+    def get_classifier(self) -> nn.Module:
+        """The classification head, as timm's models name it (a transfer replaces it)."""
+        return self.head
+
 
 def _init_linear(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
