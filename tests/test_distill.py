@@ -406,3 +406,17 @@ def test_resize_pos_embed_same_shape_and_family_mismatch() -> None:
     plain = tiny_deit(32, distilled=False).state_dict()  # 1 + 64 rows into a model with 2 prefix rows
     with pytest.raises(ValueError, match="prefix tokens"):
         resize_pos_embed_state(plain, tiny_deit(48))
+
+
+def test_teacher_kwargs_timm_refuses_stop_the_launch(tmp_path) -> None:
+    """distill.teacher.kwargs are built on meta before anything is written (they failed at the run's start, after
+    its folder, log and wandb run were made)."""
+    from deit_ablate.run.validate import validate_config
+
+    path = tmp_path / "teacher.pth"
+    torch.save({"model": tiny_cnn(num_classes=10).state_dict()}, path)
+    teacher = ["distill=hard", "distill.teacher.model=test_resnet", f"distill.teacher.checkpoint={path}"]
+    validate_config(compose_config(teacher))  # the teacher as it was trained: accepted
+    with pytest.raises(ConfigError, match=r"the teacher test_resnet cannot be built with "
+                                          r"distill.teacher.kwargs.no_such_argument=1: timm refuses them \(TypeError"):
+        validate_config(compose_config([*teacher, "+distill.teacher.kwargs.no_such_argument=1"]))

@@ -125,12 +125,28 @@ def check_distill_config(cfg: DictConfig) -> None:
     source = resolve_teacher(cfg.distill.teacher, cfg.runtime.output_root, reference)
     if source.run is not None:
         check_teacher_run(source.run, reference, cfg.distill.teacher.allow_unfinished)
+    if timm.is_model(source.model):
+        meta_teacher(source.model, cfg.data.num_classes, source.kwargs)
     if source.checkpoint is None or not Path(source.checkpoint).is_file():
         load_teacher(source.model, source.checkpoint, cfg.data.num_classes)  # raises for a missing/unset checkpoint
     if not timm.is_model(source.model):
         raise ConfigError(f"distill.teacher.model={source.model} is not a timm model; set it to the teacher's "
                           "architecture.")
     check_resizable_teacher(cfg.distill.teacher.sizes, source)
+
+
+def meta_teacher(model_name: str, num_classes: int, kwargs: Mapping[str, Any]) -> None:
+    """Build the teacher on the meta device (no memory, no weights): a ConfigError naming distill.teacher.kwargs when
+    timm refuses them, so such a value stops the launch, not the run after its data are read."""
+    try:
+        with torch.device("meta"):
+            timm.create_model(model_name, pretrained=False, num_classes=num_classes, **kwargs)
+    except Exception as error:  # whatever timm raises for arguments it cannot build: TypeError, AssertionError, ...
+        given = ", ".join(f"distill.teacher.kwargs.{key}={value}" for key, value in kwargs.items()) or "no kwargs"
+        raise ConfigError(f"the teacher {model_name} cannot be built with {given}: timm refuses them "
+                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no message'}). "
+                          "Set distill.teacher.kwargs to what the teacher was trained with (a teacher run folder "
+                          "brings its own).") from None
 
 
 def check_teacher_sizes(sizes: Sequence[int] | None) -> None:
