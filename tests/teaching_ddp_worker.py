@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from deit_ablate.config.schema import RuntimeConfig
 from deit_ablate.core.distributed import init_distributed
 from deit_ablate.run.teacher_cache import teacher_table
 
@@ -26,9 +27,9 @@ def images() -> list[torch.Tensor]:
 
 def main(out: str) -> None:
     info = init_distributed("cpu")
-    cfg = OmegaConf.create({"runtime": {"num_workers": 0, "worker_nice": 0}, "data": {"num_classes": 10}})
+    runtime = OmegaConf.structured(RuntimeConfig(device="cpu", num_workers=0, worker_nice=0))
     dataset = [(image, 0) for image in images()]
-    torch.save(teacher_table(teacher(), dataset, 2, cfg.runtime, 10, info), f"{out}.{info.rank}.pt")
+    torch.save(teacher_table(teacher(), dataset, 2, runtime, 10, info), f"{out}.{info.rank}.pt")
     dist.destroy_process_group()
 
 
