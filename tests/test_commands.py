@@ -190,7 +190,9 @@ def test_a_numeric_option_out_of_range_is_an_argparse_error(capsys, command, arg
                                      [sys.executable, "-m", "deit_ablate.status", "outputs"],
                                      [sys.executable, "-m", "deit_ablate.disagreement", "a", "b"], AGGREGATE + ["x"]])
 def test_ctrl_c_during_a_commands_imports_is_one_line(tmp_path, data_cache, command):
-    for delay in (0.3, 0.8, 1.5):  # torch, timm and wandb take seconds to import on the development machine
+    # torch, timm and wandb take seconds to import on the development machine; before 0.6 s a loaded machine may
+    # still be starting the interpreter itself, where no program can take Ctrl-C over (Python's own traceback)
+    for delay in (0.6, 1.2, 2.0):
         proc = subprocess.Popen(command, cwd=tmp_path, env=clean_env(data_cache), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         time.sleep(delay)
