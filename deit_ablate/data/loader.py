@@ -262,8 +262,9 @@ _WORKER_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
 
 
 @atexit.register
-def stop_workers_at_exit() -> None:
-    """Stop the workers of every loader built here that still has them (persistent workers outlive their epochs)."""
+def end_all_workers() -> None:
+    """Stop the workers of every loader built here that still has them (persistent workers outlive their epochs): at
+    a run's end (a sweep's next run starts without them) and at exit."""
     end_workers(*list(_WORKER_LOADERS))
 
 

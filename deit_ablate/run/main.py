@@ -28,7 +28,7 @@ from deit_ablate.core.distributed import (
 from deit_ablate.core.logs import log
 from deit_ablate.core.stopping import StopRequested, StopSignals
 from deit_ablate.core.streams import STREAMS_VERSION, RunStreams
-from deit_ablate.data.loader import end_workers
+from deit_ablate.data.loader import end_all_workers
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.identity import current_run_dir
 from deit_ablate.record.predictions import INDEX, compact, gather_in_order
@@ -132,7 +132,7 @@ def _train(plan: RunPlan, info: DistInfo, stop: StopSignals) -> dict[str, Any]:
     try:
         return _train_built(plan, info, pieces, streams, stop)
     finally:
-        end_workers(pieces.loaders.train_loader, pieces.loaders.val_loader)
+        end_all_workers()  # the training, evaluation and resumed epoch's loaders, the teacher cache's
 
 
 def _train_built(plan: RunPlan, info: DistInfo, pieces: Pieces, streams: RunStreams,
