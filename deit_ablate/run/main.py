@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 from typing import Any
 
 import torch
@@ -77,14 +76,6 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         raise lost from None
     finally:
         cleanup(info)
-        end_loader_workers()
-
-
-def end_loader_workers() -> None:
-    """End the loader workers of the run just done: its loaders (whose workers live through the run,
-    data/loader.py) sit in reference cycles that only a full collection frees, and a sweep's next run, in this
-    process, would start beside them."""
-    gc.collect()
 
 
 def _run_locked(plan: RunPlan, info: DistInfo, stop: StopSignals) -> dict[str, Any] | None:
@@ -132,7 +123,9 @@ def _train(plan: RunPlan, info: DistInfo, stop: StopSignals) -> dict[str, Any]:
     try:
         return _train_built(plan, info, pieces, streams, stop)
     finally:
-        end_all_workers()  # the training, evaluation and resumed epoch's loaders, the teacher cache's
+        # every loader of the run (training, evaluation, a resumed epoch's, the teacher cache's): they sit in reference
+        # cycles, and a sweep's next run, in this process, would start beside their workers
+        end_all_workers()
 
 
 def _train_built(plan: RunPlan, info: DistInfo, pieces: Pieces, streams: RunStreams,
