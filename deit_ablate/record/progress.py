@@ -24,7 +24,7 @@ from deit_ablate.core.atomic import write_json_atomic
 from deit_ablate.core.errors import RunError
 from deit_ablate.core.logs import log
 from deit_ablate.record.rundir import RunDir
-from deit_ablate.record.runfiles import DamagedRecord, read_json
+from deit_ablate.record.runfiles import DamagedRecord, read_json_mapping
 
 PROGRESS_EVERY_S = 5.0  # the most often a launch rewrites progress.json as steps go by
 STATES = ("running", "finished", "diverged", "stopped", "failed")
@@ -122,12 +122,9 @@ def number_problem(record: dict[str, Any], keys: tuple[str, ...]) -> str | None:
 def read_progress(run_dir: RunDir) -> dict[str, Any] | None:
     """A run folder's progress.json, or None where there is none; a DamagedRecord naming what is wrong when it is
     not the record a launch writes (no regular file, not JSON, not a mapping, a number that is none)."""
-    try:
-        record = read_json(run_dir.progress)
-    except FileNotFoundError:
+    record = read_json_mapping(run_dir.progress, "a progress record")
+    if record is None:
         return None
-    if not isinstance(record, dict):
-        raise DamagedRecord(run_dir.progress, f"a {type(record).__name__}, not a progress record")
     problem = number_problem(record, NUMBERS)
     if problem is not None:
         raise DamagedRecord(run_dir.progress, problem)

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from deit_ablate.core.atomic import atomic_write, write_json_atomic, write_text_atomic
 from deit_ablate.core.errors import ConfigError
-from deit_ablate.record.runfiles import DamagedRecord, folder_problem, not_a_file, read_json
+from deit_ablate.record.runfiles import DamagedRecord, folder_problem, not_a_file, read_json, read_json_mapping
 
 if TYPE_CHECKING:  # the aggregator reads run folders without importing omegaconf
 
@@ -296,13 +296,8 @@ class RunDir:
     def read_identity(self) -> dict[str, Any] | None:
         """What the run recorded about itself when it first started (identity_record), under today's names, or
         None; a DamagedRecord when identity.json is not that record."""
-        try:
-            record = read_json(self.identity)
-        except FileNotFoundError:
-            return None
-        if not isinstance(record, dict):
-            raise DamagedRecord(self.identity, f"a {type(record).__name__}, not the run's identity record")
-        return read_record(record)
+        record = read_json_mapping(self.identity, "the run's identity record")
+        return read_record(record) if record is not None else None
 
     def recorded_data(self) -> dict[str, Any] | None:
         """The fingerprint of the data the run first trained on, as its identity.json records it, or None."""

@@ -84,6 +84,18 @@ def read_json(path: Path) -> Any:
         raise DamagedRecord(path, f"not JSON ({type(error).__name__}: {str(error)[:80]})") from None
 
 
+def read_json_mapping(path: Path, record: str) -> dict[str, Any] | None:
+    """A run folder's JSON mapping (the `record` it holds, e.g. "progress record"), or None where there is none; a
+    DamagedRecord when it is no regular file, not JSON or not a mapping."""
+    try:
+        value = read_json(path)
+    except FileNotFoundError:
+        return None
+    if not isinstance(value, dict):
+        raise DamagedRecord(path, f"a {type(value).__name__}, not {record}")
+    return value
+
+
 def folder_problem(path: Path) -> str | None:
     """Why a run could not create `path` or write into it (a file in the way, a read-only folder), or None."""
     existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
