@@ -6,10 +6,14 @@ import json
 import math
 
 import pytest
+import timm
 import torch
+from omegaconf import OmegaConf
 from timm.optim import Lamb, param_groups_layer_decay
 
 from deit_ablate.core.errors import ConfigError
+from deit_ablate.record.rundir import RunDir
+from deit_ablate.run.stages import load_pretrained
 from deit_ablate.run.validate import validate_config
 from deit_ablate.train.losses import DistillationLoss, build_criterion, build_mixup
 from deit_ablate.train.models import build_model
@@ -66,6 +70,50 @@ def test_deit3_builds_vit_b_with_layer_scale_and_uniform_drop_path():
     assert len(model.blocks) == 12 and model.embed_dim == 768
     assert [block.drop_path1.drop_prob for block in model.blocks] == [0.2] * 12
     assert all(block.ls1.gamma.shape == (768,) for block in model.blocks)
+
+
+def _released_vit_b_params(dim: int = 768, depth: int = 12, patch: int = 16, patches: int = 196,
+                           classes: int = 1000) -> int:
+    """The parameters of DeiT III's released ViT-B (models_v2.py, deit_base_patch16_LS), layer by layer."""
+    patch_embed = 3 * patch * patch * dim + dim
+    tokens = dim + patches * dim  # the class token; position rows for the patches only
+    block = (2 * dim + dim * 3 * dim + 3 * dim + dim * dim + dim + dim  # norm1, qkv, proj, gamma_1
+             + 2 * dim + dim * 4 * dim + 4 * dim + 4 * dim * dim + dim + dim)  # norm2, fc1, fc2, gamma_2
+    return patch_embed + tokens + depth * block + 2 * dim + dim * classes + classes  # final norm, head
+
+
+@pytest.mark.parametrize("choice", ["recipe=deit3", "deit3=baseline"])
+def test_deit3_builds_the_released_layout_without_a_class_position(choice):
+    cfg = compose_config([choice, "preset=paper"])
+    with torch.device("meta"):
+        ours = build_model(cfg.model, num_classes=1000, img_size=224)
+        released = timm.create_model("deit3_base_patch16_224", pretrained=False)  # timm's copy of that layout
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in released.parameters()) == _released_vit_b_params() == 86_585_320
+    assert ours.pos_embed.shape == (1, 196, 768) and ours.cls_token.shape == (1, 1, 768)
+
+
+def test_deit3_fine_tune_at_another_resolution_resizes_the_patch_positions_only(tmp_path):
+    cfg = compose_config(["recipe=deit3"])  # the demo ViT: 8 px patches, width 128
+    small = build_model(cfg.model, 10, img_size=32)
+    torch.save({"model": small.state_dict(), "epoch": 3}, RunDir(tmp_path).last_checkpoint)
+    large = build_model(cfg.model, 10, img_size=48)
+    load_pretrained(large, RunDir(tmp_path).last_checkpoint)
+    assert small.pos_embed.shape == (1, 16, 128) and large.pos_embed.shape == (1, 36, 128)
+    grid = small.pos_embed.detach().reshape(1, 4, 4, 128).permute(0, 3, 1, 2)  # every row is a patch's
+    by_hand = torch.nn.functional.interpolate(grid, size=(6, 6), mode="bicubic", align_corners=False)
+    torch.testing.assert_close(large.pos_embed.detach(), by_hand.permute(0, 2, 3, 1).reshape(1, 36, 128))
+    assert torch.equal(large.cls_token, small.cls_token)
+    assert large(torch.randn(2, 3, 48, 48)).shape == (2, 10)
+
+
+def test_a_distilled_vit_without_class_positions_has_one_position_row_per_patch():
+    model_cfg = OmegaConf.create({"name": "deit_tiny_distilled_patch16_224", "dropout": 0.0, "drop_path": 0.0,
+                                  "kwargs": {"patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2,
+                                             "no_embed_class": True}})
+    model = build_model(model_cfg, 10, img_size=32).eval()
+    assert model.num_prefix_tokens == 2 and model.pos_embed.shape == (1, 16, 32)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
 def test_deit3_at_demo_scale_passes_the_checks():

@@ -89,9 +89,20 @@ def with_registers(model: VisionTransformerDistilled) -> RegisterDistilledViT:
     module, it only puts the registers in the sequence, which needs one more position row per register."""
     model.__class__ = RegisterDistilledViT
     model.num_prefix_tokens = 2 + model.num_reg_tokens
+    return fit_position_rows(model)
+
+
+def fit_position_rows(model: VisionTransformerDistilled) -> VisionTransformerDistilled:
+    """The distilled ViT `model` with one position-embedding row per patch, plus one per prefix token unless it
+    was built with `no_embed_class` (DeiT III's layout: the prefix tokens get no position).
+
+    timm's distilled ViT sizes its position embedding for the class and distillation tokens whatever
+    `no_embed_class` says, and its forward then adds it to the patches alone; a wrong size is replaced by a fresh
+    embedding, a right one kept."""
     rows = model.patch_embed.num_patches + (0 if model.no_embed_class else model.num_prefix_tokens)
-    model.pos_embed = nn.Parameter(torch.zeros(1, rows, model.embed_dim, device=model.pos_embed.device))
-    nn.init.trunc_normal_(model.pos_embed, std=0.02)  # as timm initialises a ViT's position embedding
+    if model.pos_embed.shape[1] != rows:
+        model.pos_embed = nn.Parameter(torch.zeros(1, rows, model.embed_dim, device=model.pos_embed.device))
+        nn.init.trunc_normal_(model.pos_embed, std=0.02)  # as timm initialises a ViT's position embedding
     return model
 
 
@@ -175,8 +186,8 @@ def build_model(model_cfg: ModelConfig, num_classes: int, img_size: int, name: s
         drop_path_rate=model_cfg.drop_path,
         **kwargs,
     )
-    if register_tokens(kwargs) and isinstance(model, VisionTransformerDistilled):
-        model = with_registers(model)
+    if isinstance(model, VisionTransformerDistilled):
+        model = with_registers(model) if register_tokens(kwargs) else fit_position_rows(model)
     head = model_cfg.get("head", HeadKind.linear)
     check_head(head, name)
     if head == HeadKind.mlp_tanh:
