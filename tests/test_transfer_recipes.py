@@ -13,6 +13,7 @@ import yaml
 
 from deit_ablate.config.stage_config import stage_config
 from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.run.assemble import stage_optimizer
 from deit_ablate.run.commands import show_stage_config
 from deit_ablate.run.lineage import Lineage
@@ -108,6 +109,15 @@ def test_rows_under_either_rule_pass_the_launch_checks(row, rule, tmp_path):
     data = [] if row == "builtin_b" else one_class_imagefolder(tmp_path)
     for preset in ("demo", "paper"):
         validate_config(compose_config([f"transfer={row}", f"transfer_recipe={rule}", f"preset={preset}", *data]))
+
+
+@pytest.mark.parametrize("divisor", ["0", "-10"])
+def test_a_factor_cait_cannot_divide_by_is_refused_naming_it(divisor):
+    """Before the check: a ZeroDivisionError traceback out of the config's resolution (0), or a negative lr blamed
+    on optimizer.lr (-10)."""
+    with pytest.raises(ConfigError, match=r"transfer.cait_lr_divisor=-?\d+.0 must be > 0: CaiT's factor"):
+        validate_config(compose_config(["transfer=builtin_b", "transfer_recipe=cait",
+                                        f"transfer.cait_lr_divisor={divisor}"]))
 
 
 @pytest.mark.parametrize("row", sorted(SOURCES))

@@ -275,7 +275,8 @@ class TransferConfig:
     reprob: float = fraction(0.0)  # random erasing removed (issue #45)
     # CaiT's factor for this dataset (Touvron et al. 2021b, section 4.3: 10 for Cars, Flowers and iNaturalist, 100
     # for CIFAR-10/100), read by transfer_recipe=cait alone: a run's identity holds the lr it gives, not the factor
-    cait_lr_divisor: float = ranged(10.0, gt=0, hint="the pre-training's lr over the transfer's under CaiT's rule")
+    cait_lr_divisor: float = ranged(10.0, gt=0, hint="CaiT's factor from the pre-training's lr to the transfer's "
+                                    "(10, or 100 for CIFAR)")
     overrides: dict[str, Any] = field(default_factory=dict)  # any other key, as FinetuneConfig.overrides
 
 
