@@ -267,7 +267,7 @@ class TransferConfig:
     lr: float = ranged(0.01, gt=0)
     lr_base_batch: int = ranged(768, ge=1)
     weight_decay: float = ranged(1e-4, ge=0)
-    epochs: int = ranged(1000, ge=1)  # CaiT's transfers (section 4.3) too; conf/transfer/inat*.yaml: its 360
+    epochs: int = ranged(1000, ge=1)  # CaiT's (section 4.3) too; conf/transfer/inat*.yaml: 360, issue #105's and CaiT's
     warmup_epochs: float = ranged(5.0, ge=0)
     warmup_lr: float = ranged(1e-6, ge=0)  # main.py's --warmup-lr default
     min_lr: float = ranged(1e-5, ge=0)  # main.py's --min-lr default
