@@ -184,7 +184,7 @@ def test_default_builtin_digest_is_unchanged_and_the_second_set_is_other_data() 
 
 def test_source_overrides_drop_the_transfer_and_its_dataset() -> None:
     overrides = ["preset=paper", "transfer=cifar10", "stage=transfer", "resolution=384px", "transfer.lr=0.02",
-                 "data.root=/data/cifar10", "data.num_classes=10", "distill=hard_token",
+                 "transfer_recipe=cait", "data.root=/data/cifar10", "data.num_classes=10", "distill=hard_token",
                  f"distill.teacher.checkpoint={TEACHER}", "data.builtin.train_per_class=30", "seed=1"]
     kept = ["preset=paper", "distill=hard_token", f"distill.teacher.checkpoint={TEACHER}",
             "data.builtin.train_per_class=30", "seed=1"]
@@ -204,6 +204,7 @@ def test_paper_transfer_recipe_is_issue_45s(tmp_path: Path) -> None:
     cfg = compose_config(["preset=paper", "transfer=cifar10"])
     recipe = stage_recipe(cfg, RunDir(tmp_path / "source"))
     assert (recipe.optimizer, recipe.lr, recipe.weight_decay, recipe.global_batch) == ("sgd", 0.01, 1e-4, 768)
+    assert recipe.lr_base_batch == 768  # 0.01 at its batch, as the author reads his numbers (issue #141)
     assert (recipe.epochs, recipe.warmup_epochs, recipe.min_lr, recipe.train_mode) == (1000, 5.0, 1e-5, True)
     assert recipe.init_checkpoint == RunDir(tmp_path / "source").last_checkpoint
     applied = stage_config(cfg)  # what the run's pieces are taken from (plan.settings)

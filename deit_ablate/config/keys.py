@@ -47,8 +47,11 @@ PRETRAIN_LR_RULE = "optimizer.lr_base_batch"
 TRANSFER_ONLY = "transfer"
 # A permission, not the experiment: the teacher's weights (recorded in the run folder) stand for it.
 TEACHER_PERMISSION = "distill.teacher.allow_unfinished"
+# A factor that only CaiT's transfer rule reads (conf/transfer_recipe/cait.yaml), and only to give transfer.lr: the
+# identity holds that lr, so the factor would only tell apart transfers under DeiT's rule that compute the same.
+CAIT_LR_DIVISOR = "transfer.cait_lr_divisor"
 # Leaves of the experiment that never enter its identity.
-NOT_IDENTITY = (DATA_LOCATION, TEACHER_PERMISSION)
+NOT_IDENTITY = (DATA_LOCATION, TEACHER_PERMISSION, CAIT_LR_DIVISOR)
 # The teacher of a distillation: no part of a run that does not distil (distill.type=none), whatever a sweep names
 # for it (`-m ablation=baseline,no_mixup distill.teacher.checkpoint=...`). Such a run's identity holds its preset's
 # teacher as if no teacher key were given (config.preset_teacher), and its folder name no teacher override.

@@ -103,6 +103,9 @@ def _apply(cfg: DictConfig, block: str) -> DictConfig:
     """`cfg` (a copy, changed in place) with `block`'s named keys and override set applied."""
     settings = {**named_settings(cfg[block]), **override_leaves(cfg[block], block)}
     with read_write(cfg):
+        # the block as the stage read it: a key derived from one the stage sets (CaiT's transfer.lr, from
+        # optimizer.lr) must not be derived again from the stage's value
+        OmegaConf.resolve(cfg[block])
         for dotted, value in settings.items():
             try:
                 OmegaConf.update(cfg, dotted, value, merge=False)

@@ -46,9 +46,10 @@ from deit_ablate.config.studies import study_names
 FINETUNE_ONLY = ("finetune",)
 # Overrides that pick the stage of a run rather than the experiment it continues.
 STAGE_OVERRIDES = ("stage", "resolution")
-# What a transfer run sets that its source run never had: its study row and recipe (`transfer`, `transfer.*`) and
-# the keys that name the dataset it moves to. Other data overrides (the built-in set's size, the loader) stay.
-TRANSFER_OVERRIDES = (TRANSFER_ONLY,)
+# What a transfer run sets that its source run never had: its study row and recipe (`transfer`, `transfer.*`), the
+# rule of that recipe (`transfer_recipe`, conf/transfer_recipe/) and the keys that name the dataset it moves to.
+# Other data overrides (the built-in set's size, the loader) stay.
+TRANSFER_OVERRIDES = (TRANSFER_ONLY, "transfer_recipe")
 TRANSFER_DATA_KEYS = ("data", "data.name", "data.root", "data.num_classes", "data.mean", "data.std",
                       "data.builtin.classes")
 # What a shortened folder name keeps in front after the study rows (all studies, Table 8's first): the seed.
@@ -164,11 +165,11 @@ def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
 
 def _stage_drop(stage: str) -> tuple[str, ...]:
     """A run's identity leaves out the recipes of later stages, which it never uses: a pre-training both the
-    fine-tune and the transfer recipe, a fine-tune the transfer recipe. A transfer keeps the fine-tune recipe, which
-    names its source run."""
+    fine-tune and the transfer recipe (with its rule, `transfer_recipe=`), a fine-tune the transfer recipe. A
+    transfer keeps the fine-tune recipe, which names its source run."""
     if stage == "pretrain":
-        return (*FINETUNE_ONLY, TRANSFER_ONLY)
-    return (TRANSFER_ONLY,) if stage == "finetune" else ()
+        return (*FINETUNE_ONLY, *TRANSFER_OVERRIDES)
+    return TRANSFER_OVERRIDES if stage == "finetune" else ()
 
 
 def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, Any]) -> RunIdentity:

@@ -1,6 +1,6 @@
 """The config resolvers Hydra's configs use: `${run_name:}`, the run's folder name (its identity), and
-`${at_scale:PAPER,DEMO}`, how a study's row gives a number at both scales, and `${at_stage:PRETRAIN,FINETUNE}`, how
-a row gives a number for each stage."""
+`${at_scale:PAPER,DEMO}`, how a study's row gives a number at both scales, `${at_stage:PRETRAIN,FINETUNE}`, how
+a row gives a number for each stage, and `${divide:A,B}`, a value derived from another (CaiT's transfer lr)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def _at_stage_resolver(pretrain: Any, finetune: Any, *, _root_: DictConfig) -> A
     return pretrain if _root_.get("stage") == "pretrain" else finetune  # a transfer continues a fine-tuned model
 
 
+def _divide_resolver(numerator: float, denominator: float) -> float:
+    # 12 significant digits, so that 5e-4 / 10 reads 5e-05 in a printed config, not 4.9999999999999996e-05
+    return float(f"{float(numerator) / float(denominator):.12g}")
+
+
 def run_dir_of(overrides: list[str], output_root: str | Path, cfg: DictConfig | None = None) -> RunDir:
     """The folder of the run `python train.py <overrides>` trains (its config `cfg`, when already composed), named
     as Hydra names it: how a run finds the run it starts from. Its identity is kept for this process, so finding the
@@ -58,11 +63,14 @@ def run_dir_of(overrides: list[str], output_root: str | Path, cfg: DictConfig | 
 
 def register_resolvers() -> None:
     """Make `${run_name:}` (the run's folder name, from the whole config), `${at_scale:PAPER,DEMO}` (the first
-    value, or the second under `preset=demo`: how a study's rows give a number at both scales) and
-    `${at_stage:PRETRAIN,FINETUNE}` (the second at every stage after pre-training) available."""
+    value, or the second under `preset=demo`: how a study's rows give a number at both scales),
+    `${at_stage:PRETRAIN,FINETUNE}` (the second at every stage after pre-training) and `${divide:A,B}` (A / B)
+    available."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver("run_name", _run_name_resolver)
     if not OmegaConf.has_resolver("at_scale"):
         OmegaConf.register_new_resolver("at_scale", _at_scale_resolver)
     if not OmegaConf.has_resolver("at_stage"):  # a row's resolution per stage (conf/deit3/res_*.yaml)
         OmegaConf.register_new_resolver("at_stage", _at_stage_resolver)
+    if not OmegaConf.has_resolver("divide"):  # CaiT's transfer lr (conf/transfer_recipe/cait.yaml)
+        OmegaConf.register_new_resolver("divide", _divide_resolver)

@@ -11,6 +11,7 @@ import timm
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.optim import list_optimizers
 
+from deit_ablate.config.keys import CAIT_LR_DIVISOR
 from deit_ablate.config.schema import (
     AugmentConfig,
     Config,
@@ -135,11 +136,11 @@ def plan_batch(cfg: DictConfig, world_size: int) -> BatchPlan:
     return BatchPlan(world_size, micro, slots, slots // world_size, split)
 
 
-def check_ranges(cfg: DictConfig) -> None:
-    """Every numeric key of the schema within the range its field declares (config.ranged), each item of a list
-    key too; null, where the schema allows it, is not checked."""
+def check_ranges(cfg: DictConfig, keys: tuple[str, ...] | None = None) -> None:
+    """Every numeric key of the schema (or of `keys`) within the range its field declares (config.ranged), each item
+    of a list key too; null, where the schema allows it, is not checked."""
     for key, bounds in schema_ranges():
-        value = OmegaConf.select(cfg, key)
+        value = None if keys is not None and key not in keys else OmegaConf.select(cfg, key)
         if value is None:
             continue
         listed = isinstance(value, ListConfig | list | tuple)
@@ -338,6 +339,7 @@ def check_teacher_view(distill: DistillConfig, mix: MixConfig, data: DataConfig)
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run: the config
     the run's stage runs (stage_config.py), every stage's override set checked."""
+    check_ranges(cfg, (CAIT_LR_DIVISOR,))  # CaiT's rule divides by it wherever transfer.lr is read, from here on
     check_known_keys(cfg)
     check_stage_overrides(cfg)
     declared, cfg = cfg, stage_config(cfg)
