@@ -41,6 +41,7 @@ from deit_ablate.config.keys import (
 from deit_ablate.config.schema import preset_teacher
 from deit_ablate.config.stage_config import is_applied
 from deit_ablate.config.studies import study_names
+from deit_ablate.record.rundir import RunDir
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
 FINETUNE_ONLY = ("finetune",)
@@ -233,11 +234,25 @@ def with_source(identity: RunIdentity, source: dict[str, Any] | None,
                    group=f"{identity.group}+s{_short_hash(key, 6)}", source=source)
 
 
+def _folders_of(digest: str, runs_root: Path) -> list[Path]:
+    """The folders under `runs_root` that hold the experiment `digest`, by name."""
+    return sorted(runs_root.glob(f"*-{digest}")) if runs_root.is_dir() else []
+
+
 def folder_name(identity: RunIdentity, runs_root: Path) -> str:
     """The run's folder under `runs_root`: the one already holding its experiment, whatever overrides named it
     then, else `identity.name`."""
-    existing = sorted(runs_root.glob(f"*-{identity.digest}")) if runs_root.is_dir() else []
+    existing = _folders_of(identity.digest, runs_root)
     return existing[0].name if existing else identity.name
+
+
+def folder_now(run_dir: RunDir) -> RunDir:
+    """The folder a launch would use now for the run planned in `run_dir`: `run_dir` itself, or, where it was never
+    made, the one another row's launch made for the same experiment since (folder_name's rule)."""
+    if run_dir.path.exists():
+        return run_dir
+    existing = _folders_of(run_dir.name.rsplit("-", 1)[-1], run_dir.path.parent)
+    return RunDir(existing[0]) if existing else run_dir
 
 
 def train_command(overrides: list[str]) -> str:
