@@ -228,12 +228,46 @@ def test_a_run_killed_with_kill_9_shows_as_stalled(tmp_path, data_cache, capsys)
             time.sleep(0.2)
         (row,) = status_json([str(tmp_path / "outputs")], capsys)["runs"]
         assert row["state"] == "running", row
+        (folder,) = [RunDir(p) for p in runs_root(tmp_path / "outputs").iterdir() if p.is_dir()]
+        while time.time() < deadline and (read_progress(folder) or {}).get("step", 0) < 20:  # past 2 checkpoints
+            time.sleep(0.2)
         proc.kill()
         proc.wait()
         (row,) = status_json([str(tmp_path / "outputs")], capsys)["runs"]
     finally:
         proc.kill()
     assert row["state"] == "stalled" and f"pid {proc.pid} is gone" in row["detail"], row
+    reached = read_progress(folder)["step"]
+    saved = re.match(r"resume from step (\d+) ", row["action"])  # its newest checkpoint's, as the dry run says
+    start = int(saved.group(1)) if saved else 0
+    said = f"resumes from step {start}" if saved else "no checkpoint yet: restarts from step 0"
+    assert re.search(rf"; {said} \({max(reached - start, 0)} steps? to redo\)$", row["detail"]), (row, reached)
+
+
+def test_a_stalled_run_says_what_a_relaunch_redoes(tmp_path, capsys):
+    """Killed at step 56 after its checkpoint of step 39: the relaunch resumes there and trains 17 steps again; killed
+    at step 17 before any checkpoint: it starts over."""
+    import torch
+
+    from deit_ablate.record.resume import RESUME_KEYS
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for name, reached, saved in (("checkpointed", 56, 39), ("unsaved", 17, None)):
+        run = RunDir(tmp_path / "runs" / name)
+        run.hydra_config.parent.mkdir(parents=True)
+        run.hydra_overrides.write_text("[ablation=no_mixup]\n")
+        run.hydra_config.write_text("{stage: pretrain, seed: 0}\n")
+        if saved is not None:
+            torch.save({key: {} for key in RESUME_KEYS} | {"epoch": 4, "step": saved}, run.last_checkpoint)
+        record = ProgressFile(run, 240, 30, 32, 1, clock=lambda: 60.0, every_s=0.0)
+        record.start(0, 0)
+        record.step(6, reached)
+        write_text_atomic(run.lock, json.dumps({**this_process(), "pid": gone.pid}))  # its holder killed
+    rows = {r["run"]: r for r in status_json([str(tmp_path)], capsys)["runs"]}
+    assert {name: r["state"] for name, r in rows.items()} == {"checkpointed": "stalled", "unsaved": "stalled"}
+    assert rows["checkpointed"]["detail"].endswith(f"pid {gone.pid} is gone; resumes from step 39 (17 steps to redo)")
+    assert rows["unsaved"]["detail"].endswith("; no checkpoint yet: restarts from step 0 (17 steps to redo)")
 
 
 @pytest.mark.slurm

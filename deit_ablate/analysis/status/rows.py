@@ -153,7 +153,22 @@ def run_state(run_dir: RunDir, action: LaunchAction, progress: dict[str, Any] | 
     queued = queued_state(job, trained_before=progress is not None or action.kind == "resume")
     if queued is not None and queued[0] != "running":  # pending in SLURM, whatever an old lock on a node says
         return queued
-    return live_state(run_dir, progress, stall_after) or queued or ended_state(run_dir, action, progress, job)
+    state, detail = live_state(run_dir, progress, stall_after) or queued or ended_state(run_dir, action, progress, job)
+    if state == "stalled":
+        detail = f"{detail}; {relaunch_redoes(action, progress)}"
+    return state, detail
+
+
+def relaunch_redoes(action: LaunchAction, progress: dict[str, Any] | None) -> str:
+    """What a relaunch of a stalled run loses: `resumes from step 39 (17 steps to redo)`, or `no checkpoint yet:
+    restarts from step 0`, the steps counted to its last progress record."""
+    start = action.resume_step or 0
+    said = f"resumes from step {start}" if action.kind == "resume" else "no checkpoint yet: restarts from step 0"
+    reached = (progress or {}).get("step")
+    if not isinstance(reached, int):
+        return said
+    lost = max(reached - start, 0)
+    return f"{said} ({lost} step{'' if lost == 1 else 's'} to redo)"
 
 
 def numbers(progress: dict[str, Any] | None, result: dict[str, Any] | None) -> dict[str, Any]:
