@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -22,6 +25,8 @@ from tests.conftest import REPO, TINY, identity_of, run_train
 
 # Two DeiT III rows that differ only in their fine-tune (layer decay): one pre-training run for both.
 SHARED = ["deit3=baseline,layer_decay_075", "stage=pretrain,finetune", *TINY, "train.max_steps=2"]
+WATCHED = [*(o for o in SHARED if not o.startswith(("train.epochs=", "train.max_steps="))), "train.epochs=30",
+           "train.max_steps=120"]  # each stage long enough for a few refreshes under way
 
 
 def hydra_records(run: RunDir) -> dict[str, bytes]:
@@ -105,18 +110,40 @@ def test_a_sweeps_runs_start_with_no_loader_worker_of_the_runs_before(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_pre_training_two_rows_share_keeps_its_first_rows_records_and_is_one_status_row(tmp_path, data_cache,
-                                                                                            capsys, monkeypatch):
-    proc = run_train(["-m", *SHARED], tmp_path, data_cache)
-    assert proc.stdout.count("already finished") + proc.stderr.count("already finished") == 1  # the second row's
+def test_a_pre_training_two_rows_share_keeps_its_first_rows_records_and_is_one_status_row_throughout(
+        tmp_path, data_cache, tiny_data, capsys, monkeypatch):
+    """The sweep watched as `deit-status --watch` watches it, planned once before it starts: 3 runs at every refresh,
+    the pre-training under way counted once in the sweep's ETA; then its records and the status planned anew."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DEIT_ABLATE_CACHE", str(data_cache))
+    planned = sweep_runs(WATCHED)
+    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "sweep.log", "w+") as log:
+        sweep = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", *WATCHED], cwd=tmp_path, env=env,
+                                 stdout=log, stderr=subprocess.STDOUT)
+        refreshes = []
+        while sweep.poll() is None:
+            refreshes.append(collect(planned, stall_after=600.0))
+            time.sleep(0.3)
+        returned = sweep.wait()
+        log.seek(0)
+        output = log.read()
+    assert returned == 0, output[-3000:]
+    assert output.count("already finished") == 1  # the second row's pre-training
+    assert {len(rows) for rows in refreshes} == {3}, [totals_line(rows) for rows in refreshes if len(rows) != 3]
+    training = [rows for rows in refreshes if rows[0].state == "running" and rows[0].eta_s is not None]
+    assert training and all(rows[1].state == rows[2].state == "waiting" for rows in training)
+    for rows in training:  # what it has left, then two fine-tunes as long as it, one at a time
+        pre = rows[0]
+        assert totals(rows)["eta_s"] == pytest.approx(pre.eta_s + 2 * (pre.elapsed_s + pre.eta_s)), rows
+    assert [r.state for r in collect(planned, stall_after=600.0)] == ["finished"] * 3
     pretrains = [RunDir(p) for p in runs_root(tmp_path / "outputs").iterdir()
                  if p.is_dir() and "stage=pretrain" in RunDir(p).hydra_overrides.read_text()]
     assert len(pretrains) == 1
     overrides = yaml.safe_load(pretrains[0].hydra_overrides.read_text())
     assert "deit3=baseline" in overrides and "deit3=layer_decay_075" not in overrides, overrides
-    monkeypatch.chdir(tmp_path)
     capsys.readouterr()
-    assert main(["-m", *SHARED, "--json"]) == 0
+    assert main(["-m", *WATCHED, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert [(r["row"], r["stage"], r["also"]) for r in shown["runs"]] == [
         ("deit3=baseline", "pretrain", ["deit3=layer_decay_075"]), ("deit3=baseline", "finetune", []),

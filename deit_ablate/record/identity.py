@@ -41,7 +41,6 @@ from deit_ablate.config.keys import (
 from deit_ablate.config.schema import preset_teacher
 from deit_ablate.config.stage_config import is_applied
 from deit_ablate.config.studies import study_names
-from deit_ablate.record.rundir import RunDir
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
 FINETUNE_ONLY = ("finetune",)
@@ -246,13 +245,13 @@ def folder_name(identity: RunIdentity, runs_root: Path) -> str:
     return existing[0].name if existing else identity.name
 
 
-def folder_now(run_dir: RunDir) -> RunDir:
-    """The folder a launch would use now for the run planned in `run_dir`: `run_dir` itself, or, where it was never
-    made, the one another row's launch made for the same experiment since (folder_name's rule)."""
-    if run_dir.path.exists():
-        return run_dir
-    existing = _folders_of(run_dir.name.rsplit("-", 1)[-1], run_dir.path.parent)
-    return RunDir(existing[0]) if existing else run_dir
+def folder_now(planned: Path) -> Path:
+    """The folder a launch would use now for the run planned in the folder `planned`: that one, or, where it was
+    never made, the one another row's launch made for the same experiment since (folder_name's rule)."""
+    if planned.exists():
+        return planned
+    existing = _folders_of(planned.name.rsplit("-", 1)[-1], planned.parent)
+    return existing[0] if existing else planned
 
 
 def train_command(overrides: list[str]) -> str:

@@ -55,9 +55,9 @@ class PlannedRun:
         moved = {}
         for key in PLANNED_FOLDERS:
             planned = getattr(self.plan, key)
-            found = folder_now(planned) if planned is not None else None
-            if found is not planned:
-                moved[key] = found
+            found = folder_now(planned.path) if planned is not None else None
+            if found is not None and found != planned.path:
+                moved[key] = RunDir(found)
         if not moved:
             return self
         return replace(self, run_dir=moved.get("run_dir", self.run_dir), plan=replace(self.plan, **moved))
