@@ -182,8 +182,10 @@ def numbers(progress: dict[str, Any] | None, result: dict[str, Any] | None) -> d
                  last_top1=result.get("top1", p.get("last_top1")),
                  best_top1=result.get("top1_best", p.get("best_top1")))
     step, total, images = p.get("step"), p.get("total_steps"), p.get("images_per_step")
-    rate = launch_rate(p) if result is None else \
-        step * images / p["elapsed_s"] if step and images and p.get("elapsed_s") else None
+    if result is None:
+        rate = launch_rate(p)
+    else:  # a finished run: over its whole training
+        rate = step * images / p["elapsed_s"] if step and images and p.get("elapsed_s") else None
     eta = None
     if result is None and step is not None and total and rate and images:
         eta = max(total - step, 0) * images / rate

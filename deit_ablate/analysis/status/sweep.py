@@ -97,7 +97,7 @@ def sweep_runs(arguments: list[str]) -> list[PlannedRun]:
     finally:
         GlobalHydra.instance().clear()  # as Hydra's own app leaves it: a later compose starts afresh
     return one_per_run([PlannedRun(plan.run_dir, (row_label(plan.overrides), str(plan.settings.stage),
-                                                     int(plan.settings.seed)), plan) for plan in plans])
+                                                  int(plan.settings.seed)), plan) for plan in plans])
 
 
 def one_per_run(runs: Sequence[PlannedRun]) -> list[PlannedRun]:
