@@ -107,10 +107,10 @@ def test_train_log_holds_the_start_line_every_epoch_the_summary_and_warnings(str
     run = straight_runs(0)  # two epochs, optimizer.min_lr=0.5: min lr > peak, it warns
     proc, log = run.proc, (run.cwd / "straight" / "train.log").read_text()
     assert "pretrain at 32px" in log and "global batch 32 = 4 micro-batches of 8" in log  # the start line
-    assert "[epoch 0] train loss" in log and "[epoch 1] train loss" in log
+    assert "[epoch 1] train loss" in log and "[epoch 2] train loss" in log
     assert "status    finished after 16 steps" in log and "top-1" in log
     assert "WARNING py.warnings" in log and "is above the peak lr" in log  # warnings reach the run's own log
-    assert "status    finished after 16 steps" in proc.stdout and "[epoch 1]" in proc.stdout  # and the console
+    assert "status    finished after 16 steps" in proc.stdout and "[epoch 2]" in proc.stdout  # and the console
 
 
 def test_epochs_done_counts_only_completed_epochs_after_max_steps(stopped_at_step_3):
@@ -167,7 +167,7 @@ def test_unreadable_last_checkpoint_falls_back_to_the_previous_copy(tmp_path, da
     proc = run_train(args, tmp_path, data_cache)
     assert "Traceback" not in proc.stderr
     assert f"{LAST} cannot be read" in proc.stderr and f"Falling back to {PREV}" in proc.stderr
-    assert "epoch 1 (batch 0), step 8" in proc.stdout and not stale.exists()
+    assert "epoch 2 (batch 0), step 8" in proc.stdout and not stale.exists()
     assert (run_dir / UNREADABLE.format(LAST)).exists()
     result = json.loads(RunDir(run_dir).result.read_text())
     assert (result["steps_done"], result["epochs_done"]) == (16, 2) and "top1" in result

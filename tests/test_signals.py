@@ -84,7 +84,7 @@ def test_sigterm_during_evaluation_keeps_the_epoch_it_evaluates(tmp_path, data_c
     state = torch.load(RunDir(run_folder(tmp_path)).last_checkpoint, weights_only=True)
     assert (state["epoch"], state["step"], state["batches_done"]) == (1, 8, 0)  # epoch 0 whole, not lost
     relaunch = run_train(args, tmp_path, data_cache)
-    assert "resuming" in relaunch.stdout and "epoch 1 (batch 0), step 8" in relaunch.stdout
+    assert "resuming" in relaunch.stdout and "epoch 2 (batch 0), step 8" in relaunch.stdout
     assert torch.load(RunDir(run_folder(tmp_path)).last_checkpoint, weights_only=True)["step"] == 16
 
 
@@ -104,8 +104,8 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, data_cache):
     assert not RunDir(folder).lock.exists()
     state = torch.load(RunDir(folder).last_checkpoint, weights_only=True)
     assert (state["epoch"], state["step"], state["evaluated"]) == (1, 8, False)
-    relaunch = run_train(args, tmp_path, data_cache)  # evaluates epoch 0 first, then trains epoch 1
-    assert re.search(r"\[epoch 0\] train loss [0-9.]+ \| val top-1", relaunch.stdout + relaunch.stderr)  # its row again
+    relaunch = run_train(args, tmp_path, data_cache)  # evaluates epoch 1 first, then trains epoch 2
+    assert re.search(r"\[epoch 1\] train loss [0-9.]+ \| val top-1", relaunch.stdout + relaunch.stderr)  # its row again
     assert torch.load(RunDir(folder).last_checkpoint, weights_only=True)["step"] == 16
 
 

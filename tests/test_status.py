@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from deit_ablate.analysis.status.cli import collect, main
-from deit_ablate.analysis.status.rows import ACTION_OF, STALL_AFTER_S, STATES
+from deit_ablate.analysis.status.rows import ACTION_OF, STALL_AFTER_S, STATES, numbers
 from deit_ablate.analysis.status.sweep import PlannedRun, folder_runs, sweep_runs
 from deit_ablate.analysis.status.view import as_json, table
 from deit_ablate.core.atomic import write_json_atomic, write_text_atomic
@@ -175,8 +175,35 @@ def test_an_unknown_override_is_one_line_and_status_2(tmp_path, monkeypatch, cap
 def test_a_run_logged_to_a_file_has_no_carriage_returns(tiny_run):
     output = tiny_run.proc.stdout + tiny_run.proc.stderr
     assert "\r" not in output
-    assert re.search(r"^epoch 0: step \d+/8 \| loss [\d.]+ \| lr [\d.e+-]+ \| img/s \d+", tiny_run.proc.stderr, re.M)
-    assert read_progress(RunDir(tiny_run.run_dir()))["state"] == "finished"
+    assert re.search(r"^epoch 1: step \d+/8 \| loss [\d.]+ \| lr [\d.e+-]+ \| img/s \d+", tiny_run.proc.stderr, re.M)
+    run = RunDir(tiny_run.run_dir())
+    progress = read_progress(run)
+    assert progress["state"] == "finished"
+    assert progress["epoch"] == 1 and "[epoch 1] train loss" in run.log.read_text()  # the status's count is the log's
+
+
+def test_images_per_second_and_the_eta_are_the_launchs_average_not_its_last_seconds(tmp_path):
+    """A run resumed at step 100 after 400 s of training: 1,000 steps of 64 images in the 640 s since, the last 40 of
+    them in 40 s (an evaluation's pause): 100 img/s, not the last window's 64, and its 1,900 steps left take 1,216 s.
+    Finished after 3,000 steps in 1,920 s, it shows 100 img/s over its whole training, not its last seconds'."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    now = [400.0]
+    record = ProgressFile(run, 3000, 30, 64, 1, clock=lambda: now[0], every_s=0.0)
+    record.start(3, 100)
+    now[0] = 1000.0
+    record.step(3, 1060)  # 960 steps in 600 s: 102.4 img/s
+    now[0] = 1040.0
+    record.step(3, 1100)  # the last 40 steps in 40 s: 64 img/s
+    written = read_progress(run)
+    assert written["img_per_s"] == 100.0, written
+    assert (written["start_step"], written["start_elapsed_s"], written["epoch"]) == (100, 400.0, 4)
+    shown = numbers(written, None)
+    assert (shown["img_per_s"], shown["eta_s"]) == (100.0, 1216.0), shown
+    older = {k: v for k, v in written.items() if not k.startswith("start_")} | {"img_per_s": 32.0}
+    assert numbers(older, None)["eta_s"] == 3800.0  # a record written before the start keys: its rate as written
+    result = {"status": "finished", "steps_done": 3000, "epochs_done": 30, "train_seconds": 1920.0, "top1": 50.0}
+    assert numbers(written | {"img_per_s": 41.0}, result)["img_per_s"] == 100.0  # 3,000 x 64 images in 1,920 s
 
 
 def test_a_plain_bar_writes_lines_for_the_sharpness_measure_too():
@@ -201,12 +228,46 @@ def test_a_run_killed_with_kill_9_shows_as_stalled(tmp_path, data_cache, capsys)
             time.sleep(0.2)
         (row,) = status_json([str(tmp_path / "outputs")], capsys)["runs"]
         assert row["state"] == "running", row
+        (folder,) = [RunDir(p) for p in runs_root(tmp_path / "outputs").iterdir() if p.is_dir()]
+        while time.time() < deadline and (read_progress(folder) or {}).get("step", 0) < 20:  # past 2 checkpoints
+            time.sleep(0.2)
         proc.kill()
         proc.wait()
         (row,) = status_json([str(tmp_path / "outputs")], capsys)["runs"]
     finally:
         proc.kill()
     assert row["state"] == "stalled" and f"pid {proc.pid} is gone" in row["detail"], row
+    reached = read_progress(folder)["step"]
+    saved = re.match(r"resume from step (\d+) ", row["action"])  # its newest checkpoint's, as the dry run says
+    start = int(saved.group(1)) if saved else 0
+    said = f"resumes from step {start}" if saved else "no checkpoint yet: restarts from step 0"
+    assert re.search(rf"; {said} \({max(reached - start, 0)} steps? to redo\)$", row["detail"]), (row, reached)
+
+
+def test_a_stalled_run_says_what_a_relaunch_redoes(tmp_path, capsys):
+    """Killed at step 56 after its checkpoint of step 39: the relaunch resumes there and trains 17 steps again; killed
+    at step 17 before any checkpoint: it starts over."""
+    import torch
+
+    from deit_ablate.record.resume import RESUME_KEYS
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for name, reached, saved in (("checkpointed", 56, 39), ("unsaved", 17, None)):
+        run = RunDir(tmp_path / "runs" / name)
+        run.hydra_config.parent.mkdir(parents=True)
+        run.hydra_overrides.write_text("[ablation=no_mixup]\n")
+        run.hydra_config.write_text("{stage: pretrain, seed: 0}\n")
+        if saved is not None:
+            torch.save({key: {} for key in RESUME_KEYS} | {"epoch": 4, "step": saved}, run.last_checkpoint)
+        record = ProgressFile(run, 240, 30, 32, 1, clock=lambda: 60.0, every_s=0.0)
+        record.start(0, 0)
+        record.step(6, reached)
+        write_text_atomic(run.lock, json.dumps({**this_process(), "pid": gone.pid}))  # its holder killed
+    rows = {r["run"]: r for r in status_json([str(tmp_path)], capsys)["runs"]}
+    assert {name: r["state"] for name, r in rows.items()} == {"checkpointed": "stalled", "unsaved": "stalled"}
+    assert rows["checkpointed"]["detail"].endswith(f"pid {gone.pid} is gone; resumes from step 39 (17 steps to redo)")
+    assert rows["unsaved"]["detail"].endswith("; no checkpoint yet: restarts from step 0 (17 steps to redo)")
 
 
 @pytest.mark.slurm

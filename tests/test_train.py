@@ -130,7 +130,7 @@ def test_resume_mid_epoch_skips_the_batches_already_done(tmp_path, data_cache, s
     assert (state["epoch"], state["batches_done"], state["step"]) == (0, 3, 3)
     RunDir(run_dir).result.unlink()  # as if the job had been preempted after step 3
     proc = run_train(args, tmp_path, data_cache)
-    assert "epoch 0 (batch 3), step 3" in proc.stdout
+    assert "epoch 1 (batch 3), step 3" in proc.stdout
     final = torch.load(RunDir(run_dir).last_checkpoint, weights_only=True)
     assert (final["epoch"], final["step"]) == (1, 8)  # the same step count as a run never interrupted
 

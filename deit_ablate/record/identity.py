@@ -234,11 +234,25 @@ def with_source(identity: RunIdentity, source: dict[str, Any] | None,
                    group=f"{identity.group}+s{_short_hash(key, 6)}", source=source)
 
 
+def _folders_of(digest: str, runs_root: Path) -> list[Path]:
+    """The folders under `runs_root` that hold the experiment `digest`, by name."""
+    return sorted(runs_root.glob(f"*-{digest}")) if runs_root.is_dir() else []
+
+
 def folder_name(identity: RunIdentity, runs_root: Path) -> str:
     """The run's folder under `runs_root`: the one already holding its experiment, whatever overrides named it
     then, else `identity.name`."""
-    existing = sorted(runs_root.glob(f"*-{identity.digest}")) if runs_root.is_dir() else []
+    existing = _folders_of(identity.digest, runs_root)
     return existing[0].name if existing else identity.name
+
+
+def folder_now(planned: Path) -> Path:
+    """The folder a launch would use now for the run planned in the folder `planned`: that one, or, where it was
+    never made, the one another row's launch made for the same experiment since (folder_name's rule)."""
+    if planned.exists():
+        return planned
+    existing = _folders_of(planned.name.rsplit("-", 1)[-1], planned.parent)
+    return existing[0] if existing else planned
 
 
 def train_command(overrides: list[str]) -> str:

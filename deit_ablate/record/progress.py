@@ -4,10 +4,11 @@ Rank 0 rewrites it atomically (core/atomic.py) at most every PROGRESS_EVERY_S se
 end and at the launch's end, so a reader sees the previous record or the new one whole; a write that fails (a full
 disk) is a warning, never the end of the training. It names the launch's state
 (`running`, then `finished`, `diverged`, `stopped` by a signal or time limit, or `failed` with the error), the step
-and epoch of the total, images/s over the last interval, the training seconds of all launches, when this launch
-started and last wrote, the last and best top-1, and its holder (pid, host, world size, SLURM job). It is never part
-of a run's identity or its wandb config: nothing the run computes reads it. `epoch` counts from 1: the epoch under
-way (after an epoch's evaluation, that epoch).
+and epoch of the total, the training seconds of all launches, the step and training seconds this launch started (or
+resumed) at and its images/s since then (launch_rate), when it started and last wrote, the last and best top-1, and
+its holder (pid, host, world size, SLURM job). It is never part of a run's identity or its wandb config: nothing the
+run computes reads it. `epoch` counts from 1, as the logs do: the epoch under way (after an epoch's evaluation, that
+epoch).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from deit_ablate.record.runfiles import DamagedRecord, read_json_mapping
 
 PROGRESS_EVERY_S = 5.0  # the most often a launch rewrites progress.json as steps go by
 STATES = ("running", "finished", "diverged", "stopped", "failed")
-NUMBERS = ("epoch", "epochs", "step", "total_steps", "images_per_step", "img_per_s", "elapsed_s", "last_top1",
-           "best_top1")  # the record's numbers: each a finite number, or null
+NUMBERS = ("epoch", "epochs", "step", "total_steps", "images_per_step", "img_per_s", "elapsed_s", "start_step",
+           "start_elapsed_s", "last_top1", "best_top1")  # the record's numbers: each a finite number, or null
 
 
 def now_iso() -> str:
@@ -56,19 +57,17 @@ class ProgressFile:
     def __init__(self, run_dir: RunDir, total_steps: int, epochs: int, images_per_step: int, world_size: int,
                  clock: Callable[[], float], enabled: bool = True, every_s: float = PROGRESS_EVERY_S) -> None:
         self.run_dir, self.clock, self.enabled, self.every_s = run_dir, clock, enabled, every_s
-        self.images_per_step = images_per_step
         self.record: dict[str, Any] = {
             "state": "running", "epoch": 0, "epochs": epochs, "step": 0, "total_steps": total_steps,
-            "images_per_step": images_per_step, "img_per_s": None, "elapsed_s": 0.0, "started": now_iso(),
-            "updated": now_iso(), "last_top1": None, "best_top1": None, **holder_facts(world_size)}
+            "images_per_step": images_per_step, "img_per_s": None, "elapsed_s": 0.0, "start_step": 0,
+            "start_elapsed_s": 0.0, "started": now_iso(), "updated": now_iso(), "last_top1": None, "best_top1": None,
+            **holder_facts(world_size)}
         self._written_at = -float("inf")
         self._warned = False
-        self._rate_from: tuple[float, int] | None = None  # (time, step) images/s is measured from
 
     def start(self, epoch: int, step: int) -> None:
-        """The launch begins training at `epoch` (0-based), `step` (a resume's, or 0)."""
-        self._rate_from = (time.monotonic(), step)
-        self.update(epoch=epoch + 1, step=step)
+        """The launch begins training at `epoch` (0-based), `step` (a resume's, or 0): its images/s count from here."""
+        self.update(epoch=epoch + 1, step=step, start_step=step, start_elapsed_s=round(self.clock(), 1))
 
     def step(self, epoch: int, step: int) -> None:
         """After an optimizer step: written when PROGRESS_EVERY_S have passed since the last write."""
@@ -87,14 +86,9 @@ class ProgressFile:
         """Merge `fields` into the record and write it."""
         if not self.enabled:
             return
-        step = fields.get("step")
-        if step is not None and self._rate_from is not None:
-            since, from_step = self._rate_from
-            seconds = time.monotonic() - since
-            if step > from_step and seconds > 0:
-                fields["img_per_s"] = round((step - from_step) * self.images_per_step / seconds, 1)
-                self._rate_from = (time.monotonic(), step)
         self.record.update(fields, elapsed_s=round(self.clock(), 1), updated=now_iso())
+        rate = launch_rate(self.record)
+        self.record["img_per_s"] = None if rate is None else round(rate, 1)
         self._written_at = time.monotonic()
         try:
             write_json_atomic(self.run_dir.progress, self.record, temp=self.run_dir.temp_for(self.run_dir.progress))
@@ -103,6 +97,19 @@ class ProgressFile:
                 log.warning(f"[run] cannot write {self.run_dir.progress} ({str(error)[:200]}); training goes on, "
                             "deit-status shows this run's last record")
             self._warned = True
+
+
+def launch_rate(record: dict[str, Any]) -> float | None:
+    """Images per second since the launch started or resumed: its steps since `start_step` times `images_per_step`
+    over the training seconds since `start_elapsed_s` (evaluations and checkpoints included, as in the time left);
+    a record written before those keys: its `img_per_s` as written (a 5 s window); None before a step."""
+    if record.get("start_step") is None or record.get("start_elapsed_s") is None:
+        return record.get("img_per_s")
+    steps = (record.get("step") or 0) - record["start_step"]
+    seconds = (record.get("elapsed_s") or 0.0) - record["start_elapsed_s"]
+    if steps <= 0 or seconds <= 0 or not record.get("images_per_step"):
+        return None
+    return steps * record["images_per_step"] / seconds
 
 
 def number_problem(record: dict[str, Any], keys: tuple[str, ...]) -> str | None:

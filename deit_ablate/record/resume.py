@@ -197,11 +197,12 @@ def _step_reader(path: Path) -> dict[str, Any]:
 @dataclass(frozen=True)
 class LaunchAction:
     """What launching a run would do now: `kind` (one of ACTIONS) and the dry run's words for it; a skip carries the
-    result it skips (read once: the status shows it)."""
+    result it skips (read once: the status shows it), a resume the step it resumes from."""
 
     kind: str
     text: str
     result: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    resume_step: int | None = None  # a resume's: the step of the checkpoint it continues from
 
 
 ACTIONS = ("skip", "wait", "record", "refuse", "resume", "train")
@@ -235,5 +236,6 @@ def folder_action(run_dir: RunDir, train_text: str = "train from step 0",
         return skip_action(result)
     point = find_resume_point(run_dir.path, _step_reader)
     if point is not None:
-        return LaunchAction("resume", f"resume from step {point.state['step']} ({point.path.name})")
+        step = point.state["step"]
+        return LaunchAction("resume", f"resume from step {step} ({point.path.name})", resume_step=int(step))
     return LaunchAction("train", train_text)

@@ -272,7 +272,7 @@ class EpochLoop:
         if self.info.is_main:
             ema_text = f", EMA top-1 {ema_metrics['top1']:.2f}" if ema_metrics else ""
             loss_text = f"train loss {row['train/epoch_loss']:.4f} | " if row else ""
-            log.info(f"[epoch {epoch}] {loss_text}val top-1 {metrics['top1']:.2f} "
+            log.info(f"[epoch {epoch + 1}] {loss_text}val top-1 {metrics['top1']:.2f} "
                      f"top-5 {metrics['top5']:.2f}{ema_text} | step {self.trainer.step}")
             if headline >= progress.best_top1 and saved is not None:  # copied, not serialized again
                 ckpt.copy_atomic(saved, run_dir.best_checkpoint)

@@ -107,8 +107,8 @@ def _resume(plan: RunPlan, info: DistInfo, pieces: Pieces) -> tuple[Progress, di
     for dataset in image_folders(pieces):
         dataset.mark_bad(state.get("bad_images", ()))
     where = "" if info.is_main else f" (rank {info.rank} on {info.host})"  # each rank's file says it resumed
-    log.info(f"[run] resuming {plan.identity.name} from {resumed_from}: epoch {start_epoch} (batch {skip_batches}), "
-             f"step {trainer.step}{where}")
+    log.info(f"[run] resuming {plan.identity.name} from {resumed_from}: epoch {start_epoch + 1} (batch "
+             f"{skip_batches}), step {trainer.step}{where}")
     progress = Progress(start_epoch=start_epoch, skip_batches=skip_batches, best_top1=best_top1,
                         epochs_done=start_epoch, bad_images=set(state.get("bad_images", ())), resumed_from=resumed_from)
     return progress, state

@@ -273,7 +273,7 @@ class Trainer:
         Raises Diverged on a non-finite loss."""
         set_training_mode(self.model, self.train_mode)
         self._epoch = EpochStreams(streams, epoch) if streams is not None else None
-        bar = progress_bar(loader, desc=f"epoch {epoch}", disable=not self.info.is_main, dynamic_ncols=True,
+        bar = progress_bar(loader, desc=f"epoch {epoch + 1}", disable=not self.info.is_main, dynamic_ncols=True,
                            leave=False, mininterval=1.0)  # plain lines, not a redrawn bar, in a log file
         losses = self.losses = LossSums(self.info, done)
         steps_in_epoch, window_images = 0, 0

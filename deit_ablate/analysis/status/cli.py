@@ -92,6 +92,7 @@ def read_run(run: PlannedRun) -> tuple[dict[str, Any] | None, LaunchAction] | Ru
 def collect(runs: Sequence[PlannedRun], stall_after: float) -> list[RunRow]:
     """The rows of `runs`, now: each run's action, its folder's records and SLURM's queue (one query); a run with a
     damaged file is one row naming it, the others as they are."""
+    runs = [run.now() for run in runs]
     job_of_run = {run: job for root in {r.run_dir.path.parent for r in runs}
                   for job, run in read_slurm_jobs(root).items()}  # run folder name -> its newest job
     records = [read_run(r) for r in runs]

@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from deit_ablate.analysis.status.slurm import SlurmJob
-from deit_ablate.record.progress import number_problem
+from deit_ablate.record.progress import launch_rate, number_problem
 from deit_ablate.record.resume import ACTIONS, LaunchAction
 from deit_ablate.record.rundir import RunDir, read_result
 from deit_ablate.record.runfiles import DamagedRecord
@@ -153,25 +153,46 @@ def run_state(run_dir: RunDir, action: LaunchAction, progress: dict[str, Any] | 
     queued = queued_state(job, trained_before=progress is not None or action.kind == "resume")
     if queued is not None and queued[0] != "running":  # pending in SLURM, whatever an old lock on a node says
         return queued
-    return live_state(run_dir, progress, stall_after) or queued or ended_state(run_dir, action, progress, job)
+    state, detail = live_state(run_dir, progress, stall_after) or queued or ended_state(run_dir, action, progress, job)
+    if state == "stalled":
+        detail = f"{detail}; {relaunch_redoes(action, progress)}"
+    return state, detail
+
+
+def relaunch_redoes(action: LaunchAction, progress: dict[str, Any] | None) -> str:
+    """What a relaunch of a stalled run loses: `resumes from step 39 (17 steps to redo)`, or `no checkpoint yet:
+    restarts from step 0`, the steps counted to its last progress record."""
+    start = action.resume_step or 0
+    said = f"resumes from step {start}" if action.kind == "resume" else "no checkpoint yet: restarts from step 0"
+    reached = (progress or {}).get("step")
+    if not isinstance(reached, int):
+        return said
+    lost = max(reached - start, 0)
+    return f"{said} ({lost} step{'' if lost == 1 else 's'} to redo)"
 
 
 def numbers(progress: dict[str, Any] | None, result: dict[str, Any] | None) -> dict[str, Any]:
-    """Epoch, step of total, images/s, elapsed, ETA and top-1 from progress.json (or result.json when finished)."""
+    """Epoch, step of total, images/s, elapsed, ETA and top-1 from progress.json (or result.json when finished); the
+    images/s of a run under way since its launch started (launch_rate), the ETA at that rate; a finished run's over
+    its whole training."""
     p = dict(progress or {})
     if result is not None:
         p.update(step=result.get("steps_done", p.get("step")), epoch=result.get("epochs_done", p.get("epoch")),
                  elapsed_s=result.get("train_seconds", p.get("elapsed_s")),
                  last_top1=result.get("top1", p.get("last_top1")),
                  best_top1=result.get("top1_best", p.get("best_top1")))
-    step, total, rate, images = p.get("step"), p.get("total_steps"), p.get("img_per_s"), p.get("images_per_step")
+    step, total, images = p.get("step"), p.get("total_steps"), p.get("images_per_step")
+    if result is None:
+        rate = launch_rate(p)
+    else:  # a finished run: over its whole training
+        rate = step * images / p["elapsed_s"] if step and images and p.get("elapsed_s") else None
     eta = None
     if result is None and step is not None and total and rate and images:
         eta = max(total - step, 0) * images / rate
     elif result is None and step and total and p.get("elapsed_s"):
         eta = p["elapsed_s"] / step * max(total - step, 0)
-    keys = ("epoch", "epochs", "step", "total_steps", "img_per_s", "elapsed_s", "last_top1", "best_top1")
-    return {**{k: p.get(k) for k in keys}, "eta_s": eta}
+    keys = ("epoch", "epochs", "step", "total_steps", "elapsed_s", "last_top1", "best_top1")
+    return {**{k: p.get(k) for k in keys}, "img_per_s": None if rate is None else round(rate, 1), "eta_s": eta}
 
 
 def damaged_row(run_dir: RunDir, labels: tuple[str, str, int | None], detail: str,

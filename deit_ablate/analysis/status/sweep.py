@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deit_ablate.config.studies import study_names
+from deit_ablate.record.identity import folder_now
 from deit_ablate.record.resume import LaunchAction, folder_action
 from deit_ablate.record.rundir import RunDir, runs_root
 from deit_ablate.record.runfiles import DamagedRecord, read_text
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 HIDDEN_KEYS = ("stage", "seed", "runtime.", "hydra.", "hydra/")  # not a run's row label: shown in their own columns
 LABEL_KEYS = ("stage", "seed")  # what the status reads of a run's saved config
 UNKNOWN_LABELS = ("?", "?", None)
+PLANNED_FOLDERS = ("run_dir", "upstream", "teacher_run", "layer_scale_source")  # a RunPlan's run folders
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,11 @@ class PlannedRun:
     also: tuple[str, ...] = ()  # the other study rows of the sweep that name this run (a shared pre-training)
     damage: str | None = None  # what is damaged in its folder (`.hydra/config.yaml: a list, not a mapping`)
 
+    @property
+    def experiment(self) -> str | Path:
+        """What makes two rows one run: a planned run's experiment digest, else its folder."""
+        return self.plan.identity.digest if self.plan is not None else self.run_dir.path
+
     def action(self) -> LaunchAction:
         """What a launch would do now: the dry run's launch_action for a sweep's run, the folder's alone otherwise."""
         if self.plan is None:
@@ -39,6 +46,21 @@ class PlannedRun:
         from deit_ablate.run.lifecycle import launch_action  # a planned run: the training code is loaded already
 
         return launch_action(self.plan)
+
+    def now(self) -> PlannedRun:
+        """The run with its plan's folders as a launch would find them now (a --watch plans once): a folder planned
+        before another row's launch made the same experiment's under that row's name is that folder."""
+        if self.plan is None:
+            return self
+        moved = {}
+        for key in PLANNED_FOLDERS:
+            planned = getattr(self.plan, key)
+            found = folder_now(planned.path) if planned is not None else None
+            if found is not None and found != planned.path:
+                moved[key] = RunDir(found)
+        if not moved:
+            return self
+        return replace(self, run_dir=moved.get("run_dir", self.run_dir), plan=replace(self.plan, **moved))
 
 
 def row_label(overrides: Sequence[str], studies: frozenset[str] | None = None) -> str:
@@ -74,20 +96,21 @@ def sweep_runs(arguments: list[str]) -> list[PlannedRun]:
         plans = list(sweep_plans(configs, [sweep_run_dir(c) for c in configs], job_log=False))
     finally:
         GlobalHydra.instance().clear()  # as Hydra's own app leaves it: a later compose starts afresh
-    return one_per_folder([PlannedRun(plan.run_dir, (row_label(plan.overrides), str(plan.settings.stage),
-                                                     int(plan.settings.seed)), plan) for plan in plans])
+    return one_per_run([PlannedRun(plan.run_dir, (row_label(plan.overrides), str(plan.settings.stage),
+                                                  int(plan.settings.seed)), plan) for plan in plans])
 
 
-def one_per_folder(runs: Sequence[PlannedRun]) -> list[PlannedRun]:
-    """Each run once, in order: a run folder several rows of a sweep name (two DeiT III rows differing only in
-    their fine-tune share a pre-training) is the first row's, with the others' labels in `also`."""
-    first: dict[Path, PlannedRun] = {}
+def one_per_run(runs: Sequence[PlannedRun]) -> list[PlannedRun]:
+    """Each run once, in order: a run several rows of a sweep name (two DeiT III rows differing only in their
+    fine-tune share a pre-training) is the first row's, with the others' labels in `also`. One experiment is one
+    run whatever folder each row planned: before its folder exists each row names it after its own overrides."""
+    first: dict[str | Path, PlannedRun] = {}
     for run in runs:
-        seen = first.get(run.run_dir.path)
+        seen = first.get(run.experiment)
         if seen is None:
-            first[run.run_dir.path] = run
+            first[run.experiment] = run
         elif run.labels[0] not in (seen.labels[0], *seen.also):
-            first[run.run_dir.path] = replace(seen, also=(*seen.also, run.labels[0]))
+            first[run.experiment] = replace(seen, also=(*seen.also, run.labels[0]))
     return list(first.values())
 
 
