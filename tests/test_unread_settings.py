@@ -85,9 +85,9 @@ def _study_rows() -> list[tuple[str, str, str]]:
     found = []
     for study in studies():
         table = paper_tables()[study.table]
-        baselines = {row["key"]: row.get("baseline") or table.get("baseline") for row in table["rows"]}
-        found += [(study.name, row, baselines.get(row) or study.baseline) for row in study.rows
-                  if (baselines.get(row) or study.baseline) not in (None, row)]
+        own = {row["key"]: row.get("baseline") for row in table["rows"]}
+        pairs = ((row, own.get(row) or table.get("baseline")) for row in study.rows)
+        found += [(study.name, row, baseline) for row, baseline in pairs if baseline not in (None, row)]
     return found
 
 
