@@ -16,10 +16,12 @@ from deit_ablate.record.identity import experiment_digest
 from tests.conftest import CONF, identity_of, run_train
 
 FINETUNE_WITHOUT_POLICY = "++finetune.overrides={augment:{auto_augment:null}}"
+FINETUNE_OWN_JITTER = "++finetune.overrides={augment:{auto_augment:null,color_jitter:0.1}}"  # the stage's own value
 # setting -> (runs where it is never read: the same run without it; runs where it is read: another run)
 CASES = {
     "augment.color_jitter=0.2": (
-        [["ablation=baseline"], ["augment=autoaugment"], ["stage=finetune"], ["preset=paper"]],
+        [["ablation=baseline"], ["augment=autoaugment"], ["stage=finetune"], ["preset=paper"],
+         ["stage=finetune", FINETUNE_OWN_JITTER]],
         [["augment=none"], ["augment=three_augment"], ["stage=finetune", FINETUNE_WITHOUT_POLICY]]),
     "mix.switch_prob=0.2": (
         [["mix=mixup_only"], ["mix=cutmix_only"], ["mix=none"], ["ablation=no_mixup", "preset=paper"]],
