@@ -8,10 +8,12 @@ the hash so that people can read it. The data and the teacher are known only onc
 enter the wandb id and group (with_data, with_teacher), and the run folder records them (identity.json), so a
 relaunch on other data or other teacher weights is refused rather than resumed or skipped (run.py, teacher.py).
 A transfer's wandb id and group carry its source run's data and teacher the same way (with_source, transfer.py). A
-run that does not distil carries no teacher: its identity is as if no `distill.teacher.*` key had been given.
-Which keys enter it is deit_ablate/config/keys.py's. Study rows are Hydra choices, not keys, so `run_identity` takes the
-choices too: Table 8's row enters the digest as the schema key it once was (keys.LEGACY_CHOICE_KEYS), which keeps
-the folders and wandb ids of runs from before it became a choice.
+run that does not distil carries no teacher: its identity is as if no `distill.teacher.*` key had been given. A
+setting that no stage of the run reads (keys.UNREAD: colour jitter beside RandAugment) holds the schema's default in
+it and leaves the folder name, so the run is the one that computes the same (canonical_experiment). Which keys enter
+it is deit_ablate/config/keys.py's. Study rows are Hydra choices, not keys, so `run_identity` takes the choices too:
+Table 8's row enters the digest as the schema key it once was (keys.LEGACY_CHOICE_KEYS), which keeps the folders and
+wandb ids of runs from before it became a choice.
 """
 
 from __future__ import annotations
