@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from omegaconf import OmegaConf
+
+from deit_ablate.config.schema import Config
 
 # Top-level nodes that are not the experiment: how it runs, and Hydra's own settings.
 # `sharpness` measures a finished model (an evaluation, recorded with its settings beside the figures), never
@@ -133,3 +139,91 @@ def unused_by_stage(dotted: str, stage: Any) -> bool:
 def is_execution_key(dotted: str) -> bool:
     """Whether a dotted config key only says how a run executes (never what it computes)."""
     return any(dotted == k or dotted.startswith(k + ".") for k in EXECUTION_KEYS)
+
+
+# --- settings a stage never reads -------------------------------------------------------------------------------
+# A setting the computation cannot read under some other setting (colour jitter beside RandAugment) changes nothing
+# there: such a run's identity holds the schema's default in its place (identity.py), so it keeps the identity of the
+# run that computes the same, and the dry run names the setting when two runs of a sweep compute the same. Each rule
+# is read off the code that computes: timm's create_transform and Mixup, data/transforms.py, train/losses.py,
+# train/optim.py.
+Getter = Callable[[str], Any]  # a stage's value of a dotted key (None: unset)
+HARD_KINDS = ("hard", "hard_token")  # distil towards the teacher's arg-max label: no temperature, no KL
+
+
+def is_adam_like(optimizer: str) -> bool:
+    """Whether timm's optimizer `optimizer` takes Adam's betas and eps (else SGD's momentum): train/optim.py."""
+    return optimizer.startswith("adam") or optimizer == "lamb"
+
+
+def _auto_policy(get: Getter) -> str | None:
+    """The auto-augment policy create_transform is given (data/transforms.py: 3-Augment is timm's policy "3a")."""
+    return "3a" if get("augment.three_augment") else get("augment.auto_augment")
+
+
+def _on(get: Getter, dotted: str) -> bool:
+    """Whether a rate or Beta alpha is above 0 (unset: 0)."""
+    return (get(dotted) or 0) > 0
+
+
+@dataclass(frozen=True)
+class Unread:
+    """Settings a stage never reads while `when` holds of its config, and why (`because`, for people)."""
+
+    settings: tuple[str, ...]
+    when: Callable[[Getter], bool]
+    because: str
+
+
+UNREAD = (
+    Unread(("augment.color_jitter", "augment.auto_augment", "augment.scale", "augment.hflip", "augment.reprob",
+            "augment.remode", "augment.recount"), lambda get: bool(get("augment.no_aug")),
+           "augment.no_aug=true trains on a resized centre crop alone (timm's transforms_noaug_train)"),
+    Unread(("augment.color_jitter",), lambda get: "3a" not in str(_auto_policy(get) or "3a"),
+           "timm applies colour jitter only when no RandAugment/AutoAugment policy is on (create_transform; "
+           "3-Augment keeps it), and augment.auto_augment sets one"),
+    Unread(("augment.remode", "augment.recount"), lambda get: not _on(get, "augment.reprob"),
+           "random erasing is off (augment.reprob=0)"),
+    Unread(("augment.scale",), lambda get: str(get("augment.crop")) == "simple",
+           "augment.crop=simple replaces the random-resized crop, which alone reads the scale"),
+    Unread(("mix.switch_prob",),
+           lambda get: not all(_on(get, key) for key in ("mix.mixup_alpha", "mix.cutmix_alpha", "mix.prob")),
+           "timm's Mixup switches between Mixup and CutMix only when both are on (mix.mixup_alpha > 0 and "
+           "mix.cutmix_alpha > 0) and it mixes at all (mix.prob > 0)"),
+    Unread(("mix.prob", "mix.mode"), lambda get: not (_on(get, "mix.mixup_alpha") or _on(get, "mix.cutmix_alpha")),
+           "no Mixup or CutMix runs (mix.mixup_alpha = mix.cutmix_alpha = 0)"),
+    Unread(("distill.alpha", "distill.tau", "distill.kl_normalization", "distill.teacher_view"),
+           lambda get: str(get("distill.type")) == NO_DISTILLATION,
+           "the run does not distil (distill.type=none): it has no teacher term"),
+    Unread(("distill.tau", "distill.kl_normalization"), lambda get: str(get("distill.type")) in HARD_KINDS,
+           "a hard distillation (distill.type=hard, hard_token) takes the teacher's arg-max label: no temperature, "
+           "no KL"),
+    Unread(("optimizer.momentum",), lambda get: is_adam_like(str(get("optimizer.name"))),
+           "an Adam-like optimizer (adam*, lamb) takes betas and eps, not momentum"),
+    Unread(("optimizer.betas", "optimizer.eps"), lambda get: not is_adam_like(str(get("optimizer.name"))),
+           "an SGD-like optimizer takes momentum, not Adam's betas and eps"),
+)
+
+
+@functools.cache
+def _schema_defaults() -> str:
+    return json.dumps(OmegaConf.to_container(OmegaConf.structured(Config), enum_to_str=True))
+
+
+def schema_default(dotted: str) -> Any:
+    """The schema's default of a dotted key (`mix.switch_prob` -> 0.5) as plain data, what an unread setting holds
+    in a run's identity; a KeyError for a key the schema lacks."""
+    node: Any = json.loads(_schema_defaults())
+    for key in dotted.split("."):
+        node = node[key]
+    return node
+
+
+def unread_settings(get: Getter) -> dict[str, str]:
+    """`{setting: why}` of the settings a stage whose config `get` reads (dotted key -> value) never reads."""
+    found: dict[str, str] = {}
+    for rule in UNREAD:
+        if rule.when(get):
+            for setting in rule.settings:
+                found.setdefault(setting, rule.because)
+    return found

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from deit_ablate.config.keys import leaves
+from deit_ablate.config.keys import leaves, unread_settings
 from deit_ablate.config.schema import FinetuneConfig, Stage, TransferConfig
 from deit_ablate.core.errors import ConfigError
 
@@ -134,3 +134,32 @@ def stage_changes(declared: DictConfig, applied: DictConfig) -> list[str]:
     before, after = (leaves({key: OmegaConf.to_container(cfg[key], resolve=True, enum_to_str=True)
                              for key in OVERRIDABLE}) for cfg in (declared, applied))
     return [f"{key} {before.get(key)} -> {value}" for key, value in after.items() if before.get(key) != value]
+
+
+def _stage_blocks(tree: dict[str, Any]) -> list[str]:
+    """The blocks of the stages after pre-training that a run of `tree` (plain data) trains through, in order."""
+    stage = str(tree.get("stage"))
+    if stage == str(Stage.finetune):
+        return ["finetune"]
+    if stage != str(Stage.transfer):
+        return []
+    through_finetune = str((tree.get("transfer") or {}).get("source_stage")) == str(Stage.finetune)
+    return ["finetune", "transfer"] if through_finetune else ["transfer"]
+
+
+def _block_settings(block: dict[str, Any]) -> dict[str, Any]:
+    """`{key of the run: value}` a stage block (plain data) sets: its named keys, then its override set."""
+    named = {target: block[key] for key, target in NAMED_KEYS.items() if block.get(key) is not None}
+    return {**named, **leaves(block.get("overrides") or {})}
+
+
+def run_unread_settings(tree: dict[str, Any]) -> dict[str, str]:
+    """`{setting: why}` of the composed config's settings (`tree`: a run's experiment as plain data) that no stage
+    of the run trains with: each stage never reads it (keys.UNREAD: why is the pre-training's) or sets its own."""
+    composed = leaves(tree)
+    unread = unread_settings(composed.get)
+    for block in _stage_blocks(tree):
+        sets = _block_settings(tree.get(block) or {})
+        in_stage = unread_settings(lambda key, sets=sets: sets[key] if key in sets else composed.get(key))
+        unread = {key: why for key, why in unread.items() if key in in_stage or key in sets}
+    return unread

@@ -8,14 +8,17 @@ the hash so that people can read it. The data and the teacher are known only onc
 enter the wandb id and group (with_data, with_teacher), and the run folder records them (identity.json), so a
 relaunch on other data or other teacher weights is refused rather than resumed or skipped (run.py, teacher.py).
 A transfer's wandb id and group carry its source run's data and teacher the same way (with_source, transfer.py). A
-run that does not distil carries no teacher: its identity is as if no `distill.teacher.*` key had been given.
-Which keys enter it is deit_ablate/config/keys.py's. Study rows are Hydra choices, not keys, so `run_identity` takes the
-choices too: Table 8's row enters the digest as the schema key it once was (keys.LEGACY_CHOICE_KEYS), which keeps
-the folders and wandb ids of runs from before it became a choice.
+run that does not distil carries no teacher: its identity is as if no `distill.teacher.*` key had been given. A
+setting that no stage of the run reads (keys.UNREAD: colour jitter beside RandAugment) holds the schema's default in
+it and leaves the folder name, so the run is the one that computes the same (canonical_experiment). Which keys enter
+it is deit_ablate/config/keys.py's. Study rows are Hydra choices, not keys, so `run_identity` takes the choices too:
+Table 8's row enters the digest as the schema key it once was (keys.LEGACY_CHOICE_KEYS), which keeps the folders and
+wandb ids of runs from before it became a choice.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -35,11 +38,13 @@ from deit_ablate.config.keys import (
     TRANSFER_ONLY,
     inherited_lr_rules,
     is_default_leaf,
+    leaves,
     legacy_keys,
+    schema_default,
     unused_teacher,
 )
 from deit_ablate.config.schema import preset_teacher
-from deit_ablate.config.stage_config import is_applied
+from deit_ablate.config.stage_config import is_applied, run_unread_settings
 from deit_ablate.config.studies import study_names
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
@@ -94,9 +99,11 @@ def _leaf(tree: dict[str, Any], dotted: str) -> Any:
     return tree
 
 
-def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None,
+               canonical: bool = True) -> dict[str, Any]:
     """The resolved experiment part of `cfg` as plain data (top-level keys in `drop` left out too); with Hydra's
-    group `choices`, also the legacy keys every digest carries (keys.legacy_keys: Table 8's row)."""
+    group `choices`, also the legacy keys every digest carries (keys.legacy_keys: Table 8's row). A setting no stage
+    of the run reads holds the schema's default (`canonical`; as declared with canonical=False)."""
     if is_applied(cfg):
         raise ValueError("a run's identity is its composed config, not the config its stage runs (stage_config)")
     out: dict[str, Any] = {}
@@ -110,6 +117,8 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
     distill = out.get("distill")
     if isinstance(distill, dict) and unused_teacher(TEACHER_KEYS, distill.get("type")):
         distill["teacher"] = preset_teacher(out.get("preset", "demo"))  # as if the run were given no teacher
+    if canonical:
+        out = canonical_experiment(out)
     for dotted in (*NOT_IDENTITY, *inherited_lr_rules(lambda key: _leaf(out, key))):
         _pop(out, dotted)
     for dotted in ADDED_KEYS:  # runs from before a key keep their identity while it holds its default
@@ -118,6 +127,31 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
     if choices is not None:
         out.update({k: v for k, v in legacy_keys(choices).items() if k not in drop})
     return out
+
+
+def canonical_experiment(tree: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an experiment (plain data) whose settings no stage reads (stage_config.run_unread_settings) hold the
+    schema's default: a run that computes the same as another has its identity, whatever it set them to."""
+    out = copy.deepcopy(tree)
+    for dotted in run_unread_settings(tree):
+        *parents, leaf = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = schema_default(dotted)
+    return out
+
+
+def same_computation(first: dict[str, Any], second: dict[str, Any]) -> str | None:
+    """Why two experiments (plain data, `experiment(..., canonical=False)`) that differ compute the same: each
+    setting that tells them apart and why no stage reads it; None when they compute differently or do not differ."""
+    if canonical_experiment(first) != canonical_experiment(second):
+        return None
+    flat_first, flat_second = leaves(first), leaves(second)
+    differ = sorted(key for key in {*flat_first, *flat_second} if flat_first.get(key) != flat_second.get(key))
+    unread = {**run_unread_settings(second), **run_unread_settings(first)}
+    return "; ".join(f"{key} is ignored because {unread.get(key, 'no stage reads it')}" for key in differ) or None
 
 
 def experiment_digest(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None) -> str:
@@ -163,7 +197,7 @@ def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
     return f"{text[:_MAX_READABLE]}~"
 
 
-def _stage_drop(stage: str) -> tuple[str, ...]:
+def stage_drop(stage: str) -> tuple[str, ...]:
     """A run's identity leaves out the recipes of later stages, which it never uses: a pre-training both the
     fine-tune and the transfer recipe (with its rule, `transfer_recipe=`), a fine-tune the transfer recipe. A
     transfer keeps the fine-tune recipe, which names its source run."""
@@ -175,10 +209,13 @@ def _stage_drop(stage: str) -> tuple[str, ...]:
 def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, Any]) -> RunIdentity:
     """The identity of the run `cfg` describes, launched with `overrides` (Hydra's task overrides), whose group
     options are `choices` (Hydra's `runtime.choices`; see `composed_choices`). A run that does not distil is named
-    without the teacher overrides a sweep gave it (keys.TEACHER_KEYS)."""
-    drop = _stage_drop(str(cfg.stage))
+    without the teacher overrides a sweep gave it (keys.TEACHER_KEYS), and a run without the overrides of settings
+    no stage of it reads (keys.UNREAD)."""
+    drop = stage_drop(str(cfg.stage))
     distill_type = cfg.distill.type if "distill" in cfg else None
-    overrides = [item for item in overrides if not unused_teacher(_override_key(item), distill_type)]
+    unread = run_unread_settings(experiment(cfg, drop, canonical=False))
+    overrides = [item for item in overrides
+                 if not unused_teacher(_override_key(item), distill_type) and _override_key(item) not in unread]
     digest = experiment_digest(cfg, drop, choices)
     name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
     # groups keep the names they had (no key put first), so the seeds of one setting stay in one wandb group

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from deit_ablate.core.logs import attach_run_log, detach_run_log, file_only, log
 from deit_ablate.core.stopping import StopRequested
 from deit_ablate.core.streams import trained_before
 from deit_ablate.record import checkpoint as ckpt
+from deit_ablate.record.identity import experiment, same_computation, stage_drop
 from deit_ablate.record.resume import LaunchAction, folder_action, previous_result, skip_action
 from deit_ablate.record.rundir import RunDir, wandb_root
 from deit_ablate.record.runlock import RunLock
@@ -217,3 +218,25 @@ def dry_run_line(plan: RunPlan) -> str:
     pending = plan.identity.pending
     wandb_id = f"wandb id pending: keyed by {pending}" if pending else f"wandb id {plan.identity.run_id}"
     return f"[dry run] {plan.run_dir.name} ({wandb_id}): {launch_plan(plan)}"
+
+
+def _declared_experiment(plan: RunPlan) -> dict[str, Any]:
+    """What the run computes, as declared: its experiment without Hydra's choices and unread settings as set."""
+    return experiment(plan.declared, stage_drop(str(plan.declared.stage)), canonical=False)
+
+
+def same_computation_lines(plans: Sequence[RunPlan]) -> list[str]:
+    """The dry run's line for each run of a sweep that computes the same as an earlier one though its settings
+    differ: which settings tell them apart and why no stage reads them (keys.UNREAD)."""
+    lines, seen = [], []
+    for plan in plans:
+        ours = _declared_experiment(plan)
+        for other, theirs in seen:
+            why = same_computation(ours, theirs)
+            if why is not None:
+                row, same_as = (",".join(sorted(set(a) - set(b))) or "(no override)"
+                                for a, b in ((plan.overrides, other.overrides), (other.overrides, plan.overrides)))
+                lines.append(f"[dry run] row {row} computes the same as row {same_as} ({why})")
+                break
+        seen.append((plan, ours))
+    return lines

@@ -60,11 +60,16 @@ def sweep_run_dir(cfg: DictConfig) -> Path:
 
 
 def print_plans(plans: Iterable[RunPlan]) -> None:
-    """Print the dry run's line for each run (`sweep_plans`); nothing is written."""
-    from deit_ablate.run.lifecycle import dry_run_line
+    """Print the dry run's line for each run (`sweep_plans`), then one for each run that computes the same as
+    another of the sweep (lifecycle.same_computation_lines); nothing is written."""
+    from deit_ablate.run.lifecycle import dry_run_line, same_computation_lines
 
+    planned = []
     for plan in plans:
         print(dry_run_line(plan), flush=True)
+        planned.append(plan)
+    for line in same_computation_lines(planned):
+        print(line, flush=True)
 
 
 def sweep_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path], job_log: bool = True) -> Iterator[RunPlan]:

@@ -12,6 +12,8 @@ import torch
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 
+from deit_ablate.config.keys import is_adam_like
+
 # Layer 0 of layer-wise lr decay besides `patch_embed.*`: the prefix tokens and the position table.
 EMBEDDING_NAMES = ("cls_token", "dist_token", "reg_token", "pos_embed")
 _BLOCK = re.compile(r"blocks\.(\d+)\.")
@@ -76,8 +78,7 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     dist_token, pos_embed); with `layer_decay` zeta, a ViT's layers get zeta^(L + 1 - layer) of the lr."""
     # timm's "lamb" is apex's FusedLAMB that DeiT III trained with (--opt fusedlamb): Adam's betas and eps, the
     # gradient clipped to global norm 1 inside the step, no trust ratio where weight decay is 0.
-    adam_like = name.startswith("adam") or name == "lamb"
-    extra = {"betas": tuple(betas), "eps": eps} if adam_like else {"momentum": momentum}
+    extra = {"betas": tuple(betas), "eps": eps} if is_adam_like(name) else {"momentum": momentum}
     if name in ("adam", "adamw"):
         # One fused kernel instead of a loop over ~400 tensors: 4.4x faster optimizer.step() on this CPU
         # (docs/PERFORMANCE.md); torch would pick the per-tensor loop on CPU and foreach on GPU.
