@@ -20,6 +20,9 @@ if __name__ == "__main__":  # before the imports, which take seconds
     # Start-up makes millions of objects that live as long as the process (torch, timm, wandb, the config): no
     # collection passes over them while they are made (0.5 s of a 4 s start), one freeze once they are (main()).
     gc.disable()
+    from deit_ablate.core.imports import keep_wandb_out_of_timm
+
+    keep_wandb_out_of_timm()  # the launch checks import timm: without the wandb it imports for its own script
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

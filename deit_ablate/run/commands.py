@@ -59,6 +59,9 @@ def run_entry(name: str, target: str) -> int:
     and status 130: during its imports (seconds of torch, timm, wandb), which happen before `command` wraps its main,
     and during the interpreter's exit, where it is ignored (the command's work is done)."""
     try:
+        from deit_ablate.core.imports import keep_wandb_out_of_timm
+
+        keep_wandb_out_of_timm()  # timm comes without wandb (core/imports.py); a command that logs imports it itself
         module, _, function = target.partition(":")
         status = getattr(importlib.import_module(module), function)()
     except KeyboardInterrupt:
