@@ -14,7 +14,7 @@ from html import escape
 
 from .about import facts, headline, page_title
 from .cells import Table
-from .render import _caption, _cells, _footnotes, _headers
+from .columns import caption, footnotes, headers, row_cells
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 2em;
@@ -44,7 +44,7 @@ def _row_html(table: Table, digits: int) -> list[str]:
     for row in table.rows:
         classes = [c for c, on in (("sub", row.base and row.key != row.base), ("empty", not row.has_runs)) if on]
         attr = f' class="{" ".join(classes)}"' if classes else ""
-        cells = "".join(f"<td>{escape(text)}</td>" for text in _cells(table, row, digits))
+        cells = "".join(f"<td>{escape(text)}</td>" for text in row_cells(table, row, digits))
         lines.append(f"<tr{attr}>{cells}</tr>")
     return lines
 
@@ -64,7 +64,7 @@ def _footer(table: Table) -> str:
 
 def to_html(table: Table, digits: int = 2, images: list[tuple[str, bytes]] | None = None) -> str:
     """The table, its notes and the given (title, PNG) images as one HTML document."""
-    heads = "".join(f"<th>{escape(h)}</th>" for h in _headers(table))
+    heads = "".join(f"<th>{escape(h)}</th>" for h in headers(table))
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -72,12 +72,12 @@ def to_html(table: Table, digits: int = 2, images: list[tuple[str, bytes]] | Non
         f"<style>{STYLE}</style>",
         "</head><body>",
         f"<h1>{escape(headline(table))}</h1>",
-        f"<p>{escape(_caption(table, markdown=False))}</p>",
+        f"<p>{escape(caption(table, markdown=False))}</p>",
         *_about_html(table),
         f'<div class="wide"><table><thead><tr>{heads}</tr></thead><tbody>',  # wider than the page: it scrolls
         *_row_html(table, digits),
         "</tbody></table></div>",
-        *(f'<p class="note">{escape(note)}</p>' for note in _footnotes(table)),
+        *(f'<p class="note">{escape(note)}</p>' for note in footnotes(table)),
     ]
     for name, data in images or []:
         parts += [f"<h2>{escape(name)}</h2>", f'<img alt="{escape(name)}" src="{png_uri(data)}">']
