@@ -81,6 +81,7 @@ def to_json_dict(table: Table) -> dict[str, Any]:
         "metric": table.metric,
         "metric_key": table.metric_key,
         "baseline": table.baseline,
+        "reference": table.reference or None,
         "stages": table.stages,
         "stage_sizes": {s: table.stage_sizes.get(s, []) for s in table.stages},
         "paper": paper,
@@ -93,6 +94,7 @@ def to_json_dict(table: Table) -> dict[str, Any]:
                 "in_paper": row.in_paper,
                 "delta_to": row.delta_to or None,
                 "cells": {s: cell_record(row.cells[s]) for s in table.stages},
+                **({"reference": cell_record(row.reference)} if row.reference is not None else {}),
                 **teachers.record(table, row),
             }
             for row in table.rows
