@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from deit_ablate.analysis.aggregate import cli
-from tests.conftest import write_offline_runs
+from tests.conftest import TINY, run_train, write_offline_runs
 
 SHAPES, SHAPES_B = "4a7852e162e65685", "d99b4b509ef1ac62"  # the built-in data's digests: shapes, shapes_b
 DEMO_VIT = {"name": "deit_tiny_patch16_224", "kwargs": {"patch_size": 8, "embed_dim": 32, "depth": 1}}
@@ -193,3 +193,50 @@ def test_the_html_page_reads_at_1000_1400_and_2200_px(browser, mixed, paper, tmp
         assert seen["problems"] == [], (paper, width, seen["problems"][:10])
         png = screenshot(page, width, work / f"{paper}-{width}.png", work)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- a newcomer's output root, trained by train.py ------------------------------------------------------------------
+
+SHORT = ["finetune.epochs=1", "transfer.epochs=1", "transfer.global_batch=32"]
+
+
+@pytest.fixture(scope="module")
+def newcomer(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
+    """README's plain run, then docs/transfer.md's demo (fine-tune, transfer, the from-scratch run on the second
+    built-in set) and a DeiT III row in the same output root, at the tiny test scale; its wandb folder."""
+    cwd = tmp_path_factory.mktemp("newcomer")
+    steps = ([], ["stage=finetune"], ["transfer=builtin_b"], ["data.builtin.classes=shapes_b"], ["deit3=baseline"])
+    for extra in steps:
+        run_train([*extra, *TINY, *SHORT], cwd, data_cache)
+    return cwd / "outputs" / "wandb"
+
+
+def _sections(html: str) -> dict[str, str]:
+    """Each <h2> section's title and what follows it up to the next section."""
+    parts = re.split(r"<h2>(.*?)</h2>", html.split("</table>")[-1])
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+@pytest.mark.slow  # five train.py runs, about a minute on two cores
+def test_a_newcomers_reports_have_content_in_every_section(newcomer: Path, tmp_path: Path, capsys) -> None:
+    text = _markdown([str(newcomer), "--plot", str(tmp_path / "table8.png")], capsys)  # README's command
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| ablation | ours pre-train @32 |") and "transfer" not in rows[0], rows[0]
+    assert rows[1].startswith("| baseline | ") and "missing" not in rows[1], rows[1]  # both stages have a number
+    assert not [row for row in rows if " · " in row], "another study's runs became sub-rows"
+    assert f"Also in {newcomer}: 2 runs of transfer, 1 of deit3 (see --paper table7 / --paper deit3)." in text
+    for paper in ("table8", "table7", "deit3"):
+        page = tmp_path / f"{paper}.html"
+        assert cli.main([str(newcomer), "--paper", paper, "--format", "html", "--out", str(page), "-q"]) == 0
+        html = page.read_text()
+        sections = _sections(html)
+        assert list(sections) == [next(iter(sections)), "Validation top-1 by epoch"] and \
+            next(iter(sections)).startswith("Δ to "), (paper, list(sections))
+        for title, body in sections.items():
+            image = re.search(r'src="data:image/png;base64,([^"]*)"', body)
+            assert image and len(image.group(1)) > 10_000, (paper, title)
+        assert "None" not in re.sub(r'src="data:image/png;base64,[^"]*"', "", html), paper
+    transfer = _json([str(newcomer), "--paper", "table7"], capsys)
+    (row,) = [r for r in transfer["rows"] if r["cells"]["transfer"]["n"]]
+    assert row["key"] == "builtin_b" and row["reference"]["n"] == 1 and row["cells"]["transfer"]["delta"] is not None
+
