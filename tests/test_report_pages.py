@@ -96,6 +96,7 @@ def test_transfer_is_compared_with_the_same_network_trained_from_scratch(mixed, 
     text = _markdown(argv, capsys)
     assert "| transfer | ours transfer @48 | ours from scratch | Δ | paper transfer top-1 |" in text
     assert "| builtin_b | 58.00 | 59.00 | -1.00 | not in the text |" in text
+    assert "- from scratch: pre-train, 5 epochs at 32 px" in text  # what was run names it
     table = _json(argv, capsys)
     row = next(r for r in table["rows"] if r["key"] == "builtin_b")
     assert table["reference"] == "from scratch" and row["reference"]["run_ids"] == ["scratch"]  # not the longer one

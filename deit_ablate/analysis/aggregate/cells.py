@@ -161,6 +161,7 @@ class Table:
     meta: dict[str, Any] = field(default_factory=dict)  # run counts and warnings, filled in by the caller
     sharpness_stages: list[str] = field(default_factory=list)  # stages with sharpness columns (sharp.py)
     reference: str = ""  # what each row's Δ is measured against where that is no row (scratch.SCRATCH)
+    reference_runs: list[RunInfo] = field(default_factory=list)  # the runs behind the rows' reference cells
 
     @property
     def compared(self) -> bool:

@@ -74,5 +74,6 @@ def fill_scratch(table: Table, scratch: list[RunInfo]) -> None:
         cell = Cell()
         if twins:
             for run in sorted(_chosen(transfers, twins), key=_start, reverse=True):  # a repeated seed: the latest
-                cell.add(run, metric_value(run, table.metric_key))
+                if cell.add(run, metric_value(run, table.metric_key)):
+                    table.reference_runs.append(run)
         row.reference = cell

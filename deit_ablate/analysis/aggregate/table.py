@@ -285,13 +285,7 @@ def build_table(
         baseline = default if default in order else None
     filled = _fill(buckets, baseline, metric, order_by, match_baseline)
     table_rows = _table_rows(order, filled, order_by, only_present)
-    stages = [
-        s
-        for s in STAGES
-        if any(c[1] == s for c in filled.counted) or any(t and s in t.columns for t in (ptable, study))
-    ]
-    if only_present:
-        stages = [s for s in stages if any(_has_runs(r.cells[s]) for r in table_rows)] or stages[:1]
+    stages = _stages(filled, table_rows, (ptable, study), only_present)
     table = Table(
         rows_key=rows_key,
         metric=metric,
@@ -314,6 +308,14 @@ def build_table(
     fill_deltas(table_rows, stages, baseline, ptable, per_row)
     fill_sharpness(table)
     return table
+
+
+def _stages(filled: _Filled, rows: list[Row], tables: tuple[PaperTable | None, ...], only_present: bool) -> list[str]:
+    """The columns: stages with runs or a paper column; with `only_present`, those with runs (at least one)."""
+    stages = [s for s in STAGES if any(c[1] == s for c in filled.counted) or any(t and s in t.columns for t in tables)]
+    if only_present:
+        stages = [s for s in stages if any(_has_runs(r.cells[s]) for r in rows)] or stages[:1]
+    return stages
 
 
 def _has_runs(cell: Cell) -> bool:
