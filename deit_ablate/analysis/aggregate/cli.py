@@ -8,7 +8,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.config.studies import study_names
 from deit_ablate.core.atomic import write_figure_atomic, write_text_atomic
 from deit_ablate.core.errors import no_access
 from deit_ablate.run.commands import command, number_option
@@ -22,7 +21,7 @@ from .reader import API_PREFIX, RunInfo, Warn, is_api_source, read_offline, stde
 from .render import FORMATS, render
 from .select import MISSING, ROW_ALIASES, RunFilter, dedup, format_value, get_key, matches, parse_when
 from .settings import choices_of
-from .study_runs import StudyRuns, default_study, others_text, run_study, split_by_study
+from .study_runs import StudyRuns, others_text, run_study, split_by_study, study_index
 from .table import build_table, row_spec
 
 ALL_FORMATS = (*FORMATS, "html")
@@ -223,10 +222,11 @@ def default_rows(args: argparse.Namespace, runs: list[RunInfo]) -> str:
     study with most runs."""
     if args.paper not in (None, "auto", "none") and args.paper in table_names():
         return paper_table(args.paper).rows_key
-    counts = Counter(run_study(run) for run in runs)
-    if len(counts) == 1 or (counts and default_study() not in counts):
+    index = study_index()
+    counts = Counter(run_study(run, index) for run in runs)
+    if len(counts) == 1 or (counts and index.default not in counts):
         return counts.most_common(1)[0][0]
-    return default_study()
+    return index.default
 
 
 def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
@@ -243,7 +243,8 @@ def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
     if not runs and run_filter.api_filters() and any(is_api_source(s) for s in args.sources):
         raise UsageError(f"no run left: the W&B API returned no run for the query {run_filter.api_filters()}")
     unique, dropped = dedup(kept)
-    sorted_runs = split_by_study(unique, args.rows) if args.rows in study_names() else StudyRuns(own=unique)
+    index = study_index()
+    sorted_runs = split_by_study(unique, args.rows, index) if args.rows in index.tables else StudyRuns(own=unique)
     if sorted_runs.others:
         warn(f"{sum(sorted_runs.others.values())} run(s) that are not rows of the {args.rows} study left out")
     table = build_table(
@@ -274,7 +275,7 @@ def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
         "filters": filters_text(args),
         "options": options_text(args),
         "other_studies": dict(sorted_runs.others),
-        "also": others_text(sorted_runs.others, list(args.sources)),
+        "also": others_text(sorted_runs.others, list(args.sources), index),
     }
     return table
 

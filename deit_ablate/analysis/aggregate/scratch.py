@@ -19,6 +19,7 @@ from .settings import choices_of, experiment_settings, signature
 
 SCRATCH = "from scratch"
 STAGE = "transfer"  # the stage the comparison is made at
+DIGEST = "data_fingerprint.digest"  # the data by content
 # Choices a from-scratch twin may differ in from its transfer: what says it is a transfer, and at which size.
 TRANSFER_CHOICES = ("transfer", "stage", "resolution", "data")
 NOTE = ("Δ to from scratch: each transfer against the same network trained from scratch on the row's data (a "
@@ -35,8 +36,8 @@ def is_twin(transfer: RunInfo, run: RunInfo) -> bool:
     """Whether `run` trains the transfer's network from scratch on the transfer's data."""
     if run.config.get("stage", "pretrain") != "pretrain":
         return False
-    digest = _value(transfer, "data_fingerprint.digest")
-    if digest is None or _value(run, "data_fingerprint.digest") != digest:
+    digest = _value(transfer, DIGEST)
+    if digest is None or _value(run, DIGEST) != digest:
         return False
     if any(_value(run, k) != _value(transfer, k) for k in ("model.name", "model.kwargs")):
         return False
@@ -46,8 +47,10 @@ def is_twin(transfer: RunInfo, run: RunInfo) -> bool:
 
 def scratch_runs(transfers: Iterable[RunInfo], runs: Iterable[RunInfo]) -> list[RunInfo]:
     """The runs that are some transfer's from-scratch twin."""
-    transfers = list(transfers)
-    return [run for run in runs if any(is_twin(t, run) for t in transfers)]
+    by_data: dict[Any, list[RunInfo]] = {}  # a twin has its transfer's data: only those are compared
+    for transfer in transfers:
+        by_data.setdefault(_value(transfer, DIGEST), []).append(transfer)
+    return [run for run in runs if any(is_twin(t, run) for t in by_data.get(_value(run, DIGEST), []))]
 
 
 def _chosen(transfers: list[RunInfo], twins: list[RunInfo]) -> list[RunInfo]:
