@@ -669,25 +669,26 @@ def test_delta_plot_carries_error_bars_markers_and_n() -> None:
     from matplotlib.container import BarContainer, ErrorbarContainer
 
     table = _noisy_table()
-    ax = draw_deltas(table).axes[0]
-    keys = [t.get_text() for t in ax.get_xticklabels()]
+    ax = draw_deltas(table).axes[0]  # horizontal bars: a row's name level on the y axis, Δ along x
+    keys = [t.get_text() for t in ax.get_yticklabels()]
     ours = next(c for c in ax.containers if isinstance(c, BarContainer) and c.get_label() == "ours, pre-train")
-    x = {key: bar.get_x() + bar.get_width() / 2 for key, bar in zip(keys, ours.patches, strict=True)}
+    y = {key: bar.get_y() + bar.get_height() / 2 for key, bar in zip(keys, ours.patches, strict=True)}
     bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
     assert bars and "95% CI" in bars[0].get_label()
-    lines = [s for c in bars for s in c.lines[2][0].get_segments()]  # one vertical segment per error bar
-    segments = {round(float(s[0][0]), 6): (float(s[0][1]), float(s[1][1])) for s in lines}
+    lines = [s for c in bars for s in c.lines[2][0].get_segments()]  # one horizontal segment per error bar
+    segments = {round(float(s[0][1]), 6): (float(s[0][0]), float(s[1][0])) for s in lines}
     for key, delta in (("no_mixup", -3.0), ("no_cutmix", -9.0)):
         want = (pytest.approx(delta - HALF, abs=1e-5), pytest.approx(delta + HALF, abs=1e-5))
-        assert segments[round(x[key], 6)] == want, key
-    assert round(x["ema"], 6) not in segments  # n=1: no error bar
+        assert segments[round(y[key], 6)] == want, key
+    assert round(y["ema"], 6) not in segments  # n=1: no error bar
     zero = next(line for line in ax.lines if "cannot be told from zero" in line.get_label())
-    assert [round(float(v), 6) for v in zero.get_xdata()] == [round(x["no_mixup"], 6)]
-    assert list(zero.get_ydata()) == [pytest.approx(-3.0)]
+    assert [round(float(v), 6) for v in zero.get_ydata()] == [round(y["no_mixup"], 6)]
+    assert list(zero.get_xdata()) == [pytest.approx(-3.0)]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any("95% CI" in t for t in legend) and any("cannot be told from zero" in t for t in legend)
     texts = {t.get_text() for t in ax.texts}
     assert "n=3 vs 4" in texts and "n=1, no spread" in texts
+    assert all(t.get_rotation() == 0 for t in [*ax.texts, *ax.get_xticklabels(), *ax.get_yticklabels()])
 
 
 # --- #26 point 12: every output says what was run --------------------------------------------------------------

@@ -152,7 +152,7 @@ def test_html_is_one_self_contained_file(outputs: Path) -> None:
     page = outputs.parent / "table8.html"
     assert cli.main([str(wandb_root(outputs)), "--format", "html", "--out", str(page), "-q"]) == 0
     text = page.read_text()
-    assert text.startswith("<!DOCTYPE html>") and "<table>" in text and "81.8 ± 0.2" in text
+    assert text.startswith("<!DOCTYPE html>") and '<table class="results">' in text and "81.8 ± 0.2" in text
     assert "baseline · mix=none" in text
     assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]+"', text)) == 2  # Δ plot and curves
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", text, re.I)

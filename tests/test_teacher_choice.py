@@ -132,10 +132,10 @@ def test_table2_view_shows_the_teachers_top1_beside_the_students():
     text = render(table, "markdown")
     assert "teacher ours | teacher paper |" in text
     # Table 2 reads the distillation head at 224 and the class head at ↑384 (Table 3's figures): ours is that head's
-    # figure (40 - 0.5, 42 - 1), named beside the paper's
-    assert re.search(r"\| deit_b \| 39\.50 \(n=1\) · distillation head .*\| 81\.9 · distillation head \|"
-                     r".*\| 41\.00 \(n=1\) · class head .*\| 83\.1 · class head \|.*\| 35\.50 \| 81\.8 \|", text)
-    assert re.search(r"\| regnety_16gf \| 44\.50 \(n=1\) · distillation head .*\| 83\.1 · distillation head \|"
+    # figure (40 - 0.5, 42 - 1), named beside the paper's; one seed each: no `(n=1)`, the caption says it once
+    assert re.search(r"\| deit_b \| 39\.50 · distillation head .*\| 81\.9 · distillation head \|"
+                     r".*\| 41\.00 · class head .*\| 83\.1 · class head \|.*\| 35\.50 \| 81\.8 \|", text)
+    assert re.search(r"\| regnety_16gf \| 44\.50 · distillation head .*\| 83\.1 · distillation head \|"
                      r".*\| 84\.2 · class head \|.*\| 50\.25 \| 82\.9 \|", text)
     record = next(r for r in to_json_dict(table)["rows"] if r["key"] == "deit_b")
     assert record["teacher_runs"] == ["model=vit_demo-1"] and record["teacher_paper"] == 81.8

@@ -106,6 +106,12 @@ def resolution_text(run: RunInfo, stage: str) -> str:
     return f"{train} px" if test in (None, train) else f"{train} px, eval {test} px"
 
 
+def scratch_text(run: RunInfo) -> str:
+    """A from-scratch run's schedule: `pre-train, 5 epochs at 32 px`."""
+    epochs = epochs_text(run, "pretrain")
+    return f"pre-train, {epochs} epoch{'' if epochs == '1' else 's'} at {resolution_text(run, 'pretrain')}"
+
+
 def _values(texts: list[str]) -> str:
     """One value, or `differs: A (2 runs) | B (1 run)`."""
     counts = Counter(texts)
@@ -147,6 +153,8 @@ def facts(table: Table) -> list[tuple[str, str]]:
         ("preset", _values([format_value(get_key(r.config, "preset")) for r in runs])),
         ("commit", _values([_commit(r) for r in runs])),
     ]
+    if table.reference_runs:
+        out.append((table.reference, _values([scratch_text(r) for r in table.reference_runs])))
     for key in ("filters", "options"):
         if table.meta.get(key):
             out.append((key, str(table.meta[key])))

@@ -131,6 +131,7 @@ class Row:
     in_paper: bool = False
     base: str = ""  # the row key's value; == key except on sub-rows
     delta_to: str = ""  # the row its Δ is measured against, where the paper table gives each row its own
+    reference: Cell | None = None  # what its Δ is measured against where that is no row (a transfer's from scratch)
 
     @property
     def has_runs(self) -> bool:
@@ -159,6 +160,24 @@ class Table:
     per_row_baselines: bool = False  # Δ to each row's own baseline (Row.delta_to), as the paper table defines them
     meta: dict[str, Any] = field(default_factory=dict)  # run counts and warnings, filled in by the caller
     sharpness_stages: list[str] = field(default_factory=list)  # stages with sharpness columns (sharp.py)
+    reference: str = ""  # what each row's Δ is measured against where that is no row (scratch.SCRATCH)
+    reference_runs: list[RunInfo] = field(default_factory=list)  # the runs behind the rows' reference cells
+
+    @property
+    def compared(self) -> bool:
+        """Whether the rows have a Δ: to a baseline row, or to each row's reference."""
+        return self.baseline is not None or bool(self.reference)
+
+    @property
+    def one_seed(self) -> bool:
+        """Whether every cell with a number has exactly one seed (no spread anywhere: said once, not per cell)."""
+        cells = [c for r in self.rows for c in (*r.cells.values(), r.reference) if c is not None and c.values]
+        return bool(cells) and all(c.n == 1 for c in cells)
+
+    @property
+    def without_runs(self) -> list[Row]:
+        """The rows no run landed in (the paper's rows nobody ran)."""
+        return [r for r in self.rows if not r.has_runs]
 
     def row(self, key: str) -> Row | None:
         """The row for a config value."""

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.config.studies import studies as all_studies
 from deit_ablate.core.atomic import write_figure_atomic, write_text_atomic
 from deit_ablate.core.errors import no_access
 from deit_ablate.run.commands import command, number_option
 
 from .api import read_api
 from .cells import METRICS, Table
+from .columns import delta_reference, split_text
 from .names import config_keys, suggest, summary_keys
-from .paper import paper_table, table_names
+from .paper import STAGE_NAMES, paper_table, table_names
 from .reader import API_PREFIX, RunInfo, Warn, is_api_source, read_offline, stderr_warn
-from .render import FORMATS, STAGE_NAMES, render, split_text
+from .render import FORMATS, render
 from .select import MISSING, ROW_ALIASES, RunFilter, dedup, format_value, get_key, matches, parse_when
 from .settings import choices_of
+from .study_runs import StudyRuns, others_text, run_study, split_by_study, study_index
 from .table import build_table, row_spec
 
 ALL_FORMATS = (*FORMATS, "html")
@@ -214,21 +216,17 @@ def _report(table: Table, warn: Warn) -> None:
         warn(table.paper_note)
 
 
-def studies() -> list[str]:
-    """Studies whose rows a run has only when launched with one (`cait`; not Table 8, whose default row every run
-    has), from the registry (deit_ablate/config/studies.py)."""
-    return [study.name for study in all_studies() if study.default is None]
-
-
 def default_rows(args: argparse.Namespace, runs: list[RunInfo]) -> str:
-    """--rows when not given: the rows of the --paper table named, else the study (a config group with a paper
-    table, such as `cait`) every run was launched with, else the study with a default row (`ablation`: Table 8)."""
+    """--rows when not given: the rows of the --paper table named, else the study every run belongs to (its recorded
+    choices: `cait`, `deit3`), else the study with a default row (`ablation`: Table 8) where it has runs, else the
+    study with most runs."""
     if args.paper not in (None, "auto", "none") and args.paper in table_names():
         return paper_table(args.paper).rows_key
-    for study in studies():
-        if runs and all(choices_of(run.config).get(study) for run in runs):
-            return study
-    return next(study.name for study in all_studies() if study.default is not None)
+    index = study_index()
+    counts = Counter(run_study(run, index) for run in runs)
+    if len(counts) == 1 or (counts and index.default not in counts):
+        return counts.most_common(1)[0][0]
+    return index.default
 
 
 def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
@@ -245,19 +243,19 @@ def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
     if not runs and run_filter.api_filters() and any(is_api_source(s) for s in args.sources):
         raise UsageError(f"no run left: the W&B API returned no run for the query {run_filter.api_filters()}")
     unique, dropped = dedup(kept)
-    if args.rows in studies():
-        others = [r for r in unique if not choices_of(r.config).get(args.rows)]
-        if others:
-            warn(f"{len(others)} run(s) that are not rows of the {args.rows} study left out")
-            unique = [r for r in unique if choices_of(r.config).get(args.rows)]
+    index = study_index()
+    sorted_runs = split_by_study(unique, args.rows, index) if args.rows in index.tables else StudyRuns(own=unique)
+    if sorted_runs.others:
+        warn(f"{sum(sorted_runs.others.values())} run(s) that are not rows of the {args.rows} study left out")
     table = build_table(
-        unique,
+        sorted_runs.own,
         rows=args.rows,
         metric=args.metric,
         baseline=args.baseline,
         paper=args.paper,
         match_baseline=args.match_baseline,
         only_present=args.only_present or args.paper == "none",
+        scratch=sorted_runs.scratch,
     )
     if args.baseline is not None and table.row(args.baseline) is None:
         warn(f"--baseline {args.baseline!r} is not a row of this table; no differences computed")
@@ -276,6 +274,8 @@ def aggregate(args: argparse.Namespace, warn: Warn = stderr_warn) -> Table:
         "partial_logs": [r.source for r in runs if r.problem],
         "filters": filters_text(args),
         "options": options_text(args),
+        "other_studies": dict(sorted_runs.others),
+        "also": others_text(sorted_runs.others, list(args.sources), index),
     }
     return table
 
@@ -296,7 +296,7 @@ def list_runs(table: Table, digits: int) -> str:
 
 def figures(table: Table, args: argparse.Namespace) -> dict[str, Any]:
     """The figures the command line asks for (Δ plot, curves), each drawn once."""
-    wanted_plot = args.plot or (args.format == "html" and table.baseline is not None)
+    wanted_plot = args.plot or (args.format == "html" and table.compared)
     wanted_curves = args.curves or args.format == "html"
     out: dict[str, Any] = {}
     if wanted_plot:
@@ -319,7 +319,7 @@ def output_text(table: Table, args: argparse.Namespace, figs: dict[str, Any]) ->
     from .html import to_html
     from .plot import figure_png
 
-    names = {"plot": f"Δ to {table.baseline}", "curves": "Validation top-1 by epoch"}
+    names = {"plot": f"Δ to {delta_reference(table)}", "curves": "Validation top-1 by epoch"}
     return to_html(table, args.digits, [(names[k], figure_png(fig)) for k, fig in figs.items()])
 
 

@@ -1,7 +1,8 @@
 """Validation top-1 against epoch for each row of a table: mean over seeds with a min–max band, a panel per stage.
 
-Each row's legend entry gives its seed count (`n=1, no spread` where one run has no band); the title names the
-study and our runs, the foot what was run (as the Δ plot's).
+Each row's legend entry gives its seed count (`n=1, no spread` where one run has no band; where every row has one
+seed, the legend's title says it once); the title names the study and our runs, the foot what was run (as the Δ
+plot's).
 
 The per-epoch values come from the run folder's `metrics.csv` when it is found beside the wandb folder
 (`<output_root>/runs/<run name>/metrics.csv` for a log in `<output_root>/wandb/`), else from the wandb
@@ -21,6 +22,7 @@ from deit_ablate.record.rundir import METRICS
 
 from .about import footer, headline
 from .cells import Table
+from .columns import ONE_SEED
 from .paper import STAGE_NAMES
 from .plot import framed_figure, literal
 from .reader import RunInfo, csv_path, is_api_source, read_histories, read_metrics_csv
@@ -129,11 +131,12 @@ def draw_curves(table: Table, series: dict[str, list[Series]]) -> Any:
     fig, rect = framed_figure(6.4 * len(stages), 4.6, head, footer(table))
     axes = fig.subplots(1, len(stages), squeeze=False)[0]
     colors = _colors([r.key for r in table.rows])
+    one_seed = all(max(map(len, s.values)) == 1 for lines in series.values() for s in lines)  # said once: the legend
     for ax, stage in zip(axes, stages, strict=True):
         for s in series.get(stage, []):
             color = colors.get(s.label, "black")
             n = max(map(len, s.values))
-            label = literal(f"{s.label} (n={n})" if n > 1 else f"{s.label} ({NO_SPREAD})")
+            label = literal(s.label if one_seed else f"{s.label} (n={n})" if n > 1 else f"{s.label} ({NO_SPREAD})")
             ax.plot(s.epochs, s.mean, "-", color=color, marker="o", markersize=3, label=label)
             if n > 1:
                 low, high = [min(v) for v in s.values], [max(v) for v in s.values]
@@ -146,7 +149,7 @@ def draw_curves(table: Table, series: dict[str, list[Series]]) -> Any:
         ax.set_ylabel(f"validation top-1 (%), for --metric {table.metric}")
         ax.grid(alpha=0.3)
         if series.get(stage):
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, title=ONE_SEED if one_seed else None, title_fontsize=7)
         else:
             ax.text(0.5, 0.5, "no per-epoch history", transform=ax.transAxes, ha="center")
     fig.tight_layout(rect=rect)

@@ -19,7 +19,8 @@ def _diff(a: float | None, b: float | None) -> float | None:
 def fill_deltas(
     rows: list[Row], stages: list[str], baseline: str | None, ptable: PaperTable | None, per_row: bool = False
 ) -> None:
-    """Δ of every cell to the baseline row's (with `per_row`: to the row the paper table names for each row)."""
+    """Δ of every cell to the baseline row's (with `per_row`: to the row the paper table names for each row; to the
+    row's reference where it has one: a transfer's from-scratch twin)."""
     by_key = {r.key: r for r in rows}
     for row in rows:
         prow = ptable.row(row.key) if ptable else None
@@ -31,7 +32,10 @@ def fill_deltas(
             row.delta_to = ref or ""
         for stage in stages:
             cell = row.cells[stage]
-            if base is not None:
+            if row.reference is not None:
+                cell.delta = _diff(cell.mean, row.reference.mean)
+                _compare(cell, row.reference, "no run from scratch")
+            elif base is not None:
                 cell.delta = _diff(cell.mean, base.cells[stage].mean)
             if prow is not None:
                 cell.paper = prow.values.get(stage)
@@ -45,12 +49,13 @@ def fill_deltas(
                 _compare(cell, base.cells[stage] if base is not None else None)
 
 
-def _compare(cell: Cell, base: Cell | None) -> None:
-    """Welch's interval of a cell's Δ to its baseline's cell, and the seeds per arm the paper's Δ would need."""
+def _compare(cell: Cell, base: Cell | None, absent: str = "no baseline") -> None:
+    """Welch's interval of a cell's Δ to its baseline's cell, and the seeds per arm the paper's Δ would need;
+    `absent`: what the interval says where the baseline has no number."""
     if not cell.values:
         return
     if base is None or not base.values:
-        cell.ci_note = "no baseline"
+        cell.ci_note = absent
         return
     cell.ci = welch(cell.values, base.values)
     cell.pooled_std = pooled_std(cell.values, base.values)

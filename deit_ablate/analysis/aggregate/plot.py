@@ -1,8 +1,9 @@
-"""A grouped bar chart of each row's difference to the baseline, ours beside the paper's, per stage.
+"""A grouped horizontal bar chart of each row's difference to the baseline, ours beside the paper's, per stage.
 
-Our bars carry their 95% Welch interval over seeds as error bars and the seed counts (`n=3 vs 4`, or
-`n=1, no spread`); a Δ whose interval contains 0 gets an open circle. The figure's title names the study
-and our runs; its foot says what was run (data, model, epochs, resolution, preset, commit, filters).
+Rows run down the page with their names level (no rotated text); rows without runs have no bar. Our bars carry
+their 95% Welch interval over seeds as error bars and the seed counts (`n=3 vs 4`, or `n=1, no spread`), said once
+in a corner where every row has one seed; a Δ whose interval contains 0 gets an open circle. The figure's title
+names the study and our runs; its foot says what was run (data, model, epochs, resolution, preset, commit, filters).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from deit_ablate.core.atomic import write_figure_atomic
 
 from .about import footer, headline
 from .cells import Cell, Row, Table
+from .columns import ONE_SEED, delta_reference
 from .paper import STAGE_NAMES
 
 # ours / paper, per stage: a dark and a light shade of one hue
@@ -55,7 +57,7 @@ def plot_deltas(table: Table, path: str | Path, title: str | None = None) -> Pat
 
 
 def _wrap(text: str, width_in: float, points: float) -> str:
-    chars = max(40, int(width_in * 72 / (points * 0.55)))
+    chars = max(40, int(width_in * 72 / (points * 0.6)))
     return "\n".join(textwrap.fill(part, chars) for part in text.split("\n"))
 
 
@@ -75,9 +77,10 @@ def framed_figure(width_in: float, height_in: float, head: str, foot: str) -> tu
 
 
 def _rows(table: Table) -> list[Row]:
+    """The rows with a bar: rows with runs, but the baseline (or, with each row's own baseline, the roots)."""
     if table.per_row_baselines:  # each row against the row it extends; the roots have none
-        return [r for r in table.rows if r.delta_to and r.delta_to != r.key]
-    return [r for r in table.rows if r.key != table.baseline]
+        return [r for r in table.rows if r.delta_to and r.delta_to != r.key and r.has_runs]
+    return [r for r in table.rows if r.key != table.baseline and r.has_runs]
 
 
 def _series(table: Table, rows: list[Row]) -> list[tuple[str, str, list[float | None], list[Cell] | None]]:
@@ -87,13 +90,13 @@ def _series(table: Table, rows: list[Row]) -> list[tuple[str, str, list[float | 
         dark, light = COLORS.get(stage, ("#444444", "#bbbbbb"))
         cells = [r.cells[stage] for r in rows]
         series.append((f"ours, {STAGE_NAMES[stage]}", dark, [c.delta for c in cells], cells))
-        if table.paper is not None:
+        if table.paper is not None and any(c.paper_delta is not None for c in cells):
             col = table.paper.columns.get(stage, stage)
             series.append((f"paper, {col}", light, [c.paper_delta for c in cells], None))
     return series
 
 
-def _y_limit(rows: list[Row], series: list) -> float:
+def _half_range(rows: list[Row], series: list) -> float:
     """The half-range: the ordinary rows' Δs, widened for their intervals up to three times that."""
     ordinary = [r.note != "did not train well" for r in rows]
     values = [v for *_, vals, _ in series for ok, v in zip(ordinary, vals, strict=True) if ok and v is not None]
@@ -109,11 +112,10 @@ def _clip_labels(ax: Any, bars: Any, vals: list[float | None], lim: float) -> bo
     for bar, v in zip(bars, vals, strict=True):
         if v is not None and abs(v) > lim:
             bar.set_hatch("//")
-            y = bar.get_height()
+            x = bar.get_width()
             clipped = True
-            ax.annotate(f"{v:+.1f}", (bar.get_x() + bar.get_width() / 2, y), xytext=(0, 3 if y < 0 else -3),
-                        textcoords="offset points", ha="center", va="bottom" if y < 0 else "top", fontsize=7,
-                        rotation=90)
+            ax.annotate(f"{v:+.1f}", (x, bar.get_y() + bar.get_height() / 2), xytext=(3 if x < 0 else -3, 0),
+                        textcoords="offset points", ha="left" if x < 0 else "right", va="center", fontsize=7)
     return clipped
 
 
@@ -124,69 +126,76 @@ def _spread_text(cell: Cell) -> str:
     return ci.why or f"n={ci.n[0]} vs {ci.n[1]}"
 
 
-def _spread(ax: Any, xs: list[float], heights: list[float], cells: list[Cell], lim: float, color: str,
-            labelled: set[str]) -> bool:
-    """Error bars (95% interval), the open circle where it contains 0, and the seed counts; whether a bar was cut."""
-    with_ci = [(x, h, c.ci) for x, h, c in zip(xs, heights, cells, strict=True)
+def _spread(ax: Any, ys: list[float], widths: list[float], cells: list[Cell], lim: float, color: str,
+            labelled: set[str], counts: bool) -> bool:
+    """Error bars (95% interval), the open circle where it contains 0, and (with `counts`) the seed counts beside
+    each bar; whether a bar was cut."""
+    with_ci = [(y, w, c.ci) for y, w, c in zip(ys, widths, cells, strict=True)
                if c.ci is not None and c.ci.low is not None and c.delta is not None and abs(c.delta) <= lim]
     if with_ci:
-        low = [h - ci.low for _, h, ci in with_ci]
-        high = [ci.high - h for _, h, ci in with_ci]
+        low = [w - ci.low for _, w, ci in with_ci]
+        high = [ci.high - w for _, w, ci in with_ci]
         label = CI_LABEL if CI_LABEL not in labelled else "_nolegend_"
         labelled.add(CI_LABEL)
-        ax.errorbar([x for x, _, _ in with_ci], [h for _, h, _ in with_ci], yerr=[low, high], fmt="none",
+        ax.errorbar([w for _, w, _ in with_ci], [y for y, _, _ in with_ci], xerr=[low, high], fmt="none",
                     ecolor="black", elinewidth=0.9, capsize=2.5, label=label)
-    zero = [(x, h) for x, h, ci in with_ci if ci.contains_zero]
+    zero = [(y, w) for y, w, ci in with_ci if ci.contains_zero]
     if zero:
         label = ZERO_LABEL if ZERO_LABEL not in labelled else "_nolegend_"
         labelled.add(ZERO_LABEL)
-        ax.plot([x for x, _ in zero], [h for _, h in zero], linestyle="none", marker="o", markersize=6,
+        ax.plot([w for _, w in zero], [y for y, _ in zero], linestyle="none", marker="o", markersize=6,
                 markerfacecolor="white", markeredgecolor="black", label=label, zorder=5)
-    for x, h, cell in zip(xs, heights, cells, strict=True):
-        text = _spread_text(cell) if cell.delta is not None else ""
+    for y, w, cell in zip(ys, widths, cells, strict=True):
+        text = _spread_text(cell) if cell.delta is not None and counts else ""
         if text:
-            ax.annotate(text, (x, 0), xytext=(6, -3 if h >= 0 else 3), textcoords="offset points", ha="center",
-                        va="top" if h >= 0 else "bottom", fontsize=6, rotation=90, color=color)
+            ax.annotate(text, (0, y), xytext=(-4 if w >= 0 else 4, 0), textcoords="offset points",
+                        ha="right" if w >= 0 else "left", va="center", fontsize=6, color=color)
     return any(ci.low < -lim or ci.high > lim for _, _, ci in with_ci)
 
 
-def draw_deltas(table: Table, title: str | None = None) -> Any:
-    """The Δ-to-baseline bar chart as a matplotlib Figure (no pyplot state)."""
-    rows = _rows(table)
+def _bars(ax: Any, table: Table, rows: list[Row], lim: float) -> tuple[bool, bool]:
+    """Every series' bars, one group per row from the top; whether a bar was clipped, whether an error bar was cut."""
     series = _series(table, rows)
-    lim = _y_limit(rows, series)
-    width = 0.8 / max(1, len(series))
-    fig_width = max(6.0, 0.9 * len(rows) + 2)
-    fig, rect = framed_figure(fig_width, 4.6, title or headline(table), footer(table))
-    ax = fig.subplots()
+    height = 0.8 / max(1, len(series))
     clipped = cut = False
     labelled: set[str] = set()
     for i, (label, color, vals, cells) in enumerate(series):
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
-        heights = [0.0 if v is None else max(-lim, min(lim, v)) for v in vals]
-        bars = ax.bar(xs, heights, width, label=literal(label), color=color)
+        ys = [j + (i - (len(series) - 1) / 2) * height for j in range(len(rows))]
+        widths = [0.0 if v is None else max(-lim, min(lim, v)) for v in vals]
+        bars = ax.barh(ys, widths, height, label=literal(label), color=color)
         clipped |= _clip_labels(ax, bars, vals, lim)
         if cells is not None:
-            cut |= _spread(ax, xs, heights, cells, lim, color, labelled)
-            for x, v, cell in zip(xs, vals, cells, strict=True):
+            cut |= _spread(ax, ys, widths, cells, lim, color, labelled, counts=not table.one_seed)
+            for y, v, cell in zip(ys, vals, cells, strict=True):
                 if v is None:
-                    why = cell.state if cell.state != "ok" else "no baseline"
-                    ax.annotate(why, (x, 0), ha="center", va="bottom", fontsize=6, rotation=90, color=color)
-    ax.axhline(0, color="black", linewidth=0.8)
-    ax.set_ylim(-lim * 1.05, lim * 1.05)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(
-        [literal(f"{r.key}†" if r.note == "did not train well" else r.key) for r in rows], rotation=35, ha="right"
-    )
-    reference = "the row's own baseline" if table.per_row_baselines else table.baseline or "baseline"
-    ax.set_ylabel(literal(f"Δ top-1 to {reference} (points)"))
-    ax.legend(fontsize=7, ncols=2)
-    ax.grid(axis="y", alpha=0.3)
+                    why = cell.state if cell.state != "ok" else cell.ci_note or "no baseline"
+                    ax.annotate(why, (0, y), xytext=(3, 0), textcoords="offset points", ha="left", va="center",
+                                fontsize=6, color=color)
+    return clipped, cut
+
+
+def draw_deltas(table: Table, title: str | None = None) -> Any:
+    """The Δ chart as a matplotlib Figure (no pyplot state): a horizontal bar per row and series, every label level."""
+    rows = _rows(table)
+    lim = _half_range(rows, _series(table, rows))
+    fig, rect = framed_figure(8.0, max(2.4, 0.32 * len(rows) * max(1, len(table.stages)) + 1.4),
+                              title or headline(table), footer(table))
+    ax = fig.subplots()
+    clipped, cut = _bars(ax, table, rows, lim)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_xlim(-lim * 1.05, lim * 1.05)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([literal(f"{r.key}†" if r.note == "did not train well" else r.key) for r in rows])
+    ax.invert_yaxis()  # the table's first row on top
+    ax.set_xlabel(literal(f"Δ top-1 to {delta_reference(table) or 'baseline'} (points)"))
+    legend = ax.legend(fontsize=7, ncols=2, loc="best", title=ONE_SEED if table.one_seed else None, title_fontsize=7)
+    legend.set_zorder(6)  # above the bars it may lie on
+    ax.grid(axis="x", alpha=0.3)
     notes = ["hatched: clipped, value printed"] if clipped else []
     notes += ["error bars cut at the axis"] if cut else []
     if notes:
-        ax.text(0.01, 0.02, "; ".join(notes), transform=ax.transAxes, fontsize=7)
+        ax.text(0.01, 0.01, "; ".join(notes), transform=ax.transAxes, fontsize=7, va="bottom")
     if not rows:
-        ax.text(0.5, 0.5, "no rows", transform=ax.transAxes, ha="center")
+        ax.text(0.5, 0.5, "no rows with runs", transform=ax.transAxes, ha="center")
     fig.tight_layout(rect=rect)
     return fig

@@ -12,6 +12,7 @@ from .cells import Cell, Row, Split, Table, cell_metric, metric_key
 from .deltas import fill_deltas
 from .paper import STAGES, PaperTable, default_table, paper_table
 from .reader import RunInfo, metric_value
+from .scratch import fill_scratch
 from .select import CHOICE_ROWS, PLAIN_ROWS, ROW_ALIASES, format_value, get_key, row_keys
 from .settings import (
     DEFAULT_CHOICES,
@@ -259,12 +260,14 @@ def build_table(
     paper: str | None = "auto",
     match_baseline: bool = False,
     only_present: bool = False,
+    scratch: list[RunInfo] | None = None,
 ) -> Table:
     """Group runs (already filtered and de-duplicated) into a table with the paper's numbers beside.
 
     A cell holds only runs whose experiment settings are equal (they differ in the seed and in execution
     settings at most); runs under one row key that differ otherwise become sub-rows (`Table.splits`), or,
-    with `match_baseline`, only the main setting of each row is kept.
+    with `match_baseline`, only the main setting of each row is kept. A table of transfers without a baseline
+    row compares each with its from-scratch twin among `scratch` (scratch.py).
     """
     spec = row_spec(rows, {g for r in runs for g in choices_of(r.config)})
     rows_key = spec.name
@@ -282,14 +285,7 @@ def build_table(
         baseline = default if default in order else None
     filled = _fill(buckets, baseline, metric, order_by, match_baseline)
     table_rows = _table_rows(order, filled, order_by, only_present)
-    stages = [
-        s
-        for s in STAGES
-        if any(c[1] == s for c in filled.counted) or any(t and s in t.columns for t in (ptable, study))
-    ]
-    if only_present:
-        stages = [s for s in stages if any(_has_runs(r.cells[s]) for r in table_rows)] or stages[:1]
-    fill_deltas(table_rows, stages, baseline, ptable, per_row)
+    stages = _stages(filled, table_rows, (ptable, study), only_present)
     table = Table(
         rows_key=rows_key,
         metric=metric,
@@ -307,8 +303,19 @@ def build_table(
         paper_note=paper_note,
         per_row_baselines=per_row,
     )
+    if baseline is None and scratch is not None:
+        fill_scratch(table, scratch)
+    fill_deltas(table_rows, stages, baseline, ptable, per_row)
     fill_sharpness(table)
     return table
+
+
+def _stages(filled: _Filled, rows: list[Row], tables: tuple[PaperTable | None, ...], only_present: bool) -> list[str]:
+    """The columns: stages with runs or a paper column; with `only_present`, those with runs (at least one)."""
+    stages = [s for s in STAGES if any(c[1] == s for c in filled.counted) or any(t and s in t.columns for t in tables)]
+    if only_present:
+        stages = [s for s in stages if any(_has_runs(r.cells[s]) for r in rows)] or stages[:1]
+    return stages
 
 
 def _has_runs(cell: Cell) -> bool:
