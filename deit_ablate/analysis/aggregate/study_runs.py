@@ -74,7 +74,7 @@ def others_text(others: Counter, sources: list[str], index: StudyIndex) -> str:
     if not others:
         return ""
     ranked = sorted(others.items(), key=lambda item: (-item[1], item[0]))  # most runs first, then by name
-    parts = [f"{n} {'run' if n == 1 else 'runs'} of {name}" if i == 0 else f"{n} of {name}"
+    parts = [f"{n} run{'' if n == 1 else 's'} of {name}" if i == 0 else f"{n} of {name}"
              for i, (name, n) in enumerate(ranked)]
     see = " / ".join(f"--paper {index.tables[name]}" for name, _ in ranked if name in index.tables)
     return f"Also in {', '.join(sources)}: {', '.join(parts)}" + (f" (see {see})." if see else ".")
