@@ -156,63 +156,119 @@ DEIT3_DEMOS = (
 )
 
 
-def measure_deit3(found: dict[str, Any], _: list[Any]) -> dict[str, Any]:
-    """The aggregator's deit3 table (--paper deit3, rows that ran), and each ViT run's high-norm token share."""
+def study_table(runs: list[Any], study: str) -> dict[str, Any]:
+    """The aggregator's table of a study's runs with its paper table beside (`--paper STUDY`, rows that ran), each
+    cell's figures as plain values: ours, Δ, the paper's, and the sharpness figures where the runs have them."""
     from deit_ablate.analysis.aggregate import build_table
 
-    rows_runs = [run for label, run in found.items() if label != "teacher"]
-    table = build_table(rows_runs, rows="deit3", paper="deit3", only_present=True)
+    table = build_table(runs, rows=study, paper=study, only_present=True)
     rows = []
-    for row in table.rows:
-        if not row.has_runs:
-            continue
+    for row in (row for row in table.rows if row.has_runs):
         cells = {stage: {"ours": None if cell.mean is None else round(cell.mean, 2),
                          "delta": None if cell.delta is None else round(cell.delta, 2),
-                         "paper": cell.paper, "paper_delta": cell.paper_delta, "paper_absent": cell.paper_absent}
+                         "paper": cell.paper, "paper_delta": cell.paper_delta, "paper_absent": cell.paper_absent,
+                         "sharpness": {name: round(sum(v) / len(v), 3) for name, v in cell.sharpness.items()},
+                         "paper_sharpness": dict(cell.paper_sharpness)}
                  for stage, cell in row.cells.items() if stage in table.stages}
         rows.append({"row": row.key, "delta_to": row.delta_to, "cells": cells})
+    sizes = {stage: table.stage_sizes.get(stage, []) for stage in table.stages}
+    return {"study": study, "rows": rows, "stages": table.stages, "sizes": sizes}
+
+
+def measure_deit3(found: dict[str, Any], _: list[Any]) -> dict[str, Any]:
+    """The deit3 table, the teacher's top-1 and each ViT pre-training's high-norm token share."""
+    table = study_table([run for label, run in found.items() if label != "teacher"], "deit3")
     high_norm = {label: found[label].summary.get("high_norm_tokens") for label in ("baseline", "randaugment",
                                                                                      "registers_4")}
-    sizes = {stage: table.stage_sizes.get(stage, []) for stage in table.stages}
-    return {"rows": rows, "stages": table.stages, "sizes": sizes, "teacher_top1": top1(found["teacher"]),
-            "high_norm_tokens": high_norm}
+    return {"table": table, "teacher_top1": top1(found["teacher"]), "high_norm_tokens": high_norm}
 
 
-def _deit3_header(figures: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
-    names, keys = ["deit3", "Δ to"], []
-    for stage in figures["stages"]:
-        size = "/".join(str(s) for s in figures["sizes"][stage])
-        what = "pre-train" if stage == "pretrain" else "fine-tune"
-        names += [f"ours {what} @{size}", "Δ", "paper", "paper Δ"]
-        keys += [(stage, "ours"), (stage, "delta"), (stage, "paper"), (stage, "paper_delta")]
-    return names, keys
+# (summary figure, header, digits) of the sharpness columns, as the aggregator prints them (analysis/aggregate/sharp.py)
+SHARPNESS = (("lambda_max", "λ_max", 1), ("train_loss", "train loss", 3), ("noisy_loss", "noisy loss", 3))
 
 
 def _signed(value: float | None, digits: int) -> str:
     return "" if value is None else f"{value:+.{digits}f}"
 
 
+def _stage_cells(cell: dict[str, Any]) -> list[str]:
+    paper = cell["paper"] if cell["paper"] is not None else (cell["paper_absent"] if cell["ours"] is not None else "")
+    return [_number(cell["ours"]), _signed(cell["delta"], 2), f"{paper}", _signed(cell["paper_delta"], 1)]
+
+
+def _sharpness_cells(cell: dict[str, Any]) -> list[str]:
+    out = []
+    for name, _, digits in SHARPNESS:
+        value, paper = cell["sharpness"].get(name), cell["paper_sharpness"].get(name)
+        out += ["" if value is None else f"{value:.{digits}f}", "" if paper is None else f"{paper:g}"]
+    return out
+
+
+def render_table(table: dict[str, Any]) -> str:
+    """A study's table as the page shows it: the aggregator's columns, sharpness ones where the runs have them."""
+    names = [table["study"], "Δ to"]
+    for stage in table["stages"]:
+        what = "pre-train" if stage == "pretrain" else "fine-tune"
+        names += [f"ours {what} @{'/'.join(str(s) for s in table['sizes'][stage])}", "Δ", "paper", "paper Δ"]
+    sharp = any(row["cells"]["pretrain"]["sharpness"] for row in table["rows"])
+    names += [text for _, head, _ in SHARPNESS for text in (head, f"paper {head}")] if sharp else []
+    lines = ["| " + " | ".join(names) + " |", "|:--|--:|" + "--:|" * (len(names) - 2)]
+    for row in table["rows"]:
+        cells = [text for stage in table["stages"] for text in _stage_cells(row["cells"][stage])]
+        cells += _sharpness_cells(row["cells"]["pretrain"]) if sharp else []
+        lines.append(f"| {row['row']} | {row['delta_to']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def render_deit3(figures: dict[str, Any]) -> dict[str, str]:
     """The deit3 page's measured table and the sentence on high-norm tokens."""
-    names, keys = _deit3_header(figures)
-    lines = ["| " + " | ".join(names) + " |", "|:--|--:|" + "--:|" * len(keys)]
-    for row in figures["rows"]:
-        cells = []
-        for stage, key in keys:
-            cell = row["cells"][stage]
-            value = cell[key]
-            if key == "paper" and value is None and cell["ours"] is not None:
-                cells.append(cell["paper_absent"])
-            elif key == "ours":
-                cells.append(_number(value))
-            else:
-                cells.append("" if value is None else (_signed(value, 2 if key == "delta" else 1)
-                                                       if "delta" in key else f"{value}"))
-        lines.append(f"| {row['row']} | {row['delta_to']} | " + " | ".join(cells) + " |")
     share = ", ".join(f"`{label}` {value:.1f} %" for label, value in figures["high_norm_tokens"].items())
     text = (stamp_line(figures, "deit3") + f" The demo CNN teacher reached {figures['teacher_top1']:.2f}.\n\n"
-            + "\n".join(lines) + f"\n\n`high_norm_tokens` at the end of each pre-training: {share}.\n")
+            + render_table(figures["table"]) + f"\n\n`high_norm_tokens` at the end of each pre-training: {share}.\n")
     return {"deit3": text}
+
+
+# -- the sharpness page --
+
+SAM_ROWS = ("baseline", "rho_02", "sgd", "sgd_rho_02")
+SAM_DEMOS = tuple(Demo(row, (f"sam={row}", "sharpness.at_end=true")) for row in SAM_ROWS)
+
+
+def measure_sam(found: dict[str, Any], _: list[Any]) -> dict[str, Any]:
+    return {"table": study_table(list(found.values()), "sam")}
+
+
+def render_sam(figures: dict[str, Any]) -> dict[str, str]:
+    return {"sharpness": stamp_line(figures, "sharpness") + "\n\n" + render_table(figures["table"]) + "\n"}
+
+
+# -- the seed spread (docs/studies.md) --
+
+SPREAD_DEMOS = (*(Demo(f"demo seed {seed}", (f"seed={seed}",) if seed else ()) for seed in range(5)),
+                Demo("sam seed 0", ("sam=baseline", "sharpness.at_end=true")), Demo("sam seed 1", ("sam=baseline",
+                                                                                                "seed=1")))
+
+
+def measure_spread(found: dict[str, Any], _: list[Any]) -> dict[str, Any]:
+    """Top-1 over the plain demo's five seeds and `sam=baseline`'s two, and the standard deviation of each."""
+    import statistics
+
+    out = {}
+    for name, prefix in (("demo", "demo seed"), ("sam_baseline", "sam seed")):
+        values = [top1(run) for label, run in found.items() if label.startswith(prefix)]
+        out[name] = {"top1": values, "sigma": round(statistics.stdev(values), 2)}
+    return out
+
+
+def render_spread(figures: dict[str, Any]) -> dict[str, str]:
+    demo, sam = figures["demo"], figures["sam_baseline"]
+    return {"spread": f"the plain demo gave {_listed(demo['top1'])} % (σ = {demo['sigma']:.2f}), `sam=baseline` "
+                      f"{_listed(sam['top1'])} % (σ = {sam['sigma']:.2f}). " + stamp_line(figures, "spread") + "\n"}
+
+
+def _listed(values: list[float]) -> str:
+    texts = [f"{value:.1f}" for value in values]
+    return ", ".join(texts[:-1]) + f" and {texts[-1]}"
 
 
 # -- the cait page --
@@ -240,6 +296,11 @@ PAGES = {
         f"python train.py deit3=layer_decay_075 stage=finetune {THREADS}", f"python train.py model=cnn_demo {THREADS}",
         "python train.py -m deit3=teach_fixed,teach_function_matching "
         f"\"distill.teacher.checkpoint='outputs/runs/model=cnn_demo'\" {THREADS}"), measure_deit3, render_deit3),
+    "sharpness": Page("docs/sharpness.md", SAM_DEMOS, (
+        f"python train.py -m sam={','.join(SAM_ROWS)} sharpness.at_end=true {THREADS}",), measure_sam, render_sam),
+    "spread": Page("docs/studies.md", SPREAD_DEMOS, (
+        f"python train.py -m seed=0,1,2,3,4 {THREADS}", f"python train.py -m sam=baseline seed=0,1 {THREADS}"),
+        measure_spread, render_spread),
     "cait": Page("docs/cait.md", CAIT_DEMOS, (f"python train.py cait=ca_12_2 {THREADS}",), measure_cait, render_cait),
 }
 
