@@ -51,11 +51,6 @@ class Page:
     render: Callable[[dict[str, Any]], dict[str, str]]
 
 
-def teacher_override(outputs: str) -> str:
-    """The override that names the demo CNN teacher run under `outputs`."""
-    return f"distill.teacher.checkpoint='{outputs}/runs/model=cnn_demo'"
-
-
 # -- reading the runs --
 
 def read_runs(outputs: Path) -> list[Any]:
@@ -172,7 +167,8 @@ def study_table(runs: list[Any], study: str) -> dict[str, Any]:
                  for stage, cell in row.cells.items() if stage in table.stages}
         rows.append({"row": row.key, "delta_to": row.delta_to, "cells": cells})
     sizes = {stage: table.stage_sizes.get(stage, []) for stage in table.stages}
-    return {"study": study, "rows": rows, "stages": table.stages, "sizes": sizes}
+    columns = dict(table.paper.columns) if table.paper is not None else {}
+    return {"study": study, "rows": rows, "stages": table.stages, "sizes": sizes, "paper_columns": columns}
 
 
 def measure_deit3(found: dict[str, Any], _: list[Any]) -> dict[str, Any]:
@@ -209,7 +205,9 @@ def render_table(table: dict[str, Any]) -> str:
     names = [table["study"], "Δ to"]
     for stage in table["stages"]:
         what = "pre-train" if stage == "pretrain" else "fine-tune"
-        names += [f"ours {what} @{'/'.join(str(s) for s in table['sizes'][stage])}", "Δ", "paper", "paper Δ"]
+        at = str(table["paper_columns"].get(stage, ""))
+        paper = f"paper @{at}" if at.isdigit() else f"paper {what}"
+        names += [f"ours {what} @{'/'.join(str(s) for s in table['sizes'][stage])}", "Δ", paper, "paper Δ"]
     sharp = any(row["cells"]["pretrain"]["sharpness"] for row in table["rows"])
     names += [text for _, head, _ in SHARPNESS for text in (head, f"paper {head}")] if sharp else []
     lines = ["| " + " | ".join(names) + " |", "|:--|--:|" + "--:|" * (len(names) - 2)]
@@ -244,9 +242,9 @@ def render_sam(figures: dict[str, Any]) -> dict[str, str]:
 
 # -- the seed spread (docs/studies.md) --
 
-SPREAD_DEMOS = (*(Demo(f"demo seed {seed}", (f"seed={seed}",) if seed else ()) for seed in range(5)),
-                Demo("sam seed 0", ("sam=baseline", "sharpness.at_end=true")), Demo("sam seed 1", ("sam=baseline",
-                                                                                                "seed=1")))
+SAM_SEEDS = (Demo("sam seed 0", ("sam=baseline", "sharpness.at_end=true")),
+             Demo("sam seed 1", ("sam=baseline", "seed=1")))
+SPREAD_DEMOS = (*(Demo(f"demo seed {seed}", (f"seed={seed}",) if seed else ()) for seed in range(5)), *SAM_SEEDS)
 
 
 def measure_spread(found: dict[str, Any], _: list[Any]) -> dict[str, Any]:
