@@ -105,3 +105,17 @@ def test_the_aggregation_page_says_a_report_names_our_runs_commit():
     text = " ".join((REPO / "docs" / "aggregation.md").read_text().split())
     assert "our runs show `commit: not recorded`" not in text
     assert f"(`commit: {commit[:12]}`)" in text
+
+
+def test_the_seed_spread_the_pages_reason_with_is_the_measured_one():
+    """Every page's thresholds use σ = 0.7 (the plain demo) or 1.4 (`sam=baseline`): the spread measured's, rounded."""
+    spread = measured()["spread"]
+    sigmas = {f"{spread[name]['sigma']:.1f}" for name in ("demo", "sam_baseline")}
+    script = docs_numbers()
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = script.SECTION.sub("", path.read_text())
+        stated = set(re.findall(r"σ = (\d+\.\d)\b(?! would)", text))
+        assert stated <= sigmas, f"{path.name} reasons with σ = {stated - sigmas}; the measured spread is {sigmas}"
+    studies = (REPO / "docs" / "studies.md").read_text()
+    assert f"| {spread['demo']['sigma']:.1f} (the plain demo, 5 seeds) |" in studies
+    assert f"| {spread['sam_baseline']['sigma']:.1f} (`sam=baseline`, 2 seeds) |" in studies
