@@ -131,9 +131,9 @@ def render_transfer(figures: dict[str, Any]) -> dict[str, str]:
     return {"transfer": stamp_line(figures, "transfer") + "\n\n" + "\n".join(lines) + "\n"}
 
 
-def stamp_line(figures: dict[str, Any], page: str) -> str:
+def stamp_line(figures: dict[str, Any], page: str, runs: str = "seed 0, one run each") -> str:
     commits = ", ".join(commit[:10] for commit in figures["commits"])
-    return (f"Measured at commit {commits} on {figures['date']}: seed 0, one run each, built-in data, one torch "
+    return (f"Measured at commit {commits} on {figures['date']}: {runs}, built-in data, one torch "
             f"thread\n(`python scripts/docs_numbers.py --pages {page}` runs the commands again and rewrites this).")
 
 
@@ -260,8 +260,9 @@ def measure_spread(found: dict[str, Any], _: list[Any]) -> dict[str, Any]:
 
 def render_spread(figures: dict[str, Any]) -> dict[str, str]:
     demo, sam = figures["demo"], figures["sam_baseline"]
-    return {"spread": f"the plain demo gave {_listed(demo['top1'])} % (σ = {demo['sigma']:.2f}), `sam=baseline` "
-                      f"{_listed(sam['top1'])} % (σ = {sam['sigma']:.2f}). " + stamp_line(figures, "spread") + "\n"}
+    return {"spread": f"The plain demo gave {_listed(demo['top1'])} % (σ = {demo['sigma']:.2f}), `sam=baseline` "
+                      f"{_listed(sam['top1'])} % (σ = {sam['sigma']:.2f}).\n"
+                      + stamp_line(figures, "spread", "one run per seed") + "\n"}
 
 
 def _listed(values: list[float]) -> str:
@@ -280,7 +281,7 @@ def measure_cait(found: dict[str, Any], _: list[Any]) -> dict[str, Any]:
 
 def render_cait(figures: dict[str, Any]) -> dict[str, str]:
     return {"cait": f"`python train.py cait=ca_12_2 {THREADS}` (4 + 1 blocks) reached {figures['top1']:.2f} % top-1 "
-                    f"(chance 10 %). " + stamp_line(figures, "cait") + "\n"}
+                    f"(chance 10 %).\n" + stamp_line(figures, "cait") + "\n"}
 
 
 PAGES = {
