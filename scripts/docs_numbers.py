@@ -270,6 +270,28 @@ def _listed(values: list[float]) -> str:
     return ", ".join(texts[:-1]) + f" and {texts[-1]}"
 
 
+# -- the teachers of Table 2 (docs/distillation.md) --
+
+TEACHER_ROWS = (("deit_b", "the demo ViT"), ("regnety_16gf", "the demo CNN"))
+TEACHER_DEMOS = tuple(Demo(f"{row} {stage}", (f"teachers={row}", *(("stage=finetune",) if stage == "finetune" else ())))
+                      for row, _ in TEACHER_ROWS for stage in ("pretrain", "finetune"))
+
+
+def measure_teachers(found: dict[str, Any], _: list[Any]) -> dict[str, Any]:
+    """Per row: its teacher's top-1 (as the student recorded it), the student's, and its fine-tune's."""
+    return {row: {"teacher": round(float(found[f"{row} pretrain"].summary["teacher"]["top1"]), 2),
+                  "student": top1(found[f"{row} pretrain"]), "finetune": top1(found[f"{row} finetune"])}
+            for row, _ in TEACHER_ROWS}
+
+
+def render_teachers(figures: dict[str, Any]) -> dict[str, str]:
+    lines = ["| `teachers=` | teacher | teacher top-1 | student @32 | its fine-tune @48 |", "|---|---|--:|--:|--:|"]
+    for row, teacher in TEACHER_ROWS:
+        got = figures[row]
+        lines.append(f"| `{row}` | {teacher} | {got['teacher']:.2f} | {got['student']:.2f} | {got['finetune']:.2f} |")
+    return {"teachers": stamp_line(figures, "teachers") + "\n\n" + "\n".join(lines) + "\n"}
+
+
 # -- the cait page --
 
 CAIT_DEMOS = (Demo("ca_12_2", ("cait=ca_12_2",)),)
@@ -300,6 +322,9 @@ PAGES = {
     "spread": Page("docs/studies.md", SPREAD_DEMOS, (
         f"python train.py -m seed=0,1,2,3,4 {THREADS}", f"python train.py -m sam=baseline seed=0,1 {THREADS}"),
         measure_spread, render_spread),
+    "teachers": Page("docs/distillation.md", TEACHER_DEMOS, (
+        f"python train.py -m teachers=deit_b,regnety_16gf stage=pretrain,finetune {THREADS}",), measure_teachers,
+        render_teachers),
     "cait": Page("docs/cait.md", CAIT_DEMOS, (f"python train.py cait=ca_12_2 {THREADS}",), measure_cait, render_cait),
 }
 
