@@ -56,8 +56,9 @@ class Page:
 def read_runs(outputs: Path) -> list[Any]:
     """Every finished run logged under `outputs`, one per run id, with its per-epoch rows."""
     from deit_ablate.analysis.aggregate import dedup, read_offline
+    from deit_ablate.record.rundir import wandb_root
 
-    runs, _ = dedup(read_offline(outputs / "wandb", history=True, warn=lambda message: None))
+    runs, _ = dedup(read_offline(wandb_root(outputs), history=True, warn=lambda message: None))
     return [run for run in runs if run.status == "finished"]
 
 

@@ -17,7 +17,7 @@ from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.identity import experiment_digest
 from deit_ablate.run.assemble import stage_optimizer
 from deit_ablate.run.lineage import Lineage
-from deit_ablate.run.stages import changes_line, stage_recipe
+from deit_ablate.run.stages import changes_line, compared_config, stage_recipe
 from deit_ablate.run.validate import validate_config
 from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
 
@@ -228,7 +228,11 @@ def test_a_fine_tune_trains_with_its_override_set_and_says_so(tmp_path, data_cac
 
 
 def _changes(overrides: list[str]) -> str | None:
-    return changes_line(compose_config(overrides), Lineage.of(compose_config(overrides), overrides))
+    """The log line a run of `overrides` writes about what its stage changes (as run/main.py writes it)."""
+    cfg = compose_config(overrides)
+    lineage = Lineage.of(cfg, overrides)
+    compared = compared_config(lineage)
+    return changes_line(lineage, stage_changes(cfg if compared is None else compared, stage_config(cfg)))
 
 
 def test_a_transfers_log_names_its_source_and_every_key_that_differs_from_it():

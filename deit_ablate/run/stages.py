@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from deit_ablate.config.compose import compose_run_config
 from deit_ablate.config.schema import CONF_DIR, Stage
-from deit_ablate.config.stage_config import STAGE_BLOCKS, stage_changes, stage_config
+from deit_ablate.config.stage_config import STAGE_BLOCKS, stage_config
 from deit_ablate.config.studies import study_names
 from deit_ablate.core.errors import ConfigError, RunInUse
 from deit_ablate.record import checkpoint as ckpt
@@ -126,21 +126,27 @@ def _not_finished(lineage: Lineage, upstream: RunDir) -> str:
             "finetune.init_checkpoint=/path/to/checkpoint.pt.")
 
 
-def changes_line(declared: DictConfig, lineage: Lineage) -> str | None:
-    """The run log's line naming every key a fine-tune or transfer runs differently from the run it starts from (a
-    fine-tune's pre-training, a transfer's source at its source stage); None for a pre-training or no change."""
-    block = STAGE_BLOCKS.get(str(declared.stage))
-    if block is None:
+def compared_config(lineage: Lineage) -> DictConfig | None:
+    """The config of the run a fine-tune or transfer starts from (its pre-training, its source at its source stage), as
+    that run ran it, for the log line that names what the stage changes; None for a pre-training or a stage started
+    from a checkpoint file (its own composed config is compared)."""
+    upstream = None if lineage.init_checkpoint or lineage.stage == Stage.pretrain else upstream_overrides(lineage)
+    return None if upstream is None else stage_config(compose_run_config(upstream))
+
+
+def changes_line(lineage: Lineage, changes: list[str]) -> str | None:
+    """The run log's line naming every key a fine-tune or transfer runs differently from what `compared_config` gave
+    (stage_config.stage_changes); None without a change."""
+    if not changes:
         return None
-    applied = stage_config(declared)
-    upstream = None if lineage.init_checkpoint else upstream_overrides(lineage)
-    if upstream is None:  # from a checkpoint file: what its block changes in the launch's own config
-        changes, start = stage_changes(declared, applied), f"the launch's config with its {block} block"
+    stage = lineage.stage.value
+    if lineage.init_checkpoint:
+        start = f"the launch's config with its {STAGE_BLOCKS[stage]} block"
+    elif lineage.stage == Stage.finetune:
+        start = "its pre-training's config"
     else:
-        changes = stage_changes(stage_config(compose_run_config(upstream)), applied)
-        start = ("its pre-training's config" if block == "finetune"
-                 else f"the config of its source run (transfer.source_stage={lineage.transfer_source_stage})")
-    return f"the {declared.stage} runs {start} with: {', '.join(changes)}" if changes else None
+        start = f"the config of its source run (transfer.source_stage={lineage.transfer_source_stage})"
+    return f"the {stage} runs {start} with: {', '.join(changes)}"
 
 
 def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe:
