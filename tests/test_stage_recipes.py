@@ -16,7 +16,8 @@ from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.identity import experiment_digest
 from deit_ablate.run.assemble import stage_optimizer
-from deit_ablate.run.stages import stage_recipe
+from deit_ablate.run.lineage import Lineage
+from deit_ablate.run.stages import changes_line, compared_config, stage_recipe
 from deit_ablate.run.validate import validate_config
 from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
 
@@ -224,6 +225,34 @@ def test_a_fine_tune_trains_with_its_override_set_and_says_so(tmp_path, data_cac
     assert "[run] the finetune runs its pre-training's config with:" in proc.stdout + proc.stderr
     log = proc.stdout + proc.stderr
     assert "mix.label_smoothing 0.1 -> 0.3" in log and "augment.repeated_aug 3 -> 1" in log
+
+
+def _changes(overrides: list[str]) -> str | None:
+    """The log line a run of `overrides` writes about what its stage changes (as run/main.py writes it)."""
+    cfg = compose_config(overrides)
+    lineage = Lineage.of(cfg, overrides)
+    compared = compared_config(lineage)
+    return changes_line(lineage, stage_changes(cfg if compared is None else compared, stage_config(cfg)))
+
+
+def test_a_transfers_log_names_its_source_and_every_key_that_differs_from_it():
+    """The demo's transfer starts from the fine-tune (3 epochs at 48 px on `shapes`): the line names that source and
+    what differs from it, not from the pre-training (10 epochs at 32 px); from the pre-training, the 32 -> 48 px."""
+    line = _changes(["transfer=builtin_b"])
+    start = "the transfer runs the config of its source run (transfer.source_stage=finetune) with:"
+    assert line.startswith(start), line
+    assert "train.epochs 3 -> 5" in line and "data.builtin.classes shapes -> shapes_b" in line, line
+    assert "resolution.train_size" not in line, line  # the fine-tune is at 48 px already
+    line = _changes(["transfer=builtin_b", "transfer.source_stage=pretrain"])
+    assert "resolution.train_size 32 -> 48" in line and "resolution.eval_size 32 -> 48" in line, line
+    assert "train.epochs 10 -> 5" in line, line
+
+
+def test_a_fine_tunes_log_names_the_size_it_changes():
+    line = _changes(["stage=finetune"])
+    assert line.startswith("the finetune runs its pre-training's config with:"), line
+    assert "resolution.train_size 32 -> 48" in line and "train.epochs 10 -> 3" in line, line
+    assert _changes([]) is None
 
 
 def test_stage_changes_of_a_pretraining_are_none():

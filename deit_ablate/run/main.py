@@ -49,7 +49,7 @@ from deit_ablate.run.loop import EpochLoop, Progress, image_folders
 from deit_ablate.run.measure_sharpness import measure_weights
 from deit_ablate.run.plan import RunPlan, make_plan
 from deit_ablate.run.report import print_summary, summarize, wandb_summary
-from deit_ablate.run.stages import upstream_status
+from deit_ablate.run.stages import changes_line, compared_config, upstream_status
 from deit_ablate.run.teacher import log_teacher, teacher_summary
 from deit_ablate.train.models import architecture, describe_architecture
 from deit_ablate.train.sharpness import figures_text
@@ -230,9 +230,10 @@ def _start_line(plan: RunPlan, info: DistInfo, pieces: Pieces, tracker: Tracker)
                  f"{pieces.loaders.steps_per_epoch} steps/epoch, {recipe.epochs} epochs, "
                  f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} at step {trainer.step}, device {info.device}"
                  + f", {torch.get_num_threads()} torch thread(s)")
-        changes = stage_changes(plan.declared, cfg)
+        compared = compared_config(plan.lineage)
+        changes = changes_line(plan.lineage, stage_changes(plan.declared if compared is None else compared, cfg))
         if changes:
-            log.info(f"[run] the {cfg.stage} runs its pre-training's config with: {', '.join(changes)}")
+            log.info(f"[run] {changes}")
     facts = {"nodes": placement(info), "model_name": plan.model_name, "architecture": arch}  # host -> ranks
     tracker.summary({"world_size": info.world_size, "per_device_batch": batch.per_rank_batch,
                      "micro_batch": batch.micro_batch, "accum_steps": batch.accum_steps, "slots": batch.slots,

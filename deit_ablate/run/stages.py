@@ -126,6 +126,29 @@ def _not_finished(lineage: Lineage, upstream: RunDir) -> str:
             "finetune.init_checkpoint=/path/to/checkpoint.pt.")
 
 
+def compared_config(lineage: Lineage) -> DictConfig | None:
+    """The config of the run a fine-tune or transfer starts from (its pre-training, its source at its source stage), as
+    that run ran it, for the log line that names what the stage changes; None for a pre-training or a stage started
+    from a checkpoint file (its own composed config is compared)."""
+    upstream = None if lineage.init_checkpoint or lineage.stage == Stage.pretrain else upstream_overrides(lineage)
+    return None if upstream is None else stage_config(compose_run_config(upstream))
+
+
+def changes_line(lineage: Lineage, changes: list[str]) -> str | None:
+    """The run log's line naming every key a fine-tune or transfer runs differently from what `compared_config` gave
+    (stage_config.stage_changes); None without a change."""
+    if not changes:
+        return None
+    stage = lineage.stage.value
+    if lineage.init_checkpoint:
+        start = f"the launch's config with its {STAGE_BLOCKS[stage]} block"
+    elif lineage.stage == Stage.finetune:
+        start = "its pre-training's config"
+    else:
+        start = f"the config of its source run (transfer.source_stage={lineage.transfer_source_stage})"
+    return f"the {stage} runs {start} with: {', '.join(changes)}"
+
+
 def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe:
     """The stage's `optimizer` and `train` as it runs them (stage_config.py: a fine-tune's are the `finetune` block's,
     Table 8's second column; a transfer's the `transfer` block's, Table 7 and facebookresearch/deit issue #45), a
