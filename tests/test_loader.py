@@ -82,3 +82,16 @@ def test_a_runs_loader_workers_end_when_asked_not_killed_after_a_wait():
     end_workers(loader)
     assert [worker.exitcode for worker in workers] == [0, 0]
     end_workers(loader)  # a second call, or the collector's, finds nothing to stop
+
+
+def test_a_workers_death_mid_handover_counts_as_a_lost_worker():
+    """A worker killed while the training process takes its batch's shared memory surfaces as the resource sharer's
+    EOFError or a refused connection, not torch's RuntimeError (seen in test_signals' kill of the workers during a
+    stop): the stop must read all three as a lost worker, and nothing else."""
+    from deit_ablate.data.loader import lost_worker
+
+    assert lost_worker(RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly"))
+    assert lost_worker(EOFError())
+    assert lost_worker(ConnectionRefusedError(111, "Connection refused"))
+    assert not lost_worker(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not lost_worker(ValueError("a bad value"))

@@ -261,6 +261,13 @@ def start_worker(niceness: int, worker_id: int) -> None:
 _WORKER_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
 
 
+def lost_worker(error: BaseException) -> bool:
+    """Whether `error` is how a loader worker's death reaches the training process: torch's `DataLoader worker ...
+    exited unexpectedly`, or, when the worker died while handing over a batch's shared memory, the EOFError or
+    connection error of multiprocessing's resource sharer."""
+    return isinstance(error, (EOFError, ConnectionError)) or "DataLoader worker" in str(error)
+
+
 @atexit.register
 def end_all_workers() -> None:
     """Stop the workers of every loader built here that still has them (persistent workers outlive their epochs): at

@@ -20,7 +20,7 @@ from deit_ablate.core.logs import log
 from deit_ablate.core.stopping import StopRequested, StopSignals
 from deit_ablate.core.streams import RunStreams
 from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, stop_error
-from deit_ablate.data.loader import SkipFirst, build_train_loader, seed_epoch_data
+from deit_ablate.data.loader import SkipFirst, build_train_loader, lost_worker, seed_epoch_data
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.predictions import LocalPredictions
 from deit_ablate.record.progress import ProgressFile
@@ -149,8 +149,8 @@ class EpochLoop:
                          "goes on.")
         except BadImageError:
             raise stop_error(image_folders(self.pieces)) from None
-        except RuntimeError as error:
-            if self.stop.requested is None or "DataLoader worker" not in str(error):
+        except (RuntimeError, EOFError, ConnectionError) as error:
+            if self.stop.requested is None or not lost_worker(error):
                 raise
             raise self.stopped_without_worker(error) from None
         progress.seconds = self.clock()
@@ -223,13 +223,14 @@ class EpochLoop:
         self.record.step(self.current_epoch, self.trainer.step)
         self.stop_if_asked(self.trainer.step, batches_in_loader)
 
-    def stopped_without_worker(self, error: RuntimeError) -> StopRequested:
+    def stopped_without_worker(self, error: Exception) -> StopRequested:
         """The stop when a loader worker was killed while it was pending (a SIGKILL to the process group after its
         SIGTERM): the steps done this epoch saved (an epoch's end is saved already), no traceback."""
         if self.batches_in_loader is not None:
             self.saver.save(self.batches_in_loader)
         if self.info.is_main:
-            log.info(f"[run] a loader worker ended during the stop ({str(error).strip().splitlines()[0]})")
+            said = str(error).strip().splitlines() or [type(error).__name__]  # the resource sharer's EOFError: ''
+            log.info(f"[run] a loader worker ended during the stop ({said[0]})")
         return StopRequested(self.stop.requested, f"at step {self.trainer.step}; the same command resumes it from "
                                                   f"{self.plan.run_dir.last_checkpoint}")
 
