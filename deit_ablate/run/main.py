@@ -24,6 +24,7 @@ from deit_ablate.core.distributed import (
     placement,
     stopped_by_peer,
 )
+from deit_ablate.core.errors import ConfigError
 from deit_ablate.core.logs import log
 from deit_ablate.core.stopping import StopRequested, StopSignals
 from deit_ablate.core.streams import STREAMS_VERSION, RunStreams
@@ -63,6 +64,9 @@ def discard_empty_run_dir() -> None:
 def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Train one run to the end (or to divergence) and return its summary; rank 0 writes everything, holding
     the run folder's lock, and every rank logs to its own file there."""
+    if cfg.runtime.dry_run:  # planned and stopped by the launch checks (preflight.py): a dry run never trains
+        raise ConfigError("runtime.dry_run=true reached the training run: a dry run writes nothing, so it was "
+                          "stopped here. Launch it through train.py, whose checks plan dry runs")
     info = init_distributed(cfg.runtime.device)
     try:
         with StopSignals(info, cfg.runtime.log_interval) as stop:  # from the start: a stop before training says so

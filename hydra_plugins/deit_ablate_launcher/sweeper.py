@@ -30,9 +30,9 @@ class DeitSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]) -> Any:
         """Check every run, then plan them (dry run) or launch them in order, as BasicSweeper does."""
         from deit_ablate.record.sweep_records import keep_sweep_record
-        from deit_ablate.run.preflight import print_plans, sweep_plans, sweep_run_dir
+        from deit_ablate.run.preflight import guarded, print_plans, sweep_plans, sweep_run_dir
 
-        jobs, configs = self.checked_jobs(arguments)
+        jobs, configs = guarded(self.checked_jobs, arguments, where=" Nothing was started.")
         if configs and configs[0].runtime.dry_run:
             print_plans(sweep_plans(configs, [sweep_run_dir(cfg) for cfg in configs]))
             return []
