@@ -43,6 +43,9 @@ def unexpected_line(error: BaseException) -> str:
 def guarded(step: Callable[..., T], *args: Any, where: str = "") -> T:
     """`step(*args)` (planning or checking a launch), or one line and exit status 2 whatever it raises: Hydra turns an
     exception out of a callback into a warning and runs the job, so no exception may leave a check."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     from deit_ablate.core.errors import ConfigError, RunError, no_access
 
     try:
@@ -51,6 +54,8 @@ def guarded(step: Callable[..., T], *args: Any, where: str = "") -> T:
         refuse(error, where)
     except PermissionError as error:  # a teacher run or data folder this user may not read
         refuse(no_access(error), where)
+    except (HydraException, OmegaConfBaseException) as error:  # composing a run (a sweep's): Hydra's own words
+        refuse(RuntimeError(" ".join(str(error).split())), where)
     except Exception as error:  # noqa: BLE001 -- any other failure of a check must stop the launch too
         if os.environ.get(DEBUG_SWITCH) == "1":
             traceback.print_exc()

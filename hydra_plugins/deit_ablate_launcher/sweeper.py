@@ -32,7 +32,7 @@ class DeitSweeper(BasicSweeper):
         from deit_ablate.record.sweep_records import keep_sweep_record
         from deit_ablate.run.preflight import guarded, print_plans, sweep_plans, sweep_run_dir
 
-        jobs, configs = guarded(self.checked_jobs, arguments, where=" Nothing was started.")
+        jobs, configs = guarded(self.checked_jobs, arguments)
         if configs and configs[0].runtime.dry_run:
             print_plans(sweep_plans(configs, [sweep_run_dir(cfg) for cfg in configs]))
             return []
