@@ -163,3 +163,36 @@ def run_unread_settings(tree: dict[str, Any]) -> dict[str, str]:
         in_stage = unread_settings(lambda key, sets=sets: sets[key] if key in sets else composed.get(key))
         unread = {key: why for key, why in unread.items() if key in in_stage or key in sets}
     return unread
+
+
+def run_distills(tree: dict[str, Any]) -> bool:
+    """Whether a stage of a run of `tree` (plain data) learns from a teacher: its pre-training's distill.type, or a
+    fine-tune's override set's (a transfer distils from no teacher: its distill keys name its source run)."""
+    kinds = [leaves(tree).get("distill.type")]
+    kinds += [_block_settings(tree.get(block) or {}).get("distill.type") for block in _stage_blocks(tree)
+              if block == STAGE_BLOCKS[str(Stage.finetune)]]
+    return any(kind is not None and str(kind) != "none" for kind in kinds)
+
+
+def stage_set_effects(tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`{block: its override set as the stage computes it}` of a run of `tree` (plain data): the entries that the
+    stage reads (keys.UNREAD, evaluated on the stage's own values) and that change the value the stage would take
+    without them. An entry that computes nothing new is no part of the experiment."""
+    composed = leaves(tree)
+    effects: dict[str, dict[str, Any]] = {}
+    for block in _stage_blocks(tree):
+        node = tree.get(block) or {}
+        entries = leaves(node.get("overrides") or {})
+        if not entries:
+            continue
+        named = {target: node[key] for key, target in NAMED_KEYS.items() if node.get(key) is not None}
+        stage = {**composed, **named, **entries}
+        unread = unread_settings(stage.get)
+        if block == STAGE_BLOCKS[str(Stage.transfer)]:  # a transfer distils from no teacher (run/stages.py)
+            unread.update({key: "a transfer distils from no teacher" for key in entries if key.startswith("distill.")})
+        effects[block] = {key: value for key, value in entries.items()
+                          if key not in unread and value != {**composed, **named}.get(key, _ABSENT)}
+    return effects
+
+
+_ABSENT = object()

@@ -19,11 +19,12 @@ wandb ids of runs from before it became a choice.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,17 +35,16 @@ from deit_ablate.config.keys import (
     ADDED_KEYS,
     NOT_EXPERIMENT,
     NOT_IDENTITY,
-    TEACHER_KEYS,
     TRANSFER_ONLY,
     inherited_lr_rules,
     is_default_leaf,
+    is_teacher_key,
     leaves,
     legacy_keys,
     schema_default,
-    unused_teacher,
 )
 from deit_ablate.config.schema import preset_teacher
-from deit_ablate.config.stage_config import is_applied, run_unread_settings
+from deit_ablate.config.stage_config import is_applied, run_distills, run_unread_settings, stage_set_effects
 from deit_ablate.config.studies import study_names
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
@@ -100,10 +100,11 @@ def _leaf(tree: dict[str, Any], dotted: str) -> Any:
 
 
 def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None,
-               canonical: bool = True) -> dict[str, Any]:
+               canonical: bool = True, teacher_unread: Collection[str] | None = None) -> dict[str, Any]:
     """The resolved experiment part of `cfg` as plain data (top-level keys in `drop` left out too); with Hydra's
     group `choices`, also the legacy keys every digest carries (keys.legacy_keys: Table 8's row). A setting no stage
-    of the run reads holds the schema's default (`canonical`; as declared with canonical=False)."""
+    of the run reads holds the schema's default (`canonical`; as declared with canonical=False); with a chained
+    teacher run, only one that run does not read either (`teacher_unread`: chained_teacher_unread)."""
     if is_applied(cfg):
         raise ValueError("a run's identity is its composed config, not the config its stage runs (stage_config)")
     out: dict[str, Any] = {}
@@ -115,10 +116,10 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
             value = OmegaConf.to_container(value, resolve=True, enum_to_str=True)
         out[str(key)] = str(value) if hasattr(value, "value") else value  # an Enum leaf
     distill = out.get("distill")
-    if isinstance(distill, dict) and unused_teacher(TEACHER_KEYS, distill.get("type")):
+    if isinstance(distill, dict) and not run_distills(out):
         distill["teacher"] = preset_teacher(out.get("preset", "demo"))  # as if the run were given no teacher
     if canonical:
-        out = canonical_experiment(out)
+        out = canonical_experiment(out, teacher_unread)
     for dotted in (*NOT_IDENTITY, *inherited_lr_rules(lambda key: _leaf(out, key))):
         _pop(out, dotted)
     for dotted in ADDED_KEYS:  # runs from before a key keep their identity while it holds its default
@@ -129,11 +130,16 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
     return out
 
 
-def canonical_experiment(tree: dict[str, Any]) -> dict[str, Any]:
+def canonical_experiment(tree: dict[str, Any], teacher_unread: Collection[str] | None = None) -> dict[str, Any]:
     """A copy of an experiment (plain data) whose settings no stage reads (stage_config.run_unread_settings) hold the
-    schema's default: a run that computes the same as another has its identity, whatever it set them to."""
+    schema's default, and whose stages' override sets hold only what they change (stage_config.stage_set_effects):
+    a run that computes the same as another has its identity, whatever it set them to. A setting that the run's
+    chained teacher run reads (not in `teacher_unread`) stays as set: it changes the teacher."""
     out = copy.deepcopy(tree)
-    for dotted in run_unread_settings(tree):
+    for block, effects in stage_set_effects(tree).items():
+        out[block]["overrides"] = _nested(effects)
+    unread = run_unread_settings(tree)
+    for dotted in (unread if teacher_unread is None else [key for key in unread if key in teacher_unread]):
         *parents, leaf = dotted.split(".")
         node = out
         for key in parents:
@@ -143,10 +149,25 @@ def canonical_experiment(tree: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def same_computation(first: dict[str, Any], second: dict[str, Any]) -> str | None:
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """`{dotted key: value}` as a nested mapping (the shape of an override set)."""
+    out: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
+
+def same_computation(first: dict[str, Any], second: dict[str, Any],
+                     teacher_unread: tuple[Collection[str] | None, Collection[str] | None] = (None, None)
+                     ) -> str | None:
     """Why two experiments (plain data, `experiment(..., canonical=False)`) that differ compute the same: each
-    setting that tells them apart and why no stage reads it; None when they compute differently or do not differ."""
-    if canonical_experiment(first) != canonical_experiment(second):
+    setting that tells them apart and why no stage reads it; None when they compute differently or do not differ
+    (`teacher_unread`: each one's chained teacher's, as experiment takes it)."""
+    if canonical_experiment(first, teacher_unread[0]) != canonical_experiment(second, teacher_unread[1]):
         return None
     flat_first, flat_second = leaves(first), leaves(second)
     differ = sorted(key for key in {*flat_first, *flat_second} if flat_first.get(key) != flat_second.get(key))
@@ -154,9 +175,11 @@ def same_computation(first: dict[str, Any], second: dict[str, Any]) -> str | Non
     return "; ".join(f"{key} is ignored because {unread.get(key, 'no stage reads it')}" for key in differ) or None
 
 
-def experiment_digest(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None) -> str:
+def experiment_digest(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None,
+                      teacher_unread: Collection[str] | None = None) -> str:
     """A short stable hash of the experiment part of `cfg` (see `experiment`)."""
-    return _short_hash(json.dumps(experiment(cfg, drop, choices), sort_keys=True, default=str), 10)
+    tree = experiment(cfg, drop, choices, teacher_unread=teacher_unread)
+    return _short_hash(json.dumps(tree, sort_keys=True, default=str), 10)
 
 
 def _override_key(item: str) -> str:
@@ -212,17 +235,54 @@ def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, An
     without the teacher overrides a sweep gave it (keys.TEACHER_KEYS), and a run without the overrides of settings
     no stage of it reads (keys.UNREAD)."""
     drop = stage_drop(str(cfg.stage))
-    distill_type = cfg.distill.type if "distill" in cfg else None
-    unread = run_unread_settings(experiment(cfg, drop, canonical=False))
+    declared = experiment(cfg, drop, canonical=False)
+    teacher_unread = chained_teacher_unread(cfg, overrides, declared)
+    unread = [key for key in run_unread_settings(declared) if teacher_unread is None or key in teacher_unread]
+    distills = run_distills(declared)
     overrides = [item for item in overrides
-                 if not unused_teacher(_override_key(item), distill_type) and _override_key(item) not in unread]
-    digest = experiment_digest(cfg, drop, choices)
+                 if not (is_teacher_key(_override_key(item)) and not distills) and _override_key(item) not in unread]
+    digest = experiment_digest(cfg, drop, choices, teacher_unread)
     name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
     # groups keep the names they had (no key put first), so the seeds of one setting stay in one wandb group
     group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop, ()) or "default"
-    group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',), choices)}"
+    group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',), choices, teacher_unread)}"
     # The wandb id follows the experiment, not the spelling of its overrides (ablation=baseline = no override).
     return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)
+
+
+# The overrides a chained teacher run leaves out besides every study row (Table 2's, Table 5's ⚗ rows): the student's
+# distillation and its model's keys (the teacher is conf/model/<chain>.yaml as it stands, with the DeiT recipe).
+CHAIN_DROPPED = ("distill", "model")
+
+
+def chained_teacher_overrides(chain: str, kwargs: Mapping[str, Any], overrides: list[str]) -> list[str]:
+    """The overrides of the teacher run a student launched with `overrides` distils from (distill.teacher.chain):
+    the student's pre-training overrides without study rows, distill.* and model.* ones, plus model=<chain> and
+    distill.teacher.kwargs (`kwargs`) as its model.kwargs (Table 2's demo CNNs of three sizes)."""
+    dropped = (*CHAIN_DROPPED, *study_names())
+    sized = [f"++model.kwargs.{key}={json.dumps(value, separators=(',', ':'))}"
+             for key, value in sorted(kwargs.items())]
+    return [f"model={chain}", *sized,
+            *(item for item in pretrain_overrides(overrides) if _override_key(item).split(".", 1)[0] not in dropped)]
+
+
+def chained_teacher_unread(cfg: DictConfig, overrides: list[str], declared: dict[str, Any]) -> frozenset[str] | None:
+    """The settings that the chained teacher run of the student `cfg` (launched with `overrides`; `declared`: its
+    experiment as declared) does not read either (None: no chained teacher). What the teacher reads changes the
+    teacher, so it stays in the student's identity though the student never reads it."""
+    chain = OmegaConf.select(cfg, "distill.teacher.chain", default=None)
+    if chain is None or str(cfg.stage) == "transfer" or not run_distills(declared):
+        return None
+    kwargs = OmegaConf.to_container(cfg.distill.teacher.kwargs, resolve=True)
+    return _teacher_unread(tuple(chained_teacher_overrides(str(chain), kwargs, list(overrides))))
+
+
+@functools.lru_cache(maxsize=64)
+def _teacher_unread(teacher_overrides: tuple[str, ...]) -> frozenset[str]:
+    from deit_ablate.config.compose import compose_run_config
+
+    teacher = compose_run_config(list(teacher_overrides))
+    return frozenset(run_unread_settings(experiment(teacher, stage_drop("pretrain"), canonical=False)))
 
 
 def composed_choices(cfg: DictConfig) -> dict[str, Any]:

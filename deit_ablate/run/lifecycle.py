@@ -226,14 +226,18 @@ def _declared_experiment(plan: RunPlan) -> dict[str, Any]:
 
 
 def same_computation_lines(plans: Sequence[RunPlan]) -> list[str]:
-    """The dry run's line for each run of a sweep that computes the same as an earlier one though its settings
-    differ: which settings tell them apart and why no stage reads them (keys.UNREAD)."""
+    """The dry run's line for each run of a sweep that computes the same as an earlier one (the same identity) though
+    its overrides differ: which settings tell them apart and why no stage reads them (keys.UNREAD), or that the
+    options compose the same experiment."""
     lines, seen = [], []
     for plan in plans:
         ours = _declared_experiment(plan)
         for other, theirs in seen:
-            why = same_computation(ours, theirs)
-            if why is not None:
+            # the identity holds what any stage or teacher reads; the same overrides twice are one run
+            if other.identity.digest != plan.identity.digest or set(other.overrides) == set(plan.overrides):
+                continue
+            why = same_computation(ours, theirs) or "the same experiment, composed from other options"
+            if why:
                 row, same_as = (",".join(sorted(set(a) - set(b))) or "(no override)"
                                 for a, b in ((plan.overrides, other.overrides), (other.overrides, plan.overrides)))
                 lines.append(f"[dry run] row {row} computes the same as row {same_as} ({why})")

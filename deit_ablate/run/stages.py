@@ -5,7 +5,6 @@ distils from (Table 2, distill.teacher.chain)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,10 +14,9 @@ from omegaconf import DictConfig
 from deit_ablate.config.compose import compose_run_config
 from deit_ablate.config.schema import CONF_DIR, Stage
 from deit_ablate.config.stage_config import STAGE_BLOCKS, stage_config
-from deit_ablate.config.studies import study_names
 from deit_ablate.core.errors import ConfigError, RunInUse
 from deit_ablate.record import checkpoint as ckpt
-from deit_ablate.record.identity import pretrain_overrides, swap_overrides, train_command
+from deit_ablate.record.identity import chained_teacher_overrides, pretrain_overrides, swap_overrides, train_command
 from deit_ablate.record.resolvers import run_dir_of
 from deit_ablate.record.rundir import LAST, RUNS, RunDir
 from deit_ablate.record.runlock import live_holder
@@ -260,11 +258,6 @@ def upstream_role(lineage: Lineage) -> str:
     return "its LayerScale run"
 
 
-# The overrides a teacher run leaves out besides every study row (Table 2's, Table 5's ⚗ rows): the student's
-# distillation and its model's keys (the teacher is conf/model/<chain>.yaml as it stands, with the DeiT recipe).
-CHAIN_DROPPED = ("distill", "model")
-
-
 def chained_teacher(lineage: Lineage) -> str | None:
     """The model option of the teacher this run trains first (distill.teacher.chain), or None; a ConfigError when
     conf/model/ has no such option."""
@@ -284,19 +277,7 @@ def teacher_run_overrides(lineage: Lineage) -> list[str] | None:
     distill.teacher.kwargs as its model.kwargs (Table 2's demo CNNs of three sizes): the run
     `python train.py model=<chain> ...` trains, with the DeiT recipe (as DeiT trained its RegNetY-16GF)."""
     chain = chained_teacher(lineage)
-    if chain is None:
-        return None
-    kept = pretrain_overrides(list(lineage.overrides))
-    dropped = (*CHAIN_DROPPED, *study_names())
-    kwargs = lineage.teacher_kwargs
-    sized = [f"++model.kwargs.{key}={json.dumps(value, separators=(',', ':'))}"
-             for key, value in sorted(kwargs.items())]
-    return [f"model={chain}", *sized, *(item for item in kept if _override_group(item) not in dropped)]
-
-
-def _override_group(item: str) -> str:
-    """The top-level key or group an override sets (`distill` for `distill.alpha=0.5` and `distill=hard`)."""
-    return item.split("=", 1)[0].lstrip("+~").split(".", 1)[0]
+    return None if chain is None else chained_teacher_overrides(chain, lineage.teacher_kwargs, list(lineage.overrides))
 
 
 def teacher_run_dir(lineage: Lineage) -> RunDir | None:

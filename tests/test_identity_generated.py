@@ -1,0 +1,227 @@
+"""A run's identity changes if and only if what the run builds changes: generated from the schema, every key.
+
+For each leaf of the schema (deit_ablate/config/schema.py) but the execution settings, and for each route a key
+reaches a run by (the pre-training; a fine-tune, through the composed config or its override set; a transfer's
+override set; a fixed and a chained teacher; a fine-tune that distils only through its override set), the key is
+flipped to a valid value other than its own, and two things are compared with the run before: its identity digest
+(record/identity.py) and what it builds (tests/built.py, built by the code that trains, from the run's own config and
+the runs it starts from). A flip that changes the identity and nothing built splits one computation over two
+folders; one that changes what is built and not the identity puts two computations under one identity. The default
+suite runs a fixed sample of (key, route) pairs; the slow tier runs every pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+import zlib
+from enum import Enum
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from built import differences, run_built
+from deit_ablate.config import schema
+from deit_ablate.config.compose import compose_run_config
+from deit_ablate.config.keys import NOT_EXPERIMENT
+from deit_ablate.config.stage_config import OVERRIDABLE
+from deit_ablate.record.identity import composed_choices, run_identity
+from deit_ablate.run.validate import validate_config
+
+# A valid other value for each text key (the schema's type says nothing of which texts are valid): a new text key
+# needs one here, and the test says so.
+TEXT_VALUES: dict[str, list[Any]] = {
+    "preset": ["paper"],
+    "model.name": ["deit3_small_patch16_224"],  # a family whose defaults the kwargs leave
+    "model.distilled_name": ["deit_small_distilled_patch16_224"],
+    "data.builtin.classes": ["shapes_b"],
+    "augment.auto_augment": ["rand-m7-mstd0.5-inc1", None],
+    "augment.interpolation": ["bilinear"],
+    "distill.teacher.model": ["resnet18"],
+    "distill.teacher.checkpoint": ["/teachers/other.pt"],
+    "distill.teacher.chain": ["cnn_demo"],
+    "optimizer.name": ["sgd", "lamb"],
+    "optimizer.sched": ["step", "none"],
+    "finetune.init_checkpoint": ["/weights/pretrained.pt"],
+    "finetune.optimizer": ["sgd"],
+    "transfer.init_checkpoint": ["/weights/source.pt"],
+    "transfer.optimizer": ["adamw"],
+    "data.root": ["/data/elsewhere"],
+}
+# Mappings: one entry added (a route's override sets are the routes themselves, not keys to flip).
+MAPPING_VALUES: dict[str, list[tuple[str, Any]]] = {
+    "model.kwargs": [("depth", 2)],
+    "distill.teacher.kwargs": [("drop_rate", 0.2)],
+}
+ROUTE_KEYS = ("finetune.overrides", "transfer.overrides")
+TEACHER_CHECKPOINT = "/teachers/teacher.pt"  # never read: what a run builds names the file, the identity its path
+ROUTES: dict[str, tuple[list[str], str]] = {
+    # name: (the run's overrides, how a flip reaches it: "key" sets the key, "finetune"/"transfer" the stage's set)
+    "pretrain": ([], "key"),
+    "finetune": (["stage=finetune"], "key"),
+    "finetune_set": (["stage=finetune"], "finetune"),
+    "transfer_set": (["stage=transfer", "transfer=builtin_b"], "transfer"),
+    "fixed_teacher": (["distill=soft", f"distill.teacher.checkpoint={TEACHER_CHECKPOINT}"], "key"),
+    "chained_teacher": (["ablation=no_mixup_cutmix", "model=vit_demo_distilled", "distill=hard_token",
+                         "distill.teacher.chain=cnn_demo"], "key"),
+    "finetune_distils_by_set": (["stage=finetune", "++finetune.overrides.distill.type=soft",
+                                 f"distill.teacher.checkpoint={TEACHER_CHECKPOINT}"], "key"),
+}
+SAMPLE = 40  # (key, route) pairs in the default suite
+
+
+def schema_leaves(node: type = schema.Config, prefix: str = "") -> dict[str, tuple[Any, Any, Any]]:
+    """`{dotted key: (type, default, range)}` of every schema leaf."""
+    out: dict[str, tuple[Any, Any, Any]] = {}
+    hints = typing.get_type_hints(node)
+    for field in dataclasses.fields(node):
+        kind = hints[field.name]
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        if dataclasses.is_dataclass(kind):
+            out.update(schema_leaves(kind, f"{prefix}{field.name}."))
+        else:
+            out[f"{prefix}{field.name}"] = (kind, default, field.metadata.get("range"))
+    return out
+
+
+def experiment_keys() -> list[str]:
+    """The schema's keys that could be the experiment: all but the execution settings and the route keys."""
+    return [key for key in schema_leaves() if key.split(".")[0] not in NOT_EXPERIMENT and key not in ROUTE_KEYS]
+
+
+def _numbers(default: float, bounds: Any, integer: bool) -> list[float]:
+    low = bounds.low if bounds is not None and bounds.low is not None else -math.inf
+    high = bounds.high if bounds is not None and bounds.high is not None else math.inf
+    if default is None:
+        candidates = [low + 1 if integer and low > -math.inf else 2, 0.5]
+    elif integer:
+        candidates = [default * 2, default + 1, default - 1]
+    else:
+        candidates = [0.0, 1.0, default * 2, default / 2, default + 0.3]
+    return [c for c in candidates if (c > low if bounds and bounds.low_open else c >= low)
+            and (c < high if bounds and bounds.high_open else c <= high) and c != default
+            and (not integer or float(c).is_integer())]
+
+
+def flips(key: str) -> list[Any]:
+    """Values of `key` other than its schema default, most telling first; a KeyError names a text key without
+    TEXT_VALUES."""
+    kind, default, bounds = schema_leaves()[key]
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    inner = next((a for a in args if a is not type(None)), kind) if origin in (typing.Union, types.UnionType) \
+        else kind
+    if key in TEXT_VALUES:
+        return TEXT_VALUES[key]
+    if key in MAPPING_VALUES:
+        return MAPPING_VALUES[key]
+    if inner is bool:
+        return [not default]
+    if isinstance(inner, type) and issubclass(inner, Enum):
+        return [member for member in inner if member != default]
+    if inner in (int, float):
+        return [int(c) if inner is int else c for c in _numbers(default, bounds, inner is int)]
+    if typing.get_origin(inner) in (tuple, list):
+        element = typing.get_args(inner)[0]
+        first = default[0] if default else None
+        if default is None:
+            return [[16, 24]] if element is int else [[0.5]]
+        return [[int(c) if element is int else c, *default[1:]] for c in _numbers(first, bounds, element is int)]
+    raise KeyError(f"{key}: no valid other value is known for a key of type {kind}: add it to TEXT_VALUES or "
+                   "MAPPING_VALUES in tests/test_identity_generated.py")
+
+
+def override(key: str, value: Any, how: str) -> str:
+    """The override that sets `key` to `value` on the route's way (`how`)."""
+    if isinstance(value, tuple):  # a mapping's new entry
+        entry, value = value
+        key = f"{key}.{entry}"
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else \
+        str(value.value) if isinstance(value, Enum) else str(list(value)).replace(" ", "") \
+        if isinstance(value, list) else str(value)
+    return f"++{key}={text}" if how == "key" else f"++{how}.overrides.{key}={text}"
+
+
+def reaches(key: str, how: str) -> bool:
+    """Whether a route can carry `key`: a stage's override set takes the groups a stage may change."""
+    return how == "key" or key.split(".")[0] in OVERRIDABLE
+
+
+def identity_and_built(overrides: list[str]) -> tuple[str, dict[str, Any]] | None:
+    """The run's identity digest and what it builds; None when the launch would refuse the config."""
+    try:
+        cfg = compose_run_config(overrides)
+        validate_config(cfg)
+    except Exception:  # noqa: BLE001 -- an invalid flip (Hydra's, OmegaConf's or our own refusal) is not a run
+        return None
+    return run_identity(cfg, overrides, composed_choices(cfg)).digest, run_built(overrides)
+
+
+def check_pair(key: str, route: str) -> str | None:
+    """The mismatch of one flip on one route (None: identity and what is built agree), or 'skip: ...'."""
+    base, how = ROUTES[route]
+    if not reaches(key, how):
+        return "skip: the route cannot carry it"
+    before = identity_and_built(base)
+    assert before is not None, f"route {route} is not a valid run"
+    for value in flips(key):
+        flipped = [*base, override(key, value, how)]
+        after = identity_and_built(flipped)
+        if after is None:
+            continue
+        built = differences(before[1], after[1])
+        changed = before[0] != after[0]
+        if changed and not built:
+            return f"{flipped[-1]} ({route}): the identity changed, nothing built did"
+        if built and not changed:
+            return f"{flipped[-1]} ({route}): the identity stayed, what is built changed at {', '.join(built[:4])}"
+        return None
+    return "skip: no valid other value"
+
+
+def all_pairs() -> list[tuple[str, str]]:
+    return [(key, route) for key in experiment_keys() for route in ROUTES]
+
+
+def sampled_pairs() -> list[tuple[str, str]]:
+    """A fixed sample, spread over keys and routes (the same on every machine)."""
+    pairs = all_pairs()
+    return sorted(pairs, key=lambda pair: zlib.crc32(f"{pair[0]}@{pair[1]}".encode()))[:SAMPLE]
+
+
+def test_every_key_has_a_valid_other_value():
+    missing = []
+    for key in experiment_keys():
+        try:
+            assert flips(key), key
+        except (KeyError, AssertionError) as error:
+            missing.append(str(error))
+    assert not missing, missing
+
+
+def run_pairs(pairs: list[tuple[str, str]]) -> tuple[list[str], list[str], int]:
+    mismatches, skipped, checked = [], [], 0
+    for key, route in pairs:
+        found = check_pair(key, route)
+        if found is None:
+            checked += 1
+        elif found.startswith("skip:"):
+            skipped.append(f"{key} ({route}) {found}")
+        else:
+            mismatches.append(f"{key}: {found}")
+    return mismatches, skipped, checked
+
+
+def test_identity_changes_iff_what_is_built_changes_sampled():
+    mismatches, _, checked = run_pairs(sampled_pairs())
+    assert not mismatches, "\n".join(mismatches)
+    assert checked >= SAMPLE // 2
+
+
+@pytest.mark.slow
+def test_identity_changes_iff_what_is_built_changes_every_key():
+    mismatches, skipped, checked = run_pairs(all_pairs())
+    print(f"{checked} (key, route) pairs checked, {len(skipped)} skipped, keys: {len(experiment_keys())}")
+    assert not mismatches, "\n".join(mismatches)
