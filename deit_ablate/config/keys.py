@@ -168,11 +168,23 @@ def _on(get: Getter, dotted: str) -> bool:
 
 @dataclass(frozen=True)
 class Unread:
-    """Settings a stage never reads while `when` holds of its config, and why (`because`, for people)."""
+    """Settings a stage never reads while `when` holds of its config, and why (`because`, for people). In the
+    identity such a setting holds the schema's default, or (`canonical="options"`, rules added after runs were
+    written) the value the run's group options compose: a run that never set it keeps its identity."""
 
     settings: tuple[str, ...]
     when: Callable[[Getter], bool]
     because: str
+    canonical: str = "schema"
+
+
+TOKEN_KINDS = ("hard_token", "soft_token")  # distil through a distillation token: the model's distilled twin trains
+
+
+def _distilled_student(get: Getter) -> bool:
+    """Whether the network a stage trains has a distillation head (train/models.py student_name)."""
+    token = str(get("distill.type")) in TOKEN_KINDS
+    return "_distilled_" in str(get("model.name")) or (token and bool(get("model.distilled_name")))
 
 
 UNREAD = (
@@ -202,7 +214,16 @@ UNREAD = (
            "an Adam-like optimizer (adam*, lamb) takes betas and eps, not momentum"),
     Unread(("optimizer.betas", "optimizer.eps"), lambda get: not is_adam_like(str(get("optimizer.name"))),
            "an SGD-like optimizer takes momentum, not Adam's betas and eps"),
+    Unread(("model.distilled_name",), lambda get: str(get("distill.type")) not in TOKEN_KINDS,
+           "only a distillation-token kind (distill.type=hard_token, soft_token) trains the model's distilled twin",
+           canonical="options"),
+    Unread(("distill.fusion",), lambda get: not _distilled_student(get),
+           "only a model with a distillation head fuses two heads at evaluation", canonical="options"),
+    Unread(("train.ema_decay",), lambda get: not get("train.ema"), "no EMA of the weights is kept (train.ema=false)",
+           canonical="options"),
 )
+# The settings whose unread value in the identity is the one the run's options compose (Unread.canonical).
+CANONICAL_BY_OPTIONS = frozenset(key for rule in UNREAD if rule.canonical == "options" for key in rule.settings)
 
 
 @functools.cache

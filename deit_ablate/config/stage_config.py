@@ -174,25 +174,21 @@ def run_distills(tree: dict[str, Any]) -> bool:
     return any(kind is not None and str(kind) != "none" for kind in kinds)
 
 
-def stage_set_effects(tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """`{block: its override set as the stage computes it}` of a run of `tree` (plain data): the entries that the
-    stage reads (keys.UNREAD, evaluated on the stage's own values) and that change the value the stage would take
-    without them. An entry that computes nothing new is no part of the experiment."""
+def stage_sets_read(tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`{block: the entries of its override set that the stage reads}` of a run of `tree` (plain data), by keys.UNREAD
+    evaluated on the stage's own values. An entry the stage never reads computes nothing: no part of the experiment.
+    (An entry equal to the value the stage takes without it stays: recipes spell their stage's values out, and
+    their runs keep the identity they have.)"""
     composed = leaves(tree)
-    effects: dict[str, dict[str, Any]] = {}
+    read: dict[str, dict[str, Any]] = {}
     for block in _stage_blocks(tree):
         node = tree.get(block) or {}
         entries = leaves(node.get("overrides") or {})
         if not entries:
             continue
         named = {target: node[key] for key, target in NAMED_KEYS.items() if node.get(key) is not None}
-        stage = {**composed, **named, **entries}
-        unread = unread_settings(stage.get)
+        unread = unread_settings({**composed, **named, **entries}.get)
         if block == STAGE_BLOCKS[str(Stage.transfer)]:  # a transfer distils from no teacher (run/stages.py)
             unread.update({key: "a transfer distils from no teacher" for key in entries if key.startswith("distill.")})
-        effects[block] = {key: value for key, value in entries.items()
-                          if key not in unread and value != {**composed, **named}.get(key, _ABSENT)}
-    return effects
-
-
-_ABSENT = object()
+        read[block] = {key: value for key, value in entries.items() if key not in unread}
+    return read

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from deit_ablate.config.keys import (
     ADDED_KEYS,
+    CANONICAL_BY_OPTIONS,
     NOT_EXPERIMENT,
     NOT_IDENTITY,
     TRANSFER_ONLY,
@@ -44,7 +45,7 @@ from deit_ablate.config.keys import (
     schema_default,
 )
 from deit_ablate.config.schema import preset_teacher
-from deit_ablate.config.stage_config import is_applied, run_distills, run_unread_settings, stage_set_effects
+from deit_ablate.config.stage_config import is_applied, run_distills, run_unread_settings, stage_sets_read
 from deit_ablate.config.studies import study_names
 
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
@@ -119,7 +120,7 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
     if isinstance(distill, dict) and not run_distills(out):
         distill["teacher"] = preset_teacher(out.get("preset", "demo"))  # as if the run were given no teacher
     if canonical:
-        out = canonical_experiment(out, teacher_unread)
+        out = canonical_experiment(out, teacher_unread, option_values(choices) if choices is not None else None)
     for dotted in (*NOT_IDENTITY, *inherited_lr_rules(lambda key: _leaf(out, key))):
         _pop(out, dotted)
     for dotted in ADDED_KEYS:  # runs from before a key keep their identity while it holds its default
@@ -130,22 +131,29 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
     return out
 
 
-def canonical_experiment(tree: dict[str, Any], teacher_unread: Collection[str] | None = None) -> dict[str, Any]:
+def canonical_experiment(tree: dict[str, Any], teacher_unread: Collection[str] | None = None,
+                         options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A copy of an experiment (plain data) whose settings no stage reads (stage_config.run_unread_settings) hold the
-    schema's default, and whose stages' override sets hold only what they change (stage_config.stage_set_effects):
+    schema's default, and whose stages' override sets hold only what the stage reads (stage_config.stage_sets_read):
     a run that computes the same as another has its identity, whatever it set them to. A setting that the run's
-    chained teacher run reads (not in `teacher_unread`) stays as set: it changes the teacher."""
+    chained teacher run reads (not in `teacher_unread`) stays as set: it changes the teacher. A setting of a rule
+    added later (keys.CANONICAL_BY_OPTIONS) holds the value the run's group options give it (`options`:
+    option_values; without them, a mark the same in every experiment)."""
     out = copy.deepcopy(tree)
-    for block, effects in stage_set_effects(tree).items():
-        out[block]["overrides"] = _nested(effects)
+    for block, read in stage_sets_read(tree).items():
+        out[block]["overrides"] = _nested(read)
     unread = run_unread_settings(tree)
     for dotted in (unread if teacher_unread is None else [key for key in unread if key in teacher_unread]):
         *parents, leaf = dotted.split(".")
         node = out
         for key in parents:
             node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node:
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        if dotted not in CANONICAL_BY_OPTIONS:
             node[leaf] = schema_default(dotted)
+        else:  # without the options (two experiments compared with each other): one mark for both
+            node[leaf] = options.get(dotted) if options is not None else "(unread)"
     return out
 
 
@@ -250,6 +258,24 @@ def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, An
     return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)
 
 
+def option_values(choices: Mapping[str, Any]) -> dict[str, Any]:
+    """`{dotted key: value}` that the group options `choices` (Hydra's) compose without any other override, for the
+    settings whose unread value in an identity is the options' (keys.CANONICAL_BY_OPTIONS)."""
+    chosen = tuple(sorted(f"{group}={option}" for group, option in choices.items()
+                          if option is not None and not str(group).startswith("hydra")))
+    return dict(_option_values(chosen))
+
+
+@functools.lru_cache(maxsize=64)
+def _option_values(chosen: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+    from deit_ablate.config.compose import compose_run_config
+
+    composed = compose_run_config(list(chosen))
+    return tuple((key, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
+                 for key in sorted(CANONICAL_BY_OPTIONS)
+                 for value in [OmegaConf.select(composed, key, default=None)])
+
+
 # The overrides a chained teacher run leaves out besides every study row (Table 2's, Table 5's ⚗ rows): the student's
 # distillation and its model's keys (the teacher is conf/model/<chain>.yaml as it stands, with the DeiT recipe).
 CHAIN_DROPPED = ("distill", "model")
@@ -273,7 +299,7 @@ def chained_teacher_unread(cfg: DictConfig, overrides: list[str], declared: dict
     chain = OmegaConf.select(cfg, "distill.teacher.chain", default=None)
     if chain is None or str(cfg.stage) == "transfer" or not run_distills(declared):
         return None
-    kwargs = OmegaConf.to_container(cfg.distill.teacher.kwargs, resolve=True)
+    kwargs = declared["distill"]["teacher"].get("kwargs") or {}
     return _teacher_unread(tuple(chained_teacher_overrides(str(chain), kwargs, list(overrides))))
 
 

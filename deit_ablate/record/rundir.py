@@ -79,6 +79,7 @@ TEMP_PATTERNS = tuple(f".{name}*.tmp" for name in ATOMIC_FILES)
 RUNS, WANDB = "runs", "wandb"
 DEFAULT_OUTPUT_ROOT = "outputs"  # runtime.output_root's default (config/schema.py): where `deit-status` looks
 MULTIRUN, SWEEP_RECORD = "multirun.yaml", "multirun-{}.yaml"  # Hydra's sweep record, and ours beside it
+EXPERIMENT_LOCKS = ".experiments"  # in the runs root: one folder per experiment digest, holding its launch lock
 SLURM_JOBS = "slurm-jobs.json"  # in the runs root: SLURM job id -> run folder name, from the SLURM launcher
 SUBMITIT = ".submitit"  # submitit's folder in the sweep folder (conf/hydra/launcher/*.yaml spell it too)
 RESULT_STATUSES = ("finished", "diverged", "failed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from deit_ablate.core.streams import trained_before
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.identity import experiment, same_computation, stage_drop
 from deit_ablate.record.resume import LaunchAction, folder_action, previous_result, skip_action
-from deit_ablate.record.rundir import RunDir, wandb_root
+from deit_ablate.record.rundir import EXPERIMENT_LOCKS, RunDir, wandb_root
 from deit_ablate.record.runlock import RunLock
 from deit_ablate.record.tracking import Tracker, read_epoch_rows, wandb_logs
 from deit_ablate.run.plan import RunPlan
@@ -46,6 +47,62 @@ def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 
             announced = True
         if lock is not None:
             time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def experiment_lock(runs_root: Path, digest: str, info: DistInfo, poll_s: float = 0.1) -> Iterator[None]:
+    """Hold the lock of one experiment (rank 0) while a launch picks the folder that holds it and takes that folder's
+    lock: two launches of one experiment under two folder names (`deit3=baseline` and `recipe=deit3
+    model=vit_base`), started before either made its folder, then train it once, in one folder."""
+    lock, folder = None, runs_root / EXPERIMENT_LOCKS / digest
+    while info.is_main and lock is None:  # held for the moment a launch takes its folder's lock
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(folder)
+            if lock.try_acquire() is not None:
+                lock = None
+                time.sleep(poll_s)
+        except FileNotFoundError:  # another launch removed the folder as it let go of it: make it again
+            lock = None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+            for empty in (folder, folder.parent):  # nothing stays behind but the run folders
+                try:
+                    empty.rmdir()
+                except OSError:  # another launch holds it, or gone already
+                    break
+
+
+def _started(run_dir: RunDir) -> bool:
+    """Whether a launch has taken, trained or recorded the run folder (its lock, identity, checkpoint or result)."""
+    return any(path.exists() for path in (run_dir.lock, run_dir.identity, run_dir.last_checkpoint, run_dir.result))
+
+
+def experiment_folder(plan: RunPlan, info: DistInfo) -> RunPlan:
+    """The plan in the folder that holds its experiment: one of another name (the same digest) that a launch has
+    started, else its own. The folder Hydra made for this launch is then removed (it is empty)."""
+    chosen = None
+    if info.is_main:
+        own = plan.run_dir.path
+        started = [RunDir(path) for path in sorted(own.parent.glob(f"*-{plan.identity.digest}"))
+                   if path != own and path.is_dir() and _started(RunDir(path))]
+        chosen = str(started[0].path) if started else None
+    chosen = broadcast_object(chosen, info)
+    if chosen is None:
+        return plan
+    held = RunDir(Path(chosen))
+    recorded = held.recorded_data() if info.is_main else None
+    if recorded is not None and recorded.get("digest") != plan.data.get("digest"):
+        raise ConfigError(f"{held.path} holds this experiment trained on other data: train this data under another "
+                          f"output folder (runtime.output_root=...), or delete {held.path} to train it here.")
+    if info.is_main:
+        plan.run_dir.discard_if_empty()
+        log.info(f"[run] this experiment's run is {held.path} (the same experiment, named by other overrides): "
+                 "this launch continues it there")
+    return replace(plan, run_dir=held, identity=replace(plan.identity, name=held.name))
 
 
 @contextlib.contextmanager

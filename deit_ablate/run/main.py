@@ -36,6 +36,8 @@ from deit_ablate.record.rundir import DATA, RunDir
 from deit_ablate.record.tracking import Tracker
 from deit_ablate.run.assemble import Pieces, build_pieces, set_cpu_threads
 from deit_ablate.run.lifecycle import (
+    experiment_folder,
+    experiment_lock,
     hold_run_folder,
     log_again_if_lost,
     previous_result,
@@ -69,10 +71,12 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
                           "stopped here. Launch it through train.py, whose checks plan dry runs")
     info = init_distributed(cfg.runtime.device)
     try:
-        with StopSignals(info, cfg.runtime.log_interval) as stop:  # from the start: a stop before training says so
-            plan = make_plan(cfg, info)
-            with hold_run_folder(plan.run_dir.path, info, plan.settings.runtime.wait_for_lock):
-                return _run_locked(plan, info, stop)
+        with StopSignals(info, cfg.runtime.log_interval) as stop, contextlib.ExitStack() as held:
+            plan = make_plan(cfg, info)  # from the start of StopSignals: a stop before training says so
+            with experiment_lock(plan.run_dir.path.parent, plan.identity.digest, info):
+                plan = experiment_folder(plan, info)
+                held.enter_context(hold_run_folder(plan.run_dir.path, info, plan.settings.runtime.wait_for_lock))
+            return _run_locked(plan, info, stop)
     except RuntimeError as error:
         lost = stopped_by_peer(error, info)  # before the folder is held (its file has it otherwise)
         if lost is None:
