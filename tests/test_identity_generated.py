@@ -56,7 +56,7 @@ TEXT_VALUES: dict[str, list[Any]] = {
 # Mappings: one entry added (a route's override sets are the routes themselves, not keys to flip).
 MAPPING_VALUES: dict[str, list[tuple[str, Any]]] = {
     "model.kwargs": [("depth", 2)],
-    "distill.teacher.kwargs": [("drop_rate", 0.2)],
+    "distill.teacher.kwargs": [("global_pool", "max")],  # no weights of its own: the checkpoint still loads
 }
 ROUTE_KEYS = ("finetune.overrides", "transfer.overrides")
 # The settings that need another one beside them to make a valid run (the launch refuses either alone).
