@@ -44,7 +44,7 @@ from deit_ablate.run.teacher import TeacherSource, build_teacher
 from deit_ablate.run.teacher_cache import FixedView, WithIndex, build_fixed_teacher_table
 from deit_ablate.train.losses import TOKEN_KINDS, DistillationLoss, FixedTeacherLoss, build_criterion, build_mixup
 from deit_ablate.train.models import compile_in_place
-from deit_ablate.train.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
+from deit_ablate.train.optim import EpochStepped, build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
 from deit_ablate.train.teacher import teacher_forward
 from deit_ablate.train.trainer import Trainer
 
@@ -208,10 +208,17 @@ def stage_optimizer(opt: OptimizerConfig, recipe: StageRecipe, module: torch.nn.
 
 
 def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps_per_epoch: int):
-    """The stage's warm-up + cosine schedule in optimizer updates (train.max_steps never shortens it)."""
+    """The stage's schedule (optimizer.sched: warm-up + cosine by default) in optimizer updates, or in epochs moved one
+    epoch late as the released main.py moves it (optimizer.sched_on=epoch); train.max_steps never shortens it."""
+    if recipe.sched_on == "epoch":
+        schedule = build_scheduler(optimizer, recipe.epochs, recipe.warmup_epochs, recipe.min_lr, recipe.warmup_lr,
+                                   recipe.sched, recipe.decay_epochs, recipe.decay_rate)
+        return EpochStepped(schedule, steps_per_epoch)
     total_steps = recipe.epochs * steps_per_epoch
     warmup_steps = min(round(recipe.warmup_epochs * steps_per_epoch), max(total_steps - 1, 0))
-    return build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, recipe.warmup_lr)
+    decay_steps = max(round(recipe.decay_epochs * steps_per_epoch), 1)
+    return build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, recipe.warmup_lr, recipe.sched,
+                           decay_steps, recipe.decay_rate)
 
 
 def build_loss_fn(distill: DistillConfig, view: FixedView, teacher_source: TeacherSource | None,
