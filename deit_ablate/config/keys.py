@@ -46,6 +46,7 @@ ADDED_KEYS: dict[str, object] = {
     "optimizer.sched_on": "update",
     "optimizer.decay_epochs": 30.0,  # sched=step's interval and factor (main.py's defaults); cosine reads neither
     "optimizer.decay_rate": 0.1,
+    "train.eval_max_images": None,  # the whole eval split; the first N images of it are another run
 }
 # A later stage's own lr rule, added when it stopped following the pre-training's: left out while it equals
 # optimizer.lr_base_batch (what every stage read before), so earlier runs keep their identity; any other value is

@@ -304,7 +304,12 @@ class TrainConfig:
     # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32, or fp16 (autocast + a loss scaler, as the
     # released DeiT code trained)
     amp: Precision = Precision.auto
+    # Replaced by eval_max_images: it counted batches of runtime.eval_batch on each rank, so the images scored
+    # depended on the layout; any value is refused (validate.py), null keeps earlier runs' identity.
     eval_max_batches: int | None = ranged(None, ge=1)
+    # Evaluate on the first N images of the eval split (its order) alone, on any layout: N ranks score N / ranks
+    # each (smoke tests: another experiment). null: the whole split.
+    eval_max_images: int | None = ranged(None, ge=1, hint="the images of the eval split scored, all ranks together")
 
 
 @dataclass

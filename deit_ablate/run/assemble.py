@@ -121,7 +121,9 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
                                 batch.micro_batch)
     train_sampler = SeededSamples(slots, RunStreams(cfg.seed, info.rank))
     train_loader = build_train_loader(train_set, train_sampler, per_rank, spec, cfg.runtime, info.device)
-    val_loader = build_loader(val_set, ShardSampler(len(val_set), info.world_size, info.rank),
+    # the first train.eval_max_images images of the split, all ranks together: the same images on any layout
+    scored = len(val_set) if cfg.train.eval_max_images is None else min(cfg.train.eval_max_images, len(val_set))
+    val_loader = build_loader(val_set, ShardSampler(scored, info.world_size, info.rank),
                               cfg.runtime.eval_batch, cfg.runtime, train=False, device_type=info.device.type,
                               niceness=worker_niceness(cfg.runtime.worker_nice, info.device.type,
                                                        spec.resolution.eval_size))
