@@ -116,3 +116,31 @@ def test_an_unknown_schedule_is_refused_at_composition_naming_the_choices(value)
         error = error.__cause__
     text = "\n".join(messages)
     assert "expected one of [cosine, step, none]" in text and "optimizer.sched" in text
+
+
+@pytest.mark.parametrize("preset", ["demo", "paper"])
+def test_the_schedule_keys_print_in_the_resolved_job(preset):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), f"preset={preset}", "--cfg", "job", "--resolve"],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert "  sched: cosine\n  sched_on: update\n  decay_epochs: 30.0\n  decay_rate: 0.1\n" in out
+    assert "  eval_max_images: null\n" in out
+
+
+def test_the_released_per_gpu_batches_are_one_override_away():
+    # the paper preset: 8 GPUs x 128 (DeiT-B on one 8-GPU node); the README of facebookresearch/deit trains DeiT-B on
+    # 2 nodes x 8 GPUs x 64 and DeiT-S/Ti on 4 GPUs x 256, each the same global batch of 1024
+    from deit_ablate.run.validate import plan_batch
+
+    paper = plan_batch(compose_config(["preset=paper"]), world_size=8)
+    assert (paper.micro_batch, paper.slots, paper.per_rank_batch) == (128, 8, 128)
+    base = compose_config(["preset=paper", "train.micro_batch=64"])
+    assert (plan_batch(base, 16).per_rank_batch, plan_batch(base, 16).slots) == (64, 16)
+    assert (plan_batch(base, 1).accum_steps, plan_batch(base, 1).micro_batch) == (16, 64)
+    small = plan_batch(compose_config(["preset=paper", "headline=deit_s", "train.micro_batch=256",
+                                       "runtime.max_batch_per_device=256"]), world_size=4)  # where it fits
+    assert (small.per_rank_batch, small.slots) == (256, 4)
