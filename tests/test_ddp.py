@@ -35,6 +35,31 @@ def test_two_processes_make_the_same_first_update_as_one(tmp_path, data_cache):
         assert torch.allclose(tensor, b["model"][name], atol=1e-6, rtol=1e-5), name
 
 
+@pytest.mark.slow
+def test_eval_max_images_scores_the_same_images_on_one_process_and_on_two(tmp_path, data_cache):
+    # train.eval_max_batches counted batches of runtime.eval_batch per rank: two ranks scored twice the images of one
+    # process. train.eval_max_images is the whole run's count: the first 30 of the split's 100 on any layout.
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = DETERMINISTIC + TINY + ["train.eval_max_images=30", "runtime.eval_batch=7"]
+    run_train(args + [f"hydra.run.dir={one}"], tmp_path, data_cache)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29535",
+                str(REPO / "train.py")]
+    run_train(args + [f"hydra.run.dir={two}"], tmp_path, data_cache, module=torchrun)
+    (a, _), (b, _) = RunDir(one).read_predictions(), RunDir(two).read_predictions()
+    assert list(a["index"]) == list(b["index"]) == list(range(30))
+    assert (a["main"] == b["main"]).all()
+    top1 = [json.loads(RunDir(run).result.read_text())["top1"] for run in (one, two)]
+    assert top1[0] == pytest.approx(top1[1])
+
+
+def test_eval_max_batches_counted_per_rank_is_refused_naming_eval_max_images():
+    from deit_ablate.run.validate import validate_config
+    from tests.conftest import compose_config
+
+    with pytest.raises(ConfigError, match=r"train.eval_max_batches=3 .* Set train.eval_max_images=N instead"):
+        validate_config(compose_config(["train.eval_max_batches=3"]))
+
+
 def test_eval_mode_finetune_of_a_distilled_student_runs_two_ddp_steps(tmp_path, data_cache):
     # The fine-tune trains in eval mode (released DeiT code) while the distilled student must still return both
     # heads: every parameter gets a gradient, or DDP fails at its second step.

@@ -258,3 +258,23 @@ def test_a_trained_folder_with_the_old_names_resumes_skips_and_aggregates(tmp_pa
     logged = read_offline(wandb_root(tmp_path / "outputs"), warn=lambda message: None)
     assert {r.run_id for r in logged} == {recorded["run_id"]}
     assert any(r.summary.get("status") == "finished" and r.summary.get("top1") == result["top1"] for r in logged)
+
+
+def test_a_later_launch_keeps_the_first_launchs_hydra_records_and_is_noted_beside(tmp_path):
+    # A shared pre-training (ablation=baseline and sgd_finetune's) resumed by the second row's launch: its .hydra/
+    # files were rewritten with that row's overrides; they say how the run was first made, the resume is noted beside.
+    run = RunDir(tmp_path / "run")
+    run.record_launch("seed: 0\n", "hydra: {}\n", "- ablation=baseline\n", at="t0")
+    run.record_launch("seed: 0\n", "hydra: {row: 2}\n", "- ablation=sgd_finetune\n- seed=0\n", at="t1")
+    run.record_launch("seed: 0\n", None, None, at="t2")  # a launch without Hydra
+    assert run.hydra_overrides.read_text() == "- ablation=baseline\n"
+    assert run.hydra_settings.read_text() == "hydra: {}\n"
+    later = yaml.safe_load(run.hydra_later.read_text())
+    assert later == [{"at": "t1", "overrides": ["ablation=sgd_finetune", "seed=0"]}, {"at": "t2", "overrides": []}]
+
+
+def test_the_first_launch_writes_what_an_interrupted_first_launch_left_unwritten(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.record_launch("seed: 0\n", None, None)  # its overrides never written
+    run.record_launch("seed: 0\n", "hydra: {}\n", "- seed=0\n")
+    assert run.hydra_overrides.read_text() == "- seed=0\n" and run.hydra_settings.exists()

@@ -49,11 +49,14 @@ def timm_args(overrides: list[str], data_dir: Path, out_dir: Path, workers: int,
         "--mixup", str(mix.mixup_alpha), "--cutmix", str(mix.cutmix_alpha), "--mixup-prob", str(mix.prob),
         "--mixup-switch-prob", str(mix.switch_prob), "--mixup-mode", mix.mode, "--smoothing", str(mix.label_smoothing),
         "--opt", opt.name, "--weight-decay", str(opt.weight_decay), "--opt-eps", str(opt.eps),
-        "--lr", str(scaled_lr(opt.lr, train.global_batch, opt.lr_base_batch)), "--sched", opt.sched,
-        "--sched-on-updates", "--warmup-epochs", str(round(opt.warmup_epochs)),
+        "--lr", str(scaled_lr(opt.lr, train.global_batch, opt.lr_base_batch)), "--sched", str(opt.sched),
+        "--decay-epochs", str(opt.decay_epochs), "--decay-rate", str(opt.decay_rate),
+        "--warmup-epochs", str(round(opt.warmup_epochs)),
         "--warmup-lr", str(opt.warmup_lr), "--min-lr", str(opt.min_lr), "--epochs", str(train.epochs),
         "--seed", str(cfg.seed), "--log-interval", "1", "--output", str(out_dir),
     ]
+    if opt.sched_on == "update":  # else timm steps it after each epoch, as the released main.py (without its lag)
+        args += ["--sched-on-updates"]
     if opt.name.startswith("adam"):
         args += ["--opt-betas", *map(str, opt.betas)]
     else:

@@ -42,6 +42,11 @@ ADDED_KEYS: dict[str, object] = {
     "finetune.overrides": {},
     "transfer.overrides": {},
     "model.head": "linear",  # DeiT's single linear classifier; the original ViT's MLP head (mlp_tanh) is another run
+    # the schedule moved after every update; epoch (the released main.py's per-epoch step, one epoch late) is another
+    "optimizer.sched_on": "update",
+    "optimizer.decay_epochs": 30.0,  # sched=step's interval and factor (main.py's defaults); cosine reads neither
+    "optimizer.decay_rate": 0.1,
+    "train.eval_max_images": None,  # the whole eval split; the first N images of it are another run
 }
 # A later stage's own lr rule, added when it stopped following the pre-training's: left out while it equals
 # optimizer.lr_base_batch (what every stage read before), so earlier runs keep their identity; any other value is
@@ -161,6 +166,11 @@ def _auto_policy(get: Getter) -> str | None:
     return "3a" if get("augment.three_augment") else get("augment.auto_augment")
 
 
+def _sched(get: Getter) -> str:
+    """The schedule a stage runs (optimizer.sched; cosine where a log predates the key)."""
+    return str(get("optimizer.sched") or "cosine")
+
+
 def _on(get: Getter, dotted: str) -> bool:
     """Whether a rate or Beta alpha is above 0 (unset: 0)."""
     return (get(dotted) or 0) > 0
@@ -221,6 +231,11 @@ UNREAD = (
            "only a model with a distillation head fuses two heads at evaluation", canonical="options"),
     Unread(("train.ema_decay",), lambda get: not get("train.ema"), "no EMA of the weights is kept (train.ema=false)",
            canonical="options"),
+    Unread(("optimizer.decay_epochs", "optimizer.decay_rate"), lambda get: _sched(get) != "step",
+           "only optimizer.sched=step decays the lr in steps (train/optim.py build_scheduler)"),
+    Unread(("optimizer.min_lr",), lambda get: _sched(get) == "step", "timm's step schedule has no floor"),
+    Unread(("optimizer.warmup_epochs", "optimizer.warmup_lr", "optimizer.min_lr", "optimizer.sched_on"),
+           lambda get: _sched(get) == "none", "optimizer.sched=none trains at the peak lr throughout, no warm-up"),
 )
 # The settings whose unread value in the identity is the one the run's options compose (Unread.canonical).
 CANONICAL_BY_OPTIONS = frozenset(key for rule in UNREAD if rule.canonical == "options" for key in rule.settings)

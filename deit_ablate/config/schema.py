@@ -36,6 +36,12 @@ CropMode = Choice("CropMode", {name: name for name in ("rrc", "simple")})  # ran
 Criterion = Choice("Criterion", {name: name for name in ("ce", "bce")})  # soft-target cross-entropy, or DeiT III's BCE
 TeacherView = Choice("TeacherView", {name: name for name in ("same", "fixed")})  # Beyer et al. 2022
 HeadKind = Choice("HeadKind", {name: name for name in ("linear", "mlp_tanh")})  # model.head (models.py)
+# timm's schedules as DeiT's main.py names them (--sched): cosine, step (x decay_rate every decay_epochs), none (the
+# optimizer's lr throughout, no warm-up: timm's create_scheduler builds no scheduler)
+Sched = Choice("Sched", {name: name for name in ("cosine", "step", "none")})
+# when the schedule moves (train/optim.py): update = after every optimizer update, from lr(0); epoch = as the released
+# main.py, lr_scheduler.step(epoch) after each epoch, so epoch e > 0 trains at lr(e - 1) and epochs 0 and 1 at lr(0)
+SchedOn = Choice("SchedOn", {name: name for name in ("update", "epoch")})
 
 
 BETA = "a Beta parameter (0 turns it off)"
@@ -172,7 +178,10 @@ class OptimizerConfig:
     momentum: float = ranged(0.9, ge=0, lt=1, hint="SGD's momentum; 0 is plain SGD")  # SGD only
     betas: tuple[float, float] = ranged((0.9, 0.999), ge=0, lt=1, hint="Adam's decay rates of the gradient's moments")
     eps: float = ranged(1e-8, gt=0)
-    sched: str = "cosine"
+    sched: Sched = Sched.cosine
+    sched_on: SchedOn = SchedOn.update
+    decay_epochs: float = ranged(30.0, gt=0, hint="epochs between two decays of sched=step")  # main.py's default
+    decay_rate: float = ranged(0.1, gt=0, hint="the factor sched=step multiplies the lr by")  # main.py's --decay-rate
     warmup_epochs: float = ranged(5.0, ge=0)
     warmup_lr: float = ranged(1e-6, ge=0)
     min_lr: float = ranged(1e-5, ge=0)
@@ -295,7 +304,12 @@ class TrainConfig:
     # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32, or fp16 (autocast + a loss scaler, as the
     # released DeiT code trained)
     amp: Precision = Precision.auto
+    # Replaced by eval_max_images: it counted batches of runtime.eval_batch on each rank, so the images scored
+    # depended on the layout; any value is refused (validate.py), null keeps earlier runs' identity.
     eval_max_batches: int | None = ranged(None, ge=1)
+    # Evaluate on the first N images of the eval split (its order) alone, on any layout: N ranks score N / ranks
+    # each (smoke tests: another experiment). null: the whole split.
+    eval_max_images: int | None = ranged(None, ge=1, hint="the images of the eval split scored, all ranks together")
 
 
 @dataclass

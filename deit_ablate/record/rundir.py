@@ -10,10 +10,13 @@
                                   its run folder's name (how the status finds a run's job while it is still queued)
         .submitit/<job>/          submitit's logs and pickles, SLURM sweeps only (conf/hydra/launcher/*.yaml)
         <run name>/               one RunDir; the name is identity.folder_name() (readable overrides + digest)
-          .hydra/config.yaml      RunDir.record_launch (rank 0), by each launch that trains the run or records it
-          .hydra/overrides.yaml   without training, never by one that skips it (Hydra writes none: conf/config.yaml
+          .hydra/config.yaml      RunDir.record_launch (rank 0), by the first launch that trains the run or records
+          .hydra/overrides.yaml   it without training, never by one that skips it (Hydra writes none: conf/config.yaml
           .hydra/hydra.yaml       hydra.output_subdir); read by teacher.py (a teacher run's model, the command that
                                   relaunches a run) and deit-status (a run's row, stage and seed)
+          .hydra/later-launches.yaml  RunDir.record_launch: each later launch that trains the run (a relaunch, another
+                                  sweep row that shares and resumes it), its time and overrides; the files above stay
+                                  as the first launch wrote them
           train.log               logs.attach_run_log, from the start of run() to its end (rank 0; appended on
           train-rank<N>.log       each launch); the same for rank N > 0
           run.lock                runlock.RunLock, held while a launch trains the run (rank 0; refreshed every
@@ -68,6 +71,7 @@ PREDICTIONS, PREDICTIONS_META = "predictions.npz", "meta"  # the file, and its a
 PROGRESS = "progress.json"  # where a launch stands (record/progress.py)
 RANK_LOG = "train-rank{}.log"  # the log of rank N > 0
 HYDRA, HYDRA_CONFIG, HYDRA_OVERRIDES, HYDRA_SETTINGS = ".hydra", "config.yaml", "overrides.yaml", "hydra.yaml"
+HYDRA_LATER = "later-launches.yaml"  # the launches after the first, noted beside its records
 UNREADABLE = "{}.unreadable"  # a checkpoint set aside
 LOCK_ASIDE = LOCK + ".stale-{}"  # a stale lock being taken over, by the taker's token
 # What a killed writer leaves: the temp files of the files written atomically (never the lock's staged file,
@@ -234,6 +238,11 @@ class RunDir:
         return self.path / HYDRA / HYDRA_SETTINGS
 
     @property
+    def hydra_later(self) -> Path:
+        """Each launch after the first that trained the run: its time and overrides (`.hydra/later-launches.yaml`)."""
+        return self.path / HYDRA / HYDRA_LATER
+
+    @property
     def log(self) -> Path:
         return self.path / LOG
 
@@ -313,14 +322,24 @@ class RunDir:
         if not self.identity.exists():
             self.write_identity(identity_record(identity, data))
 
-    def record_launch(self, config: str, settings: str | None, overrides: str | None) -> None:
+    def record_launch(self, config: str, settings: str | None, overrides: str | None, at: str = "") -> None:
         """Save a launch's composed config, Hydra's settings and its overrides (YAML, as Hydra writes them) in
-        `.hydra/`, each file atomically; settings and overrides None (no Hydra job): the config alone."""
+        `.hydra/`, each file atomically; settings and overrides None (no Hydra job): the config alone.
+
+        The records say how the run was first made: a later launch (a relaunch, or another sweep row sharing the
+        run, whose overrides differ) writes none that exists and is noted in `hydra_later` instead, at time `at`."""
         self.hydra.mkdir(parents=True, exist_ok=True)
+        first = not self.hydra_config.exists()
         texts = ((self.hydra_config, config), (self.hydra_settings, settings), (self.hydra_overrides, overrides))
         for path, text in texts:
-            if text is not None:
+            if text is not None and not path.exists():
                 write_text_atomic(path, text, temp=self.temp_for(path))
+        if first:
+            return
+        listed = "    []\n" if overrides is None else "".join(f"    {line}\n" for line in overrides.splitlines())
+        entry = f"- at: '{at}'\n  overrides:\n{listed}"
+        before = self.hydra_later.read_text() if self.hydra_later.is_file() else ""
+        write_text_atomic(self.hydra_later, before + entry, temp=self.temp_for(self.hydra_later))
 
     def weights(self) -> Path:
         """The checkpoint to take weights from (e.g. a teacher): the best one, else the last."""

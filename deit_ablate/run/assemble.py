@@ -44,7 +44,7 @@ from deit_ablate.run.teacher import TeacherSource, build_teacher
 from deit_ablate.run.teacher_cache import FixedView, WithIndex, build_fixed_teacher_table
 from deit_ablate.train.losses import TOKEN_KINDS, DistillationLoss, FixedTeacherLoss, build_criterion, build_mixup
 from deit_ablate.train.models import compile_in_place
-from deit_ablate.train.optim import build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
+from deit_ablate.train.optim import EpochStepped, build_optimizer, build_scheduler, describe_layer_decay, scaled_lr
 from deit_ablate.train.teacher import teacher_forward
 from deit_ablate.train.trainer import Trainer
 
@@ -121,7 +121,9 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
                                 batch.micro_batch)
     train_sampler = SeededSamples(slots, RunStreams(cfg.seed, info.rank))
     train_loader = build_train_loader(train_set, train_sampler, per_rank, spec, cfg.runtime, info.device)
-    val_loader = build_loader(val_set, ShardSampler(len(val_set), info.world_size, info.rank),
+    # the first train.eval_max_images images of the split, all ranks together: the same images on any layout
+    scored = len(val_set) if cfg.train.eval_max_images is None else min(cfg.train.eval_max_images, len(val_set))
+    val_loader = build_loader(val_set, ShardSampler(scored, info.world_size, info.rank),
                               cfg.runtime.eval_batch, cfg.runtime, train=False, device_type=info.device.type,
                               niceness=worker_niceness(cfg.runtime.worker_nice, info.device.type,
                                                        spec.resolution.eval_size))
@@ -208,10 +210,17 @@ def stage_optimizer(opt: OptimizerConfig, recipe: StageRecipe, module: torch.nn.
 
 
 def stage_scheduler(optimizer: torch.optim.Optimizer, recipe: StageRecipe, steps_per_epoch: int):
-    """The stage's warm-up + cosine schedule in optimizer updates (train.max_steps never shortens it)."""
+    """The stage's schedule (optimizer.sched: warm-up + cosine by default) in optimizer updates, or in epochs moved one
+    epoch late as the released main.py moves it (optimizer.sched_on=epoch); train.max_steps never shortens it."""
+    if recipe.sched_on == "epoch":
+        schedule = build_scheduler(optimizer, recipe.epochs, recipe.warmup_epochs, recipe.min_lr, recipe.warmup_lr,
+                                   recipe.sched, recipe.decay_epochs, recipe.decay_rate)
+        return EpochStepped(schedule, steps_per_epoch)
     total_steps = recipe.epochs * steps_per_epoch
     warmup_steps = min(round(recipe.warmup_epochs * steps_per_epoch), max(total_steps - 1, 0))
-    return build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, recipe.warmup_lr)
+    decay_steps = max(round(recipe.decay_epochs * steps_per_epoch), 1)
+    return build_scheduler(optimizer, total_steps, warmup_steps, recipe.min_lr, recipe.warmup_lr, recipe.sched,
+                           decay_steps, recipe.decay_rate)
 
 
 def build_loss_fn(distill: DistillConfig, view: FixedView, teacher_source: TeacherSource | None,

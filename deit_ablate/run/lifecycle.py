@@ -152,14 +152,15 @@ def report_finished(plan: RunPlan, result: dict[str, Any]) -> None:
 def record_launch(plan: RunPlan) -> None:
     """Save this launch's config, Hydra's settings and overrides in the run's `.hydra/` (Hydra writes none there:
     conf/config.yaml): for a launch that trains or records the run, never one that skips a finished run, whose
-    records stay as the launch that trained it wrote them."""
+    records stay as the launch that trained it wrote them; a launch after the first is noted beside its records."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     settings = HydraConfig.instance().cfg if HydraConfig.initialized() else None  # {hydra: ...}, as Hydra saves it
     plan.run_dir.record_launch(OmegaConf.to_yaml(plan.declared),
                                None if settings is None else OmegaConf.to_yaml(settings),
-                               None if settings is None else OmegaConf.to_yaml(settings.hydra.overrides.task))
+                               None if settings is None else OmegaConf.to_yaml(settings.hydra.overrides.task),
+                               at=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
 def record_identity(plan: RunPlan) -> None:

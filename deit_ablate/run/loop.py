@@ -251,7 +251,7 @@ class EpochLoop:
         The headline weights' predicted classes are kept too (argmax of scores computed anyway; on the device)."""
         progress, trainer = self.progress, self.trainer
         settings = (self.pieces.loaders.val_loader, trainer.info, trainer.amp_dtype,
-                    self.plan.settings.train.eval_max_batches, self.plan.settings.distill.fusion)
+                    None, self.plan.settings.distill.fusion)  # train.eval_max_images: the loader's images
         progress.predictions = LocalPredictions()
         progress.predicted_by = "model" if trainer.ema is None else "ema"
         model_kept = progress.predictions if trainer.ema is None else None

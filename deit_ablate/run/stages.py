@@ -43,6 +43,10 @@ class StageRecipe:
     init_checkpoint: Path | None = None
     sam_rho: float = 0.0  # SAM's radius: optimizer.sam_rho in a pre-training, whose optimizer it wraps; else 0
     layer_decay: float | None = None  # finetune.layer_decay in a fine-tune: one lr scale per layer
+    sched: str = "cosine"  # timm's schedule (optimizer.sched): cosine, step or none
+    sched_on: str = "update"  # update: moved after every update; epoch: after every epoch, as the released main.py
+    decay_epochs: float = 30.0  # sched=step: epochs between two decays
+    decay_rate: float = 0.1  # sched=step: the factor of each decay
 
 
 def stage_distils(lineage: Lineage) -> bool:
@@ -154,9 +158,11 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
     `upstream`."""
     applied = stage_config(cfg)
     opt, train = applied.optimizer, applied.train
+    schedule = {"sched": str(opt.sched), "sched_on": str(opt.sched_on), "decay_epochs": float(opt.decay_epochs),
+                "decay_rate": float(opt.decay_rate)}
     if cfg.stage == Stage.pretrain:
         return StageRecipe(train.global_batch, opt.name, opt.lr, opt.weight_decay, train.epochs, opt.warmup_epochs,
-                           opt.warmup_lr, opt.min_lr, opt.lr_base_batch, sam_rho=float(opt.sam_rho))
+                           opt.warmup_lr, opt.min_lr, opt.lr_base_batch, sam_rho=float(opt.sam_rho), **schedule)
     block = cfg.transfer if cfg.stage == Stage.transfer else cfg.finetune
     if block.init_checkpoint:
         init = Path(block.init_checkpoint).expanduser()
@@ -166,7 +172,7 @@ def stage_recipe(cfg: DictConfig, upstream: RunDir | None = None) -> StageRecipe
     train_mode = cfg.stage == Stage.transfer or block.train_mode
     return StageRecipe(train.global_batch, opt.name, opt.lr, opt.weight_decay, train.epochs, opt.warmup_epochs,
                        opt.warmup_lr, opt.min_lr, opt.lr_base_batch, train_mode=train_mode, init_checkpoint=init,
-                       layer_decay=cfg.finetune.layer_decay if cfg.stage == Stage.finetune else None)
+                       layer_decay=cfg.finetune.layer_decay if cfg.stage == Stage.finetune else None, **schedule)
 
 
 def pretrained_weights(path: str | Path) -> dict[str, torch.Tensor]:

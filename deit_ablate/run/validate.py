@@ -345,6 +345,10 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     declared, cfg = cfg, stage_config(cfg)
     check_ranges(cfg)
     check_names(cfg.runtime.tracking)
+    if cfg.train.eval_max_batches is not None:
+        raise ConfigError(f"train.eval_max_batches={cfg.train.eval_max_batches} counted batches of runtime.eval_batch "
+                          "on each rank, so the images scored changed with the layout. Set "
+                          "train.eval_max_images=N instead (the first N images of the eval split, on any layout).")
     check_criterion(cfg.mix)
     check_auto_augment(cfg.augment.auto_augment)
     check_three_augment_and_crop(cfg.augment, cfg.data)

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 from timm.optim import create_optimizer_v2
-from timm.scheduler import CosineLRScheduler
+from timm.scheduler import CosineLRScheduler, StepLRScheduler
+from timm.scheduler.scheduler import Scheduler
 
 from deit_ablate.config.keys import is_adam_like
 
@@ -90,31 +91,57 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     return create_optimizer_v2(model, opt=name, lr=lr, weight_decay=weight_decay, filter_bias_and_bn=True, **extra)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, min_lr: float,
-                    warmup_lr: float) -> CosineLRScheduler:
-    """Linear warm-up then cosine decay to min_lr, stepped once per optimizer update.
+def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: float, warmup_steps: float, min_lr: float,
+                    warmup_lr: float, sched: str = "cosine", decay_steps: float = 1.0, decay_rate: float = 0.1
+                    ) -> Scheduler:
+    """timm's schedule `sched` over `total_steps` ticks (optimizer updates, or epochs under EpochStepped), with a
+    linear warm-up from warmup_lr over its first `warmup_steps`.
 
-    As timm 0.3.2's create_scheduler built it for DeiT (no warm-up prefix): the cosine spans the whole run and
-    the warm-up replaces its first steps, so the lr right after the warm-up is cos(pi * warmup / total) of the way.
+    cosine: as timm 0.3.2's create_scheduler built it for DeiT (no warm-up prefix): the cosine spans the whole run and
+    the warm-up replaces its first ticks, so the lr right after the warm-up is cos(pi * warmup / total) of the way.
+    step: the peak times decay_rate every decay_steps ticks (the warm-up replacing its first ticks, as in 0.3.2).
+    none: the peak throughout, no warm-up (timm's create_scheduler builds no scheduler for it).
 
     min_lr is absolute while the peak scales with the batch, so at a small batch the floor can exceed the
     peak; it is then lowered to the peak (a flat schedule) rather than letting the cosine rise. A group's
     lr_scale (layer-wise decay) scales its whole schedule, floor included."""
     peak = optimizer.param_groups[0]["lr"]
-    if min_lr > peak:
-        warnings.warn(f"min lr {min_lr:.3g} is above the peak lr {peak:.3g} at this batch size; using "
-                      f"{peak:.3g} as the floor.", stacklevel=2)
-        min_lr = peak
-    scheduler = CosineLRScheduler(
-        optimizer,
-        t_initial=max(total_steps, 1),
-        lr_min=min_lr,
-        warmup_t=warmup_steps,
-        warmup_lr_init=warmup_lr,
-        warmup_prefix=False,
-        t_in_epochs=False,
-    )
+    if sched == "cosine":
+        if min_lr > peak:
+            warnings.warn(f"min lr {min_lr:.3g} is above the peak lr {peak:.3g} at this batch size; using "
+                          f"{peak:.3g} as the floor.", stacklevel=2)
+            min_lr = peak
+        scheduler = CosineLRScheduler(optimizer, t_initial=max(total_steps, 1), lr_min=min_lr, warmup_t=warmup_steps,
+                                      warmup_lr_init=warmup_lr, warmup_prefix=False, t_in_epochs=False)
+    elif sched == "step":
+        scheduler = StepLRScheduler(optimizer, decay_t=decay_steps, decay_rate=decay_rate, warmup_t=warmup_steps,
+                                    warmup_lr_init=warmup_lr, warmup_prefix=False, t_in_epochs=False)
+    elif sched == "none":
+        scheduler = StepLRScheduler(optimizer, decay_t=1, decay_rate=1.0, t_in_epochs=False)  # applies lr_scale
+    else:
+        raise ValueError(f"optimizer.sched={sched}: one of cosine, step, none")
     # the first step's lr as the schedule gives it: timm sets it only under a warm-up, and without its lr_scale
     # a layer-decay group would take its first step at the full lr
     scheduler.step_update(num_updates=0)
     return scheduler
+
+
+class EpochStepped:
+    """A schedule in epochs moved as the released DeiT main.py moves it: `lr_scheduler.step(epoch)` after each epoch,
+    so epoch e > 0 trains at lr(e - 1) and epochs 0 and 1 both at lr(0) (optimizer.sched_on=epoch).
+
+    Stepped per update like any schedule here (Trainer.step_update), from the update count alone, so a resume at any
+    step sets what the uninterrupted run had."""
+
+    def __init__(self, scheduler: Scheduler, steps_per_epoch: int) -> None:
+        self.scheduler, self.steps_per_epoch = scheduler, max(steps_per_epoch, 1)
+
+    def step_update(self, num_updates: int) -> None:
+        """Set the lr of the update `num_updates` (0-based): the schedule's value one epoch before its epoch."""
+        self.scheduler.step_update(num_updates=max(num_updates // self.steps_per_epoch - 1, 0))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)

@@ -113,7 +113,7 @@ def check_comparable(runs: Sequence[RunPredictions]) -> None:
         if first.index.size != other.index.size or not np.array_equal(first.index, other.index):
             raise ConfigError(f"{first.run.name} holds predictions of {first.index.size} images, {other.run.name} "
                               f"of {other.index.size}{'' if first.index.size != other.index.size else ' others'}: "
-                              "compare runs evaluated on the whole split (train.eval_max_batches unset).")
+                              "compare runs evaluated on the whole split (train.eval_max_images unset).")
 
 
 def columns(runs: Sequence[RunPredictions]) -> list[tuple[str, np.ndarray]]:
