@@ -52,6 +52,7 @@ TEXT_VALUES: dict[str, list[Any]] = {
     "transfer.init_checkpoint": ["/weights/source.pt"],
     "transfer.optimizer": ["adamw"],
     "data.root": ["/data/elsewhere"],
+    "finetune.pretrain_size": [32],  # the demo's pre-training size: any other is refused (validate.py)
 }
 # Mappings: one entry added (a route's override sets are the routes themselves, not keys to flip).
 MAPPING_VALUES: dict[str, list[tuple[str, Any]]] = {
@@ -76,8 +77,9 @@ NOT_FLIPPED = {
 # Flips that change the identity and nothing built, kept so, and why (each must still split: the test says when one
 # stops, so that it leaves this list).
 KNOWN_SPLITS = {
-    ("finetune.pretrain_size", "finetune"): "it names the size the row's pre-training trains at; nothing holds it to "
-    "the pre-training the fine-tune starts from",
+    ("finetune.pretrain_size", "finetune"): "it names the size the row's pre-training trains at (held to the "
+    "pre-training's own, validate.check_upstream_size): the rows whose pre-trainings differ only in size need it, and "
+    "a fine-tune of the default size that spells it out is another folder",
     ("data.builtin.classes", "transfer_set"): "an override-set entry equal to the value the stage has without it "
     "stays (recipes spell their stages' values out, and their runs keep their identity)",
 }
@@ -274,3 +276,13 @@ def test_identity_changes_iff_what_is_built_changes_every_key():
     assert not mismatches, "\n".join(mismatches)
     unchecked = sorted(set(experiment_keys()) - checked - set(NOT_FLIPPED))
     assert not unchecked, f"keys no route could flip: {unchecked}"
+
+
+def test_a_fine_tune_names_the_size_its_pre_training_trains_at():
+    """finetune.pretrain_size only names the pre-training: a wrong one would file the fine-tune under another
+    identity (before: accepted, a second folder for the same computation)."""
+    from deit_ablate.core.errors import ConfigError
+
+    validate_config(compose_run_config(["stage=finetune", "finetune.pretrain_size=32"]))
+    with pytest.raises(ConfigError, match="pre-training this fine-tune starts from trains at"):
+        validate_config(compose_run_config(["stage=finetune", "finetune.pretrain_size=2"]))

@@ -275,6 +275,23 @@ def check_pretrain_size(stage: Stage, pretrain_size: int | None, train_size: int
                           "(conf/deit3/res_128.yaml shows how), or finetune.pretrain_size=null.")
 
 
+def check_upstream_size(cfg: DictConfig) -> None:
+    """A fine-tune's finetune.pretrain_size, where set, is the size the pre-training it starts from trains at: the
+    name would otherwise tell apart fine-tunes of one pre-training (or join those of two). Read from the pre-training's
+    own config (the launch's overrides without the stage's: stages.upstream_run_dir's run)."""
+    size = cfg.finetune.pretrain_size
+    if size is None or cfg.stage != Stage.finetune or cfg.finetune.init_checkpoint or "hydra" not in cfg:
+        return
+    from deit_ablate.config.compose import compose_run_config
+    from deit_ablate.record.identity import pretrain_overrides
+
+    trains_at = compose_run_config(pretrain_overrides(list(cfg.hydra.overrides.task))).resolution.train_size
+    if trains_at != size:
+        raise ConfigError(f"finetune.pretrain_size={size}, but the pre-training this fine-tune starts from trains at "
+                          f"resolution.train_size={trains_at}. Set finetune.pretrain_size={trains_at} (or null), or "
+                          "fine-tune the row that pre-trains at that size.")
+
+
 def check_three_augment_and_crop(aug: AugmentConfig, data: DataConfig) -> None:
     """augment.three_augment and augment.crop=simple (DeiT III): built on the pil backend's crop and policy only."""
     options = [name for name, on in (("augment.three_augment=true", aug.three_augment),
@@ -369,6 +386,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_image_sizes(student, cfg.resolution)
     check_layer_decay(cfg.finetune.layer_decay, student)
     check_pretrain_size(cfg.stage, cfg.finetune.pretrain_size, cfg.resolution.train_size)
+    check_upstream_size(declared)
     check_mixer_size(student, cfg.stage, cfg.finetune.pretrain_size)
     for stage, block in STAGE_BLOCKS.items():  # a later stage loads its upstream's weights: the same network
         if (str(declared.stage) == stage or declared[block].overrides) and not declared[block].init_checkpoint:
