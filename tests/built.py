@@ -166,6 +166,7 @@ def loop_built(settings: DictConfig, size: int) -> tuple[dict[str, Any], int]:
     return {"slots": batch.slots, "micro": batch.micro_batch, "order": digest(order), "steps": steps,
             "epochs": int(train.epochs), "max_steps": train.max_steps, "ema": train.ema_decay if train.ema else None,
             "amp": str(train.amp), "eval_max_batches": train.eval_max_batches,
+            "eval_max_images": train.get("eval_max_images"),
             "eval_size": int(settings.resolution.eval_size)}, max(steps, 1)
 
 

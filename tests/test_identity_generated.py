@@ -46,7 +46,7 @@ TEXT_VALUES: dict[str, list[Any]] = {
     "distill.teacher.checkpoint": [str(TEACHERS / "other.pt")],
     "distill.teacher.chain": ["cnn_demo"],
     "optimizer.name": ["sgd", "lamb"],
-    "optimizer.sched": ["step", "none"],
+    "optimizer.sched": ["none", "step"],  # step: the demo fine-tune's flat lr decays in no 3 epochs
     "finetune.init_checkpoint": ["/weights/pretrained.pt"],
     "finetune.optimizer": ["sgd"],
     "transfer.init_checkpoint": ["/weights/source.pt"],

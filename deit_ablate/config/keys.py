@@ -224,8 +224,10 @@ UNREAD = (
            "an Adam-like optimizer (adam*, lamb) takes betas and eps, not momentum"),
     Unread(("optimizer.betas", "optimizer.eps"), lambda get: not is_adam_like(str(get("optimizer.name"))),
            "an SGD-like optimizer takes momentum, not Adam's betas and eps"),
-    Unread(("model.distilled_name",), lambda get: str(get("distill.type")) not in TOKEN_KINDS,
-           "only a distillation-token kind (distill.type=hard_token, soft_token) trains the model's distilled twin",
+    Unread(("model.distilled_name",),
+           lambda get: str(get("distill.type")) not in TOKEN_KINDS or "_distilled_" in str(get("model.name")),
+           "only a distillation-token kind (distill.type=hard_token, soft_token) of a model without a distillation "
+           "token trains the model's distilled twin",
            canonical="options"),
     Unread(("distill.fusion",), lambda get: not _distilled_student(get),
            "only a model with a distillation head fuses two heads at evaluation", canonical="options"),

@@ -174,6 +174,11 @@ def run_distills(tree: dict[str, Any]) -> bool:
     return any(kind is not None and str(kind) != "none" for kind in kinds)
 
 
+# What a stage after pre-training never reads, whatever its override set says: SAM wraps the pre-training's optimizer
+# alone (run/stages.py stage_recipe).
+LATER_STAGES_IGNORE = ("optimizer.sam_rho",)
+
+
 def stage_sets_read(tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """`{block: the entries of its override set that the stage reads}` of a run of `tree` (plain data), by keys.UNREAD
     evaluated on the stage's own values. An entry the stage never reads computes nothing: no part of the experiment.
@@ -187,8 +192,13 @@ def stage_sets_read(tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if not entries:
             continue
         named = {target: node[key] for key, target in NAMED_KEYS.items() if node.get(key) is not None}
-        unread = unread_settings({**composed, **named, **entries}.get)
+        stage = {**composed, **named, **entries}
+        unread = unread_settings(stage.get)
+        ignored = [*LATER_STAGES_IGNORE]
         if block == STAGE_BLOCKS[str(Stage.transfer)]:  # a transfer distils from no teacher (run/stages.py)
-            unread.update({key: "a transfer distils from no teacher" for key in entries if key.startswith("distill.")})
-        read[block] = {key: value for key, value in entries.items() if key not in unread}
+            ignored.append("distill")
+        elif str(stage.get("distill.type")) == "none":  # a stage that does not distil has no teacher
+            ignored.append("distill.teacher")
+        read[block] = {key: value for key, value in entries.items() if key not in unread
+                       and not any(key == prefix or key.startswith(prefix + ".") for prefix in ignored)}
     return read

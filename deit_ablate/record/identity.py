@@ -24,7 +24,7 @@ import hashlib
 import json
 import re
 import shlex
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,9 @@ from deit_ablate.config.schema import preset_teacher
 from deit_ablate.config.stage_config import is_applied, run_distills, run_unread_settings, stage_sets_read
 from deit_ablate.config.studies import study_names
 
+STAGE_SET_BLOCKS = ("finetune", "transfer")  # the stage blocks with an override set (config/stage_config.py)
+# The digest of a chained student's teacher run, in the student's experiment (not a config key: the run it waits for)
+CHAINED_TEACHER_RUN = "chained_teacher_run"
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
 FINETUNE_ONLY = ("finetune",)
 # Overrides that pick the stage of a run rather than the experiment it continues.
@@ -101,11 +104,12 @@ def _leaf(tree: dict[str, Any], dotted: str) -> Any:
 
 
 def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None,
-               canonical: bool = True, teacher_unread: Collection[str] | None = None) -> dict[str, Any]:
+               canonical: bool = True, teacher_run: str | None = None) -> dict[str, Any]:
     """The resolved experiment part of `cfg` as plain data (top-level keys in `drop` left out too); with Hydra's
     group `choices`, also the legacy keys every digest carries (keys.legacy_keys: Table 8's row). A setting no stage
-    of the run reads holds the schema's default (`canonical`; as declared with canonical=False); with a chained
-    teacher run, only one that run does not read either (`teacher_unread`: chained_teacher_unread)."""
+    of the run reads holds the schema's default (`canonical`; as declared with canonical=False). A student of a
+    chained teacher run holds that run's digest (`teacher_run`: chained_teacher_digests), which stands for all the
+    teacher reads, its own settings that the student ignores included."""
     if is_applied(cfg):
         raise ValueError("a run's identity is its composed config, not the config its stage runs (stage_config)")
     out: dict[str, Any] = {}
@@ -120,30 +124,31 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
     if isinstance(distill, dict) and not run_distills(out):
         distill["teacher"] = preset_teacher(out.get("preset", "demo"))  # as if the run were given no teacher
     if canonical:
-        out = canonical_experiment(out, teacher_unread, option_values(choices) if choices is not None else None)
-    for dotted in (*NOT_IDENTITY, *inherited_lr_rules(lambda key: _leaf(out, key))):
+        out = canonical_experiment(out, option_values(choices) if choices is not None else None)
+    in_sets = [f"{block}.overrides.{key}" for block in STAGE_SET_BLOCKS for key in NOT_IDENTITY]
+    for dotted in (*NOT_IDENTITY, *in_sets, *inherited_lr_rules(lambda key: _leaf(out, key))):
         _pop(out, dotted)
     for dotted in ADDED_KEYS:  # runs from before a key keep their identity while it holds its default
         if is_default_leaf(dotted, _leaf(out, dotted)):
             _pop(out, dotted)
     if choices is not None:
         out.update({k: v for k, v in legacy_keys(choices).items() if k not in drop})
+    if teacher_run is not None:
+        out[CHAINED_TEACHER_RUN] = teacher_run
     return out
 
 
-def canonical_experiment(tree: dict[str, Any], teacher_unread: Collection[str] | None = None,
-                         options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def canonical_experiment(tree: dict[str, Any], options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A copy of an experiment (plain data) whose settings no stage reads (stage_config.run_unread_settings) hold the
     schema's default, and whose stages' override sets hold only what the stage reads (stage_config.stage_sets_read):
-    a run that computes the same as another has its identity, whatever it set them to. A setting that the run's
-    chained teacher run reads (not in `teacher_unread`) stays as set: it changes the teacher. A setting of a rule
+    a run that computes the same as another has its identity, whatever it set them to. A setting of a rule
     added later (keys.CANONICAL_BY_OPTIONS) holds the value the run's group options give it (`options`:
     option_values; without them, a mark the same in every experiment)."""
     out = copy.deepcopy(tree)
     for block, read in stage_sets_read(tree).items():
         out[block]["overrides"] = _nested(read)
     unread = run_unread_settings(tree)
-    for dotted in (unread if teacher_unread is None else [key for key in unread if key in teacher_unread]):
+    for dotted in unread:
         *parents, leaf = dotted.split(".")
         node = out
         for key in parents:
@@ -169,13 +174,10 @@ def _nested(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def same_computation(first: dict[str, Any], second: dict[str, Any],
-                     teacher_unread: tuple[Collection[str] | None, Collection[str] | None] = (None, None)
-                     ) -> str | None:
+def same_computation(first: dict[str, Any], second: dict[str, Any]) -> str | None:
     """Why two experiments (plain data, `experiment(..., canonical=False)`) that differ compute the same: each
-    setting that tells them apart and why no stage reads it; None when they compute differently or do not differ
-    (`teacher_unread`: each one's chained teacher's, as experiment takes it)."""
-    if canonical_experiment(first, teacher_unread[0]) != canonical_experiment(second, teacher_unread[1]):
+    setting that tells them apart and why no stage reads it; None when they compute differently or do not differ."""
+    if canonical_experiment(first) != canonical_experiment(second):
         return None
     flat_first, flat_second = leaves(first), leaves(second)
     differ = sorted(key for key in {*flat_first, *flat_second} if flat_first.get(key) != flat_second.get(key))
@@ -184,9 +186,9 @@ def same_computation(first: dict[str, Any], second: dict[str, Any],
 
 
 def experiment_digest(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None,
-                      teacher_unread: Collection[str] | None = None) -> str:
+                      teacher_run: str | None = None) -> str:
     """A short stable hash of the experiment part of `cfg` (see `experiment`)."""
-    tree = experiment(cfg, drop, choices, teacher_unread=teacher_unread)
+    tree = experiment(cfg, drop, choices, teacher_run=teacher_run)
     return _short_hash(json.dumps(tree, sort_keys=True, default=str), 10)
 
 
@@ -244,16 +246,16 @@ def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, An
     no stage of it reads (keys.UNREAD)."""
     drop = stage_drop(str(cfg.stage))
     declared = experiment(cfg, drop, canonical=False)
-    teacher_unread = chained_teacher_unread(cfg, overrides, declared)
-    unread = [key for key in run_unread_settings(declared) if teacher_unread is None or key in teacher_unread]
+    teacher = chained_teacher_digests(cfg, overrides, declared)
+    unread = run_unread_settings(declared) if teacher is None else {}  # a chained teacher may read them
     distills = run_distills(declared)
     overrides = [item for item in overrides
                  if not (is_teacher_key(_override_key(item)) and not distills) and _override_key(item) not in unread]
-    digest = experiment_digest(cfg, drop, choices, teacher_unread)
+    digest = experiment_digest(cfg, drop, choices, teacher[0] if teacher else None)
     name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
     # groups keep the names they had (no key put first), so the seeds of one setting stay in one wandb group
     group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop, ()) or "default"
-    group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',), choices, teacher_unread)}"
+    group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',), choices, teacher[1] if teacher else None)}"
     # The wandb id follows the experiment, not the spelling of its overrides (ablation=baseline = no override).
     return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)
 
@@ -292,23 +294,26 @@ def chained_teacher_overrides(chain: str, kwargs: Mapping[str, Any], overrides: 
             *(item for item in pretrain_overrides(overrides) if _override_key(item).split(".", 1)[0] not in dropped)]
 
 
-def chained_teacher_unread(cfg: DictConfig, overrides: list[str], declared: dict[str, Any]) -> frozenset[str] | None:
-    """The settings that the chained teacher run of the student `cfg` (launched with `overrides`; `declared`: its
-    experiment as declared) does not read either (None: no chained teacher). What the teacher reads changes the
-    teacher, so it stays in the student's identity though the student never reads it."""
+def chained_teacher_digests(cfg: DictConfig, overrides: list[str], declared: dict[str, Any]
+                            ) -> tuple[str, str] | None:
+    """The experiment digest of the chained teacher run the student `cfg` (launched with `overrides`; `declared`: its
+    experiment as declared) distils from, and that run's digest without the seed (its group's); None without one.
+    The teacher run is composed from the student's overrides, so a setting the student ignores (`mix.switch_prob`
+    under `ablation=no_mixup_cutmix`) or spells as its row does can still change the teacher."""
     chain = OmegaConf.select(cfg, "distill.teacher.chain", default=None)
     if chain is None or str(cfg.stage) == "transfer" or not run_distills(declared):
         return None
     kwargs = declared["distill"]["teacher"].get("kwargs") or {}
-    return _teacher_unread(tuple(chained_teacher_overrides(str(chain), kwargs, list(overrides))))
+    return _teacher_digests(tuple(chained_teacher_overrides(str(chain), kwargs, list(overrides))))
 
 
 @functools.lru_cache(maxsize=64)
-def _teacher_unread(teacher_overrides: tuple[str, ...]) -> frozenset[str]:
+def _teacher_digests(teacher_overrides: tuple[str, ...]) -> tuple[str, str]:
     from deit_ablate.config.compose import compose_run_config
 
     teacher = compose_run_config(list(teacher_overrides))
-    return frozenset(run_unread_settings(experiment(teacher, stage_drop("pretrain"), canonical=False)))
+    identity = run_identity(teacher, list(teacher_overrides), composed_choices(teacher))
+    return identity.digest, identity.group.rsplit("-", 1)[-1]
 
 
 def composed_choices(cfg: DictConfig) -> dict[str, Any]:
