@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from deit_ablate.config.compose import register_configs
 from deit_ablate.config.stage_config import stage_config
+from deit_ablate.config.studies import studies
 from deit_ablate.data.cifar10 import CIFAR100_FILES, CIFAR100_FOLDER, FOLDER, META_FILE, TEST_FILES, TRAIN_FILES
 from deit_ablate.data.transforms import TransformSpec
 from deit_ablate.record.identity import RunIdentity, composed_choices, run_identity
@@ -65,6 +66,12 @@ def transform_spec(cfg: DictConfig) -> TransformSpec:
     """The pieces of `cfg` the image transforms read, as a run hands them down: its stage's (stage_config.py)."""
     applied = stage_config(cfg)
     return TransformSpec(applied.data, applied.augment, applied.resolution)
+
+
+def study_rows(name: str, conf: Path = CONF) -> tuple[str, ...]:
+    """The rows (options) of the study `name` as the project reads them (config/studies.py): what a count of its runs
+    follows, so that a row added to the study changes no test but the row's own."""
+    return next(s.rows for s in studies(conf) if s.name == name)
 
 
 def one_class_imagefolder(root: Path) -> list[str]:

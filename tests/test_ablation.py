@@ -15,7 +15,7 @@ from deit_ablate.record.identity import composed_choices, experiment, pretrain_o
 from deit_ablate.record.rundir import RESULT, RunDir, runs_root, wandb_root
 from deit_ablate.run.stages import load_pretrained
 from deit_ablate.train.models import build_model, resize_pos_embed_state
-from tests.conftest import CONF, TINY, compose_config, identity_of, run_train
+from tests.conftest import CONF, TINY, compose_config, identity_of, run_train, study_rows
 
 # Table 8's rows and the one ingredient each changes (DeiT, Table 8).
 ROWS = {
@@ -108,13 +108,14 @@ def test_load_pretrained_takes_a_checkpoint_of_another_resolution(tmp_path):
 
 
 @pytest.mark.slow
-def test_whole_table_both_stages_in_one_sweep_lands_26_runs(tmp_path, data_cache):
+def test_whole_table_both_stages_in_one_sweep_lands_a_run_per_row_and_stage(tmp_path, data_cache):
     proc = run_train(["-m", "ablation=glob(*)", "stage=pretrain,finetune", "train.max_steps=2"] + TINY, tmp_path,
                      data_cache)
     runs = read_offline(wandb_root(tmp_path / "outputs"))
-    assert len(runs) == 26 and len({run.run_id for run in runs}) == 26
+    rows = study_rows("ablation")
+    assert len(runs) == 2 * len(rows) and len({run.run_id for run in runs}) == 2 * len(rows)
     seen = {(run.config["ablation"], run.config["stage"]) for run in runs}
-    assert seen == {(row, stage) for row in ROWS for stage in ("pretrain", "finetune")}
+    assert seen == {(row, stage) for row in rows for stage in ("pretrain", "finetune")}
     for run in runs:
         assert run.summary["status"] == "finished"
         assert set(run.tags) == {run.config["ablation"], run.config["stage"], "demo"}
@@ -124,7 +125,7 @@ def test_whole_table_both_stages_in_one_sweep_lands_26_runs(tmp_path, data_cache
     assert ema.summary["top1"] == ema.summary["top1_ema_final"]  # the EMA weights are the row's result
     sgd_ft = next(r for r in runs if r.config["ablation"] == "sgd_finetune" and r.config["stage"] == "finetune")
     assert sgd_ft.config["finetune"]["optimizer"] == "sgd" and sgd_ft.config["optimizer"]["name"] == "adamw"
-    assert proc.stdout.count("finetune at 48px") == 13
+    assert proc.stdout.count("finetune at 48px") == len(rows)
 
 
 @pytest.mark.slow

@@ -58,3 +58,31 @@ def test_the_transfer_page_tells_no_development_history():
     history = [phrase for phrase in ("session", "earlier digest", "from before the key", "measured again at commit",
                                      "with this fix", "predates") if phrase in text]
     assert not history, f"docs/transfer.md tells its history: {history}"
+
+
+HISTORY_NAME = re.compile(r"session|round|issue[-_ ]?\d+", re.IGNORECASE)
+
+
+def test_measurement_files_are_named_by_what_they_measure_not_by_the_work_that_made_them():
+    names = [p.name for p in (REPO / "docs").iterdir()]
+    assert not [n for n in names if HISTORY_NAME.search(n)], names
+    for path in (REPO / "docs").glob("bench-*.json"):  # what, the device, the commit: bench-<what>-<device>-<commit>
+        assert re.fullmatch(r"bench-[a-z0-9-]+-(cpu|gpu)-[0-9a-f]{7,40}\.json", path.name), path.name
+
+
+def test_the_performance_page_is_a_reference_with_no_dated_sections():
+    text = (REPO / "docs" / "PERFORMANCE.md").read_text()
+    headings = [line for line in text.splitlines() if line.startswith("#")]
+    dated = [h for h in headings if re.search(r"session|issue|\bround\b|\(change \d|\d{4}-\d{2}-\d{2}|before|now",
+                                              h, re.IGNORECASE)]
+    assert not dated, dated
+    assert "## The GPU node: the host's share of a step and the loader" in headings
+    assert len(text.splitlines()) < 200, "a reference read in five minutes"
+    assert not re.search(r"\bsession \d+|\bissue \d+\b", text, re.IGNORECASE)
+
+
+def test_no_page_or_code_comment_dates_itself_by_a_round_of_work():
+    files = [*PAGES, REPO / "docs" / "PERFORMANCE.md", *(REPO / "deit_ablate").rglob("*.py")]
+    found = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in files
+             for m in re.finditer(r"\b(?:before|after|since|in) session \d+", p.read_text())]
+    assert not found, found

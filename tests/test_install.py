@@ -4,8 +4,11 @@ the dry mode would stop at its first command, installing nothing."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -56,6 +59,35 @@ def assert_installs_nothing(proc: subprocess.CompletedProcess, tmp_path: Path) -
         "+ false -m venv .venv",
         "+ .venv/bin/python -m pip install --quiet --upgrade pip",
         "+ .venv/bin/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1",
-        "+ .venv/bin/python -m pip install --quiet -e .[dev,dali] --config-settings editable_mode=compat",
+        "+ .venv/bin/python -m pip install --quiet -e .[dev,dali]",
     ], proc.stdout
     assert not (tmp_path / ".venv").exists()
+
+
+def project_install_options() -> list[str]:
+    """The `--config-settings` values install.sh gives pip's install of the project (`editable_mode=compat`)."""
+    line = next(line for line in (REPO / "scripts" / "install.sh").read_text().splitlines()
+                if line.startswith("run ") and " -e " in line)
+    return re.findall(r"--config-settings[ =](\S+)", line)
+
+
+def test_the_editable_install_prints_no_warning_block_and_puts_the_checkout_on_the_path(tmp_path):
+    """What pip runs for install.sh's editable install (setuptools' PEP 660 hook, with install.sh's settings) on a
+    copy of the project: nothing printed (pip shows the backend's warning blocks, such as the compat mode's
+    deprecation), and a .pth naming the checkout, which puts hydra_plugins/ on sys.path as deit_ablate."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, project)
+    for name in ("deit_ablate", "hydra_plugins"):
+        shutil.copytree(REPO / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
+    settings = dict(option.split("=", 1) for option in project_install_options())
+    code = ("import sys; from setuptools import build_meta; "
+            f"print(build_meta.build_editable({str(tmp_path / 'dist')!r}, {settings!r}), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    printed = "\n".join(line for line in proc.stderr.splitlines()[:-1] if "running " not in line)
+    assert "!!" not in printed and "deprecat" not in printed.lower() and "warning" not in printed.lower(), printed
+    with zipfile.ZipFile(tmp_path / "dist" / proc.stderr.splitlines()[-1]) as wheel:
+        pth = [name for name in wheel.namelist() if name.endswith(".pth")]
+        assert len(pth) == 1 and wheel.read(pth[0]).decode().strip() == str(project.resolve()), wheel.namelist()

@@ -51,7 +51,7 @@ def test_unset_niceness_yields_the_cores_only_where_the_training_step_limits_the
 
 @pytest.mark.parametrize(("resolution", "expected"), [("32px", 19), ("224px", 0)])
 def test_a_runs_training_workers_take_the_niceness_of_its_image_size(resolution, expected):
-    """The demo at 32 px keeps its workers behind the step (1.13x, docs/PERFORMANCE.md section 8); at 224 px they
+    """The demo at 32 px keeps its workers behind the step (1.13x, docs/PERFORMANCE.md); at 224 px they
     decode JPEGs and limit the run, and at niceness 19 any other process on the machine took their cores (the
     first epoch 8x slower on a shared 2-core machine, section 11)."""
     cfg = compose_config(["runtime.num_workers=2", f"resolution={resolution}"])

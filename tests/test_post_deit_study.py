@@ -253,7 +253,7 @@ def test_the_aggregator_shows_each_teaching_rows_paper_number_and_its_paper_delt
     assert re.search(r"\| teach_labels \| teach_fixed \|.*\| 78\.2 \| \+0\.4 \|", text)
 
 
-@pytest.mark.slow  # ~20 s: 22 rows composed and checked in a subprocess
+@pytest.mark.slow  # ~20 s: every row composed and checked in a subprocess
 def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     root = tmp_path / "imagenet"
     one_class_imagefolder(root)
@@ -265,7 +265,7 @@ def test_the_dry_run_lists_every_row_at_paper_scale(tmp_path, data_cache):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
     names = sorted(line.split(f"{STUDY}=", 1)[1].split(",", 1)[0].split("-", 1)[0] for line in lines)
     assert names == sorted(PAPER) and all(line.endswith("train from step 0") for line in lines)
-    assert len(lines) == len(PAPER) == 22 and set(TEACH_LONG) < set(names)  # the longer teaching rows among them
+    assert len(lines) == len(PAPER) and set(TEACH_LONG) < set(names)  # the longer teaching rows among them
     assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())
 
 

@@ -57,15 +57,16 @@ def throwaway_study() -> Iterator[Path]:
 def test_the_registry_finds_the_studies_in_the_config_folders():
     assert studies.study_names() == ("ablation", "cait", "deit3", "headline", "sam", "teachers", "transfer")
     table8, cait, deit3, headline, sam, teacher, transfer = studies.studies()
-    assert (table8.table, table8.baseline, table8.default, len(table8.rows)) == ("table8", "baseline", "baseline", 13)
+    for study in studies.studies():  # its rows are its options, however many
+        assert sorted(study.rows) == sorted(p.stem for p in (CONF / study.name).glob("*.yaml"))
+    assert (table8.table, table8.baseline, table8.default) == ("table8", "baseline", "baseline")
     assert table8.rows[:2] == ("baseline", "sgd")  # the paper table's order
-    assert (cait.table, cait.baseline, cait.default, len(cait.rows)) == ("cait", "depth12", None, 29)
-    assert (sam.table, sam.baseline, sam.default, len(sam.rows)) == ("sam", "baseline", None, 19)
-    assert (deit3.table, deit3.baseline, deit3.default, len(deit3.rows)) == ("deit3", "baseline", None, 22)
-    assert (transfer.table, transfer.default, transfer.rows[:2], len(transfer.rows)) == ("table7", None,
-                                                                                         ("cifar10", "cifar100"), 7)
-    assert (headline.table, headline.baseline, headline.default, len(headline.rows)) == ("table5", "deit_b", None, 8)
-    assert (teacher.table, teacher.baseline, teacher.default, len(teacher.rows)) == ("table2", "regnety_16gf", None, 4)
+    assert (cait.table, cait.baseline, cait.default) == ("cait", "depth12", None)
+    assert (sam.table, sam.baseline, sam.default) == ("sam", "baseline", None)
+    assert (deit3.table, deit3.baseline, deit3.default) == ("deit3", "baseline", None)
+    assert (transfer.table, transfer.default, transfer.rows[:2]) == ("table7", None, ("cifar10", "cifar100"))
+    assert (headline.table, headline.baseline, headline.default) == ("table5", "deit_b", None)
+    assert (teacher.table, teacher.baseline, teacher.default) == ("table2", "regnety_16gf", None)
     assert studies.defaults_list() == [{"ablation": "baseline"}, {"cait": None}, {"deit3": None},
                                        {"headline": None}, {"sam": None}, {"teachers": None}, {"transfer": None}]
     assert studies.default_tables() == {"ablation": "table8", "cait": "cait", "deit3": "deit3", "headline": "table5",

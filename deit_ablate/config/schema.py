@@ -334,7 +334,7 @@ class RuntimeConfig:
     num_workers: int | None = ranged(None, ge=0)
     # added to the workers' niceness (0-19); None: 19 where the training step limits the run (a CPU training on
     # images of at most 64 px: the workers yield the cores to its threads), 0 elsewhere (decoding JPEGs, feeding a
-    # GPU: the workers limit the run, and niced workers starve on a shared machine). docs/PERFORMANCE.md, section 8
+    # GPU: the workers limit the run, and niced workers starve on a shared machine). docs/PERFORMANCE.md
     worker_nice: int | None = ranged(None, ge=0, le=19, hint="it is added to the loader workers' niceness, and only "
                                                              "root may raise a priority; use 0 to leave it as it is, "
                                                              "null to choose by device and image size")

@@ -5,7 +5,7 @@ of small torch ops per image in the loader workers, then a float32 batch four ti
 the workers stop at the uint8 pixels (`to_uint8_hwc`) and `BatchNormalize` does the float conversion, the
 normalization and timm's random erasing once per batch on the device (the trainer applies it). The pixels are
 timm's to float rounding; the erasing draws are the same, taken in the main process instead of the workers, as in
-timm's own train.py. Measured in docs/PERFORMANCE.md, section 7.
+timm's own train.py. Measured in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def data_fingerprint(data: DataConfig) -> dict:
         return {"digest": digest, "builtin": params}
     if data.name == DataName.cifar10:
         return cifar10_fingerprint(check_data_root(data))
-    if data.name == DataName.cifar100:  # before session 10 a folder scan: one digest for every CIFAR-100
+    if data.name == DataName.cifar100:  # its files by content: a folder scan would give every copy one digest
         return cifar100_fingerprint(check_data_root(data))
     root = dataset_root(data) if data.name != DataName.builtin else Path(data.root).expanduser()
     fingerprint = dataset_fingerprint(root)

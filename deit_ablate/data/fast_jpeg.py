@@ -1,7 +1,7 @@
 """Opt-in fast JPEG path for the training transform (`data.fast_jpeg`): cheaper decode and crop.
 
 timm's training transform decodes every JPEG at full size with PIL, then crops and resizes it with PIL's bicubic
-filter. Here (measured in docs/PERFORMANCE.md, section 5):
+filter. Here (measured in docs/PERFORMANCE.md):
 
 1. The loader only opens the file (`lazy_loader`). The crop's position and size are drawn first, from the
    header's size, by timm's own `get_params` (same RNG use). The JPEG is then decoded by libjpeg-turbo

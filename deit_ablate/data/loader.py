@@ -225,7 +225,7 @@ def rank_loader_settings(runtime: RuntimeConfig, device_type: str | None = None)
 
 
 # At most this many pixels a side, a CPU's training step costs more than decoding and augmenting its images: the
-# demo at 32 px (docs/PERFORMANCE.md, section 8). Above it, on a CPU at 224 px, the loader is the limit.
+# demo at 32 px (docs/PERFORMANCE.md). Above it, on a CPU at 224 px, the loader is the limit.
 STEP_BOUND_SIZE = 64
 
 
@@ -283,7 +283,7 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: R
 
     The workers run `niceness` (`worker_niceness`; runtime.worker_nice, 0 when unset) below the training process's
     CPU priority: where cores are short they fill the time the training step leaves idle instead of preempting its
-    threads (docs/PERFORMANCE.md, section 8).
+    threads (docs/PERFORMANCE.md).
     """
     settings = rank_loader_settings(runtime, device_type)
     workers = settings.workers
