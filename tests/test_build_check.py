@@ -45,8 +45,9 @@ def test_a_value_timm_or_torch_refuses_mid_run_is_refused_at_launch(tmp_path, ov
     assert message.startswith(expected) and "\n" not in message, message
 
 
-@pytest.mark.parametrize("overrides", [[], ["preset=paper", "data=imagefolder"], ["augment=three_augment"], ["mix.mode=elem"],
-                                       ["optimizer=sgd"], ["optimizer=lamb"], ["augment.auto_augment=augmix-m3-w4"],
+@pytest.mark.parametrize("overrides", [[], ["preset=paper", "data=imagefolder"], ["augment=three_augment"],
+                                       ["mix.mode=elem"], ["optimizer=sgd"], ["optimizer=lamb"],
+                                       ["augment.auto_augment=augmix-m3-w4"],
                                        ["resolution.crop_pct=0.25"], ["augment.interpolation=bilinear"]])
 def test_the_presets_and_valid_values_build(tmp_path, overrides):
     _launch([*overrides, *(one_class_imagefolder(tmp_path / "data") if "preset=paper" in overrides else [])], tmp_path)

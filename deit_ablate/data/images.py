@@ -55,8 +55,8 @@ def _is_folder(entry: os.DirEntry) -> bool:
     try:
         return entry.is_dir()
     except OSError as error:
-        raise ConfigError(f"data.root: {entry.path} cannot be read ({error.strerror or error}): a class folder is a folder "
-                          "or a symlink to one. Fix or remove that link.") from None
+        raise ConfigError(f"data.root: {entry.path} cannot be read ({error.strerror or error}): a class folder is a "
+                          "folder or a symlink to one. Fix or remove that link.") from None
 
 
 def _walk(folder: str, rel: str) -> Iterator[tuple[str, os.DirEntry]]:
