@@ -8,7 +8,8 @@ refreshes its modification time every minute. A lock counts as stale, and is tak
   SLURM_RESTART_COUNT; SLURM ends an attempt before it starts the next),
 - or its holder ran on this host and that process is gone (or its pid now belongs to another process),
 - or its holder ran on another host and it has not been refreshed for STALE_AFTER_S (a crashed node).
-A takeover renames the stale lock aside and checks that it moved the lock it judged, so two launches that
+The same lock, in the runs root and named by the experiment's digest (EXPERIMENT_LOCK), covers every folder of one
+experiment. A takeover renames the stale lock aside and checks that it moved the lock it judged, so two launches that
 find the same stale lock do not both take it.
 """
 
@@ -29,6 +30,10 @@ from deit_ablate.record.rundir import LOCK, LOCK_ASIDE
 from deit_ablate.record.runfiles import read_bytes
 
 LOCK_NAME = LOCK  # the name older imports use; the folder's layout is rundir's
+# The lock of an experiment in the runs root, by its digest: held by the launch that trains it under whatever folder
+# name (a row spelled two ways, two rows sharing a run), from before it decides to train until it ends; two launches
+# that start before either made its folder thus train it once.
+EXPERIMENT_LOCK = ".experiment-{}.lock"
 REFRESH_S = 60.0
 STALE_AFTER_S = 600.0  # a lock from another host not refreshed for 10 minutes is stale
 
@@ -113,8 +118,8 @@ def live_holder(run_dir: Path) -> str | None:
 class RunLock:
     """The lock of one run folder, taken by the main rank only; refreshed by a daemon thread while held."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / LOCK_NAME
+    def __init__(self, run_dir: Path, name: str = LOCK_NAME) -> None:
+        self.path = Path(run_dir) / name
         self.me = this_process()
         self.taken_over: list[str] = []
         self._stop = threading.Event()

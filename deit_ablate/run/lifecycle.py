@@ -18,46 +18,68 @@ from deit_ablate.core.streams import trained_before
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.identity import experiment, same_computation, stage_drop
 from deit_ablate.record.resume import LaunchAction, folder_action, previous_result, skip_action
-from deit_ablate.record.rundir import RunDir, wandb_root
-from deit_ablate.record.runlock import RunLock
+from deit_ablate.record.rundir import LOCK, RunDir, wandb_root
+from deit_ablate.record.runlock import EXPERIMENT_LOCK, RunLock
 from deit_ablate.record.tracking import Tracker, read_epoch_rows, wandb_logs
 from deit_ablate.run.plan import RunPlan
 from deit_ablate.run.report import wandb_summary
 from deit_ablate.run.stages import upstream_role
 
 
-def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 5.0) -> RunLock | None:
-    """The main rank takes the run folder's lock (the others follow its outcome): a RunError naming the holder
-    when another launch trains this run, or a wait for it to end with `wait`."""
-    lock = RunLock(run_dir) if info.is_main else None
+def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 5.0,
+                     name: str = LOCK) -> RunLock | None:
+    """The main rank takes the run folder's lock (`name` in `run_dir`: the folder's, or its experiment's in the runs
+    root) and the others follow its outcome: a RunError naming the holder when another launch trains this run, or a
+    wait for it to end with `wait`."""
+    lock = RunLock(run_dir, name) if info.is_main else None
     announced = False
     while True:
         holder = lock.try_acquire() if lock is not None else None
         holder = broadcast_object(holder, info)
         if holder is None:
             return lock
+        lock_file = Path(run_dir) / name
+        what = f"the run folder {run_dir} is" if name == LOCK else "this run's experiment is being trained and"
         if not wait:
-            lock_file = RunDir(run_dir).lock
-            raise RunInUse(f"the run folder {run_dir} is in use by another launch of the same run: {holder} "
+            raise RunInUse(f"{what} in use by another launch of the same run: {holder} "
                            f"({lock_file}). Wait for it to end or stop it, or add runtime.wait_for_lock=true to wait "
                            f"for it. If that launch is gone (a crashed node), delete {lock_file}.")
         if info.is_main and not announced:
-            log.info(f"[run] waiting for the run folder {run_dir}, in use by {holder}")
+            log.info(f"[run] waiting for {lock_file}, held by {holder}")
             announced = True
         if lock is not None:
             time.sleep(poll_s)
 
 
+def finished_elsewhere(run_dir: Path, digest: str) -> RunDir | None:
+    """Another folder of the runs root that holds this experiment (its digest) with a result: a launch of the same
+    run spelled otherwise that trained it."""
+    for folder in sorted(Path(run_dir).parent.glob(f"*-{digest}")):
+        if folder != Path(run_dir) and RunDir(folder).result.exists():
+            return RunDir(folder)
+    return None
+
+
 @contextlib.contextmanager
-def hold_run_folder(run_dir: Path, info: DistInfo, wait: bool) -> Iterator[None]:
-    """Hold the run folder for this launch: its lock (rank 0) and this rank's log file there, to which the error
-    or signal that stops the run is written too. First, every file of the run's there must be a regular file (a FIFO
-    would block the launch)."""
+def hold_run_folder(run_dir: Path, info: DistInfo, wait: bool, digest: str | None = None) -> Iterator[None]:
+    """Hold the run folder for this launch: its experiment's lock in the runs root (by `digest`: every folder of the
+    experiment), its own lock (rank 0) and this rank's log file there, to which the error or signal that stops the
+    run is written too. First, every file of the run's there must be a regular file (a FIFO would block the
+    launch)."""
     agree(info, RunDir(run_dir).check_files)
-    lock = acquire_run_lock(run_dir, info, wait)
+    experiment_lock = None
+    if digest is not None:
+        experiment_lock = acquire_run_lock(Path(run_dir).parent, info, wait, name=EXPERIMENT_LOCK.format(digest))
+    try:
+        lock = acquire_run_lock(run_dir, info, wait)
+    except BaseException:
+        if experiment_lock is not None:
+            experiment_lock.release()
+        raise
     handler = attach_run_log(RunDir(run_dir).rank_log(info.rank))
     try:
-        for taken in lock.taken_over if lock is not None else ():
+        for taken in [*(lock.taken_over if lock is not None else ()),
+                      *(experiment_lock.taken_over if experiment_lock is not None else ())]:
             log.warning(f"[run] took over the lock of {taken}")
         yield
     except (ConfigError, RunError) as error:
@@ -76,6 +98,8 @@ def hold_run_folder(run_dir: Path, info: DistInfo, wait: bool) -> Iterator[None]
         detach_run_log(handler)
         if lock is not None:
             lock.release()
+        if experiment_lock is not None:
+            experiment_lock.release()
 
 
 def report_finished(plan: RunPlan, result: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ from deit_ablate.record.rundir import DATA, RunDir
 from deit_ablate.record.tracking import Tracker
 from deit_ablate.run.assemble import Pieces, build_pieces, set_cpu_threads
 from deit_ablate.run.lifecycle import (
+    finished_elsewhere,
     hold_run_folder,
     log_again_if_lost,
     previous_result,
@@ -67,8 +68,11 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     try:
         with StopSignals(info, cfg.runtime.log_interval) as stop:  # from the start: a stop before training says so
             plan = make_plan(cfg, info)
-            with hold_run_folder(plan.run_dir.path, info, plan.settings.runtime.wait_for_lock):
-                return _run_locked(plan, info, stop)
+            with hold_run_folder(plan.run_dir.path, info, plan.settings.runtime.wait_for_lock, plan.identity.digest):
+                result = _run_locked(plan, info, stop)
+            if info.is_main and finished_elsewhere(plan.run_dir.path, plan.identity.digest) is not None:
+                plan.run_dir.discard_if_empty()  # skipped for the folder that holds it: nothing of its own here
+            return result
     except RuntimeError as error:
         lost = stopped_by_peer(error, info)  # before the folder is held (its file has it otherwise)
         if lost is None:
@@ -84,6 +88,13 @@ def _run_locked(plan: RunPlan, info: DistInfo, stop: StopSignals) -> dict[str, A
         for path in ckpt.remove_stale_temp_files(plan.run_dir.path):
             log.info(f"[run] removed {path.name}, left by a launch stopped while writing it")
     result = previous_result(plan.run_dir, info.is_main)
+    elsewhere = finished_elsewhere(plan.run_dir.path, plan.identity.digest) if result is None else None
+    found = previous_result(elsewhere, info.is_main) if elsewhere is not None else None
+    if found is not None:  # trained under another folder name (a launch of it spelled otherwise): skipped
+        if info.is_main:
+            log.info(f"[run] {plan.identity.name} computes the same as {elsewhere.path}, already {found['status']} "
+                     "there; skipping.")
+        return found
     if result is not None:
         if info.is_main:
             report_finished(plan, result)
