@@ -27,25 +27,25 @@ from deit_ablate.run.stages import upstream_role
 
 
 def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 5.0,
-                     name: str = LOCK) -> RunLock | None:
-    """The main rank takes the run folder's lock (`name` in `run_dir`: the folder's, or its experiment's in the runs
-    root) and the others follow its outcome: a RunError naming the holder when another launch trains this run, or a
-    wait for it to end with `wait`."""
-    lock = RunLock(run_dir, name) if info.is_main else None
+                     digest: str | None = None) -> RunLock | None:
+    """The main rank takes the run folder's lock (with `digest`, its experiment's in the runs root, which covers
+    every folder of the experiment) and the others follow its outcome: a RunError naming the holder when another
+    launch trains this run, or a wait for it to end with `wait`."""
+    where, name = (Path(run_dir), LOCK) if digest is None else (Path(run_dir).parent, EXPERIMENT_LOCK.format(digest))
+    lock = RunLock(where, name) if info.is_main else None
+    lock_file = where / name
     announced = False
     while True:
         holder = lock.try_acquire() if lock is not None else None
         holder = broadcast_object(holder, info)
         if holder is None:
             return lock
-        lock_file = Path(run_dir) / name
-        what = f"the run folder {run_dir} is" if name == LOCK else "this run's experiment is being trained and"
         if not wait:
-            raise RunInUse(f"{what} in use by another launch of the same run: {holder} "
+            raise RunInUse(f"the run folder {run_dir} is in use by another launch of the same run: {holder} "
                            f"({lock_file}). Wait for it to end or stop it, or add runtime.wait_for_lock=true to wait "
                            f"for it. If that launch is gone (a crashed node), delete {lock_file}.")
         if info.is_main and not announced:
-            log.info(f"[run] waiting for {lock_file}, held by {holder}")
+            log.info(f"[run] waiting for the run folder {run_dir}, in use by {holder} ({lock_file})")
             announced = True
         if lock is not None:
             time.sleep(poll_s)
@@ -69,7 +69,7 @@ def hold_run_folder(run_dir: Path, info: DistInfo, wait: bool, digest: str | Non
     agree(info, RunDir(run_dir).check_files)
     experiment_lock = None
     if digest is not None:
-        experiment_lock = acquire_run_lock(Path(run_dir).parent, info, wait, name=EXPERIMENT_LOCK.format(digest))
+        experiment_lock = acquire_run_lock(run_dir, info, wait, digest=digest)
     try:
         lock = acquire_run_lock(run_dir, info, wait)
     except BaseException:
