@@ -1,31 +1,45 @@
 """The launch check that builds the run's pipeline once, before any folder exists: the train and eval transforms
-applied to one drawn image, one Mixup/CutMix draw and the loss on a tiny batch, the optimizer and its schedule on a
-stand-in parameter (the model and teacher are built on the meta device by validate.py). What timm or torch would
-refuse mid-run is refused here as one line naming the keys that built it."""
+applied to one drawn image, one Mixup/CutMix draw and the loss on a tiny batch, the optimizer stepped and its
+schedule evaluated on a stand-in parameter (the model and teacher are built on the meta device by validate.py). What
+timm or torch would refuse mid-run is refused here as one line naming the keys that built it. Each piece takes the
+config groups it reads, of the config the stage runs (stage_config.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import random
+import re
 import typing
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import fields, is_dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from deit_ablate.config.schema import Config, DataBackend, DistillKind
+from deit_ablate.config.ranges import POLICY_RANGES
+from deit_ablate.config.schema import (
+    AugmentConfig,
+    Config,
+    DataBackend,
+    DataConfig,
+    DistillConfig,
+    DistillKind,
+    MixConfig,
+    OptimizerConfig,
+    ResolutionConfig,
+    TrainConfig,
+)
 from deit_ablate.core.errors import ConfigError
 
 T = TypeVar("T")
 
+# The groups check_build reads, in its order: validate.validate_launch hands them over from the stage's config.
+BUILT_GROUPS = ("data", "augment", "resolution", "mix", "distill", "optimizer", "train")
 # The side of the drawn image: any size works, as every transform resizes or crops to the stage's size.
 DRAWN_SIDE = 40
 # Optimizer updates per epoch of the stand-in schedule: enough for a warm-up and a decay to be evaluated.
@@ -49,14 +63,28 @@ def schema_arities(node: type = Config, prefix: str = "") -> tuple[tuple[str, in
     return tuple(found)
 
 
-def check_arities(cfg: DictConfig) -> None:
-    """Every fixed-length tuple key holds as many items as its type says (three channels, Adam's two betas)."""
+def check_arities(groups: dict[str, Any]) -> None:
+    """Every fixed-length tuple key of `groups` (name: config group) holds as many items as its type says (three
+    channels, Adam's two betas)."""
     for key, count in schema_arities():
-        value = OmegaConf.select(cfg, key)
+        group, name = key.split(".", 1)
+        value = OmegaConf.select(groups[group], name) if group in groups else None
         if isinstance(value, ListConfig | list | tuple) and len(value) != count:
             default = OmegaConf.select(OmegaConf.structured(Config), key)
             raise ConfigError(f"{key}=[{', '.join(map(str, value))}] has {len(value)} item(s) but takes {count} "
                               f"(e.g. the default {key}=[{', '.join(map(str, default))}]).")
+
+
+def check_policy_counts(policy: str | None) -> None:
+    """The loop counts of an auto-augment policy string (RandAugment's ops, AugMix's chains and depth) within
+    config/ranges.py's POLICY_RANGES; its grammar is validate.check_auto_augment's."""
+    kind, *sections = (policy or "").split("-")
+    for section in sections:
+        match = re.fullmatch(r"([a-z]+)(\d+)", section)
+        bounds = POLICY_RANGES.get(kind, {}).get(match[1]) if match else None
+        if bounds is not None and not bounds.holds(float(match[2])):
+            raise ConfigError(f"augment.auto_augment={policy}: '{match[1]}' in section '{section}' must be {bounds}: "
+                              f"{bounds.hint}.")
 
 
 @contextlib.contextmanager
@@ -71,14 +99,15 @@ def kept_random_state() -> Iterator[None]:
         torch.random.set_rng_state(state[2])
 
 
-def _shown(cfg: DictConfig, keys: list[str]) -> str:
-    """`key=value` for each of `keys`."""
-    return ", ".join(f"{key}={OmegaConf.select(cfg, key)}" for key in keys)
+def flat(**groups: Any) -> dict[str, Any]:
+    """`group.key`: value for every leaf key of `groups` (config groups by name), for refused's message."""
+    return {f"{group}.{key}": value for group, node in groups.items() for key, value in node.items()
+            if not isinstance(value, DictConfig)}
 
 
-def refused(what: str, cfg: DictConfig, groups: tuple[str, ...], build: Callable[[], T]) -> T:
-    """`build()`, or a ConfigError naming what failed to build and the keys of `groups` whose value the error
-    names (every key of `groups` where none is named)."""
+def refused(what: str, values: dict[str, Any], build: Callable[[], T]) -> T:
+    """`build()`, or a ConfigError naming what failed to build and the keys of `values` (flat) whose value the error
+    names (the groups of `values` where none is named)."""
     try:
         with warnings.catch_warnings():  # the run says its own warnings (e.g. a floor above the peak lr) once
             warnings.simplefilter("ignore")
@@ -87,22 +116,20 @@ def refused(what: str, cfg: DictConfig, groups: tuple[str, ...], build: Callable
         raise
     except Exception as error:  # whatever timm or torch raise for a value they cannot take: KeyError, ValueError, ...
         text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no message'}"
-        keys = [f"{group}.{key}" for group in groups for key, value in OmegaConf.select(cfg, group).items()
-                if not isinstance(value, DictConfig)]
-        named = [key for key in keys if str(OmegaConf.select(cfg, key)) and str(OmegaConf.select(cfg, key)) in text
-                 and OmegaConf.select(cfg, key) is not None and not isinstance(OmegaConf.select(cfg, key), bool)]
-        culprits = f"the value it names: {_shown(cfg, named)}" if named else f"the keys it reads ({', '.join(groups)})"
+        named = [f"{key}={value}" for key, value in values.items()
+                 if value is not None and not isinstance(value, bool) and str(value) and str(value) in text]
+        groups = sorted({key.split(".")[0] for key in values})
+        culprits = f"the value it names: {', '.join(named)}" if named else f"the keys it reads ({', '.join(groups)})"
         raise ConfigError(f"{what} cannot be built from this config: timm/torch refuse it ({text}). Change "
                           f"{culprits}.") from None
 
 
-def _spec_key(cfg: DictConfig, groups: tuple[str, ...]) -> str:
-    """The groups' values as one string, for the caches below (a sweep's runs mostly share their transforms)."""
-    return json.dumps({group: OmegaConf.to_container(cfg[group], resolve=True, enum_to_str=True) for group in groups},
-                      sort_keys=True, default=str)
+def _spec_key(**groups: Any) -> str:
+    """The groups' values as one string, for the cache below (a sweep's runs mostly share their transforms)."""
+    return json.dumps({name: OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+                       for name, node in groups.items()}, sort_keys=True, default=str)
 
 
-TRANSFORM_GROUPS = ("data", "augment", "resolution")
 # The filters timm's train and eval transforms both resize with (timm.data.transforms.str_to_pil_interp).
 RESIZE_FILTERS = ("bicubic", "bilinear", "nearest", "box", "hamming", "lanczos")
 
@@ -120,16 +147,16 @@ def _transforms_built(key: str) -> None:
         build_train_transform,
     )
 
-    cfg = OmegaConf.create(json.loads(key))
-    spec = TransformSpec(cfg.data, cfg.augment, cfg.resolution)
+    groups = OmegaConf.create(json.loads(key))
+    spec = TransformSpec(groups.data, groups.augment, groups.resolution)
     pixels = np.random.default_rng(0).integers(0, 256, (DRAWN_SIDE, DRAWN_SIDE + 8, 3), dtype=np.uint8)
     image = Image.fromarray(pixels)
 
     def train() -> None:
         build_train_pipeline(spec)  # what the loader runs (the fast crop, or none under DALI)
         per_image, per_batch = split_for_batches(build_train_transform(spec))
-        if cfg.data.backend == DataBackend.dali:  # DALI augments on its own: only the batch part runs here
-            size = cfg.resolution.train_size
+        if groups.data.backend == DataBackend.dali:  # DALI augments on its own: only the batch part runs here
+            size = groups.resolution.train_size
             batch = torch.zeros(2, size, size, 3, dtype=torch.uint8)
         else:
             batch = torch.stack([per_image(image), per_image(image)])
@@ -137,12 +164,13 @@ def _transforms_built(key: str) -> None:
 
     def evaluate() -> None:
         out = build_eval_transform(spec)(image)
-        size = cfg.resolution.eval_size
+        size = groups.resolution.eval_size
         if tuple(out.shape) != (3, size, size):
             raise ValueError(f"the eval transform gives {tuple(out.shape)} images, not (3, {size}, {size})")
 
-    refused("the training transform", cfg, TRANSFORM_GROUPS, train)
-    refused("the evaluation transform", cfg, TRANSFORM_GROUPS, evaluate)
+    values = flat(data=groups.data, augment=groups.augment, resolution=groups.resolution)
+    refused("the training transform", values, train)
+    refused("the evaluation transform", values, evaluate)
 
 
 def check_interpolation(name: str) -> None:
@@ -152,75 +180,75 @@ def check_interpolation(name: str) -> None:
                           f"use one of {', '.join(RESIZE_FILTERS)} (DeiT: bicubic).")
 
 
-def check_transforms(cfg: DictConfig) -> None:
+def check_transforms(data: DataConfig, augment: AugmentConfig, resolution: ResolutionConfig) -> None:
     """The stage's train and eval transforms built and applied to one drawn image (once per distinct config)."""
-    check_interpolation(cfg.augment.interpolation)
-    _transforms_built(_spec_key(cfg, TRANSFORM_GROUPS))
+    check_interpolation(augment.interpolation)
+    _transforms_built(_spec_key(data=data, augment=augment, resolution=resolution))
 
 
-def check_mix_and_loss(cfg: DictConfig) -> None:
+def check_mix_and_loss(mix: MixConfig, distill: DistillConfig, num_classes: int) -> None:
     """One Mixup/CutMix draw on a batch of two tiny images and the stage's loss on it (with the teacher term of its
     distillation kind, on stand-in teacher logits)."""
     from deit_ablate.train.losses import TOKEN_KINDS, DistillationLoss, build_criterion, build_mixup
 
-    classes = int(cfg.data.num_classes)
+    classes = int(num_classes)
     images, targets = torch.zeros(2, 3, 8, 8), torch.tensor([0, 1 % classes])
 
-    def mix() -> tuple[Any, torch.Tensor]:
-        mixup = build_mixup(cfg.mix, classes)
+    def draw() -> tuple[Any, torch.Tensor]:
+        mixup = build_mixup(mix, classes)
         return mixup, (mixup(images, targets)[1] if mixup is not None else targets)
 
-    mixup, mixed = refused("Mixup/CutMix", cfg, ("mix",), mix)
+    mixup, mixed = refused("Mixup/CutMix", flat(mix=mix), draw)
 
     def loss() -> None:
-        criterion = build_criterion(cfg.mix, mixup)
+        criterion = build_criterion(mix, mixup)
         logits = torch.zeros(2, classes)
-        if cfg.distill.type == DistillKind.none:
+        if distill.type == DistillKind.none:
             criterion(logits, mixed)
             return
-        distill = cfg.distill
         outputs = (logits, logits) if distill.type in TOKEN_KINDS else logits
         DistillationLoss(criterion, distill.type, distill.alpha, distill.tau, distill.kl_normalization)(
             outputs, torch.zeros(2, classes), mixed)
 
-    refused("the loss", cfg, ("mix", "distill"), loss)
+    refused("the loss", flat(mix=mix, distill=distill), loss)
 
 
-def check_optimizer(cfg: DictConfig) -> None:
-    """The stage's optimizer built on a stand-in parameter and stepped once, and its schedule evaluated over a
-    stand-in run of a few updates per epoch."""
-    from deit_ablate.core.distributed import DistInfo
-    from deit_ablate.record.rundir import RunDir
-    from deit_ablate.run.assemble import stage_optimizer, stage_scheduler
-    from deit_ablate.run.stages import stage_recipe
+def check_optimizer(opt: OptimizerConfig, train: TrainConfig) -> None:
+    """The stage's optimizer (its `optimizer` and `train` blocks, as stages.stage_recipe reads them) built on a
+    stand-in parameter and stepped once, and its warm-up + cosine schedule evaluated over a stand-in run of a few
+    updates per epoch (as assemble.stage_scheduler builds it). A ViT's layer-wise lr decay is checked on the model
+    (validate.check_layer_decay)."""
+    from deit_ablate.train.optim import build_optimizer, build_scheduler, scaled_lr
 
-    # a later stage's recipe names the checkpoint it starts from: a stand-in folder, as nothing is loaded here
-    # (a ViT's layer-wise lr decay is checked on the model: validate.check_layer_decay)
-    recipe = dataclasses.replace(stage_recipe(cfg, RunDir(Path("stand-in"))), layer_decay=None)
     module = torch.nn.Linear(4, 4)  # a weight that decays and a bias that does not
+    values = flat(optimizer=opt, train=train)
 
     def optimizer() -> torch.optim.Optimizer:
-        built = stage_optimizer(cfg.optimizer, recipe, module, DistInfo())
+        lr = scaled_lr(opt.lr, train.global_batch, opt.lr_base_batch)
+        built = build_optimizer(module, opt.name, lr, opt.weight_decay, opt.momentum, tuple(opt.betas), opt.eps)
         module(torch.ones(2, 4)).sum().backward()
         built.step()
         return built
 
-    built = refused(f"the optimizer ({recipe.optimizer})", cfg, ("optimizer",), optimizer)
+    built = refused(f"the optimizer ({opt.name})", values, optimizer)
 
     def schedule() -> None:
-        scheduler = stage_scheduler(built, recipe, STAND_IN_STEPS)
-        total = recipe.epochs * STAND_IN_STEPS
+        total = train.epochs * STAND_IN_STEPS
+        warmup = min(round(opt.warmup_epochs * STAND_IN_STEPS), max(total - 1, 0))
+        scheduler = build_scheduler(built, total, warmup, opt.min_lr, opt.warmup_lr)
         for step in sorted({0, 1, total // 2, max(total - 1, 0), total}):  # a few points: epochs may be many
             scheduler.step_update(num_updates=step)
 
-    refused("the learning-rate schedule", cfg, ("optimizer", "train"), schedule)
+    refused("the learning-rate schedule", values, schedule)
 
 
-def check_build(cfg: DictConfig) -> None:
-    """Build the stage's pipeline (`cfg`: the config the stage runs, stage_config.py) once without touching the
-    global random generators; a ConfigError naming the keys where timm or torch refuse a piece."""
-    check_arities(cfg)
+def check_build(data: DataConfig, augment: AugmentConfig, resolution: ResolutionConfig, mix: MixConfig,
+                distill: DistillConfig, optimizer: OptimizerConfig, train: TrainConfig) -> None:
+    """Build the stage's pipeline (the BUILT_GROUPS of the config the stage runs) once without moving the global
+    random generators; a ConfigError naming the keys where timm or torch refuse a piece."""
+    check_arities({"data": data, "augment": augment, "optimizer": optimizer})
+    check_policy_counts(augment.auto_augment)
     with kept_random_state(), torch.device("cpu"):
-        check_transforms(cfg)
-        check_mix_and_loss(cfg)
-        check_optimizer(cfg)
+        check_transforms(data, augment, resolution)
+        check_mix_and_loss(mix, distill, data.num_classes)
+        check_optimizer(optimizer, train)

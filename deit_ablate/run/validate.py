@@ -12,7 +12,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.optim import list_optimizers
 
 from deit_ablate.config.keys import CAIT_LR_DIVISOR
-from deit_ablate.config.ranges import POLICY_RANGES
 from deit_ablate.config.schema import (
     AugmentConfig,
     Config,
@@ -39,7 +38,7 @@ from deit_ablate.data.datasets import check_cifar_data, check_data_root
 from deit_ablate.record.rundir import check_output_root
 from deit_ablate.record.tracking import check_tracking
 from deit_ablate.run.architecture import check_stage_architecture, meta_weights
-from deit_ablate.run.build_check import check_arities, check_build
+from deit_ablate.run.build_check import BUILT_GROUPS, check_build
 from deit_ablate.run.stages import layer_scale_row, stage_batch
 from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.run.teacher import check_distill_config
@@ -182,9 +181,6 @@ def _augment_problem(policy: str) -> str | None:
             return f"section '{section}' is not one of {', '.join(keys)} followed by a number"
         if not re.fullmatch(keys[match[1]], match[2]):
             return f"section '{section}' has no valid value for '{match[1]}'"
-        bounds = POLICY_RANGES.get(kind, {}).get(match[1])
-        if bounds is not None and not bounds.holds(float(match[2])):
-            return f"'{match[1]}' in section '{section}' must be {bounds}: {bounds.hint}"
     return None
 
 
@@ -344,7 +340,6 @@ def check_teacher_view(distill: DistillConfig, mix: MixConfig, data: DataConfig)
 def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """Raise ConfigError, naming the key and the fix, for anything that would fail later in the run: the config
     the run's stage runs (stage_config.py), every stage's override set checked."""
-    check_arities(cfg)
     check_ranges(cfg, (CAIT_LR_DIVISOR,))  # CaiT's rule divides by it wherever transfer.lr is read, from here on
     check_known_keys(cfg)
     check_stage_overrides(cfg)
@@ -398,6 +393,7 @@ def validate_launch(cfg: DictConfig, world_size: int | None = None) -> None:
     and, for online tracking, a wandb key and a server that answers (train.py, the sweeper and the SLURM launcher
     call it before Hydra makes a folder or anything is queued); the stage's pipeline built once (build_check.py)."""
     validate_config(cfg, world_size)
-    check_build(stage_config(cfg))
+    staged = stage_config(cfg)
+    check_build(*(staged[group] for group in BUILT_GROUPS))
     check_output_root(cfg.runtime.output_root, tracking=cfg.runtime.tracking.mode != TrackingMode.disabled)
     check_tracking(cfg.runtime)
