@@ -16,7 +16,7 @@ from deit_ablate.run.validate import check_ranges, validate_config
 # Values that invert or empty the computation (issue 39, point 3): each the key, the value and the range it names.
 INVERTING = [
     (["optimizer.clip_grad=-1"], "optimizer.clip_grad=-1.0 must be > 0"),
-    (["resolution.train_size=0"], "resolution.train_size=0 must be >= 1"),
+    (["resolution.train_size=0"], "resolution.train_size=0 must be in [1, 2048]"),
     (["optimizer.betas=[2, 0.999]"], "optimizer.betas=[2.0, 0.999] must be in [0, 1) each (2.0 is not)"),
     (["optimizer=sgd", "optimizer.momentum=-5"], "optimizer.momentum=-5.0 must be in [0, 1)"),
 ]

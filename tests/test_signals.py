@@ -272,3 +272,28 @@ def test_loader_workers_killed_during_a_stop_end_as_the_stop(tmp_path, data_cach
     assert len(stop_lines) == 1 and stop_lines[0].startswith("stopped by SIGTERM at step 8;"), err[-3000:]
     state = torch.load(RunDir(run_folder(tmp_path)).last_checkpoint, weights_only=True)
     assert (state["epoch"], state["step"], state["batches_done"]) == (1, 8, 0)
+
+
+@pytest.mark.faults
+def test_a_loader_worker_killed_with_no_stop_is_one_line_and_the_relaunch_resumes(tmp_path, data_cache):
+    args = [o for o in TINY if not o.startswith("runtime.num_workers=")] + ["runtime.num_workers=2",
+                                                                              "train.epochs=4"]
+    proc = start(args, tmp_path, data_cache)
+    assert _wait_alive(proc, lambda: run_folder(tmp_path) is not None and RunDir(run_folder(tmp_path)).metrics.exists())
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    workers = [pid for pid in children if "train.py" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert workers, children
+    os.kill(int(workers[0]), signal.SIGKILL)  # what the kernel's out-of-memory killer does, with no stop asked
+    returned, _, err = finish(proc)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert returned == 1 and "Traceback" not in err, err[-3000:]  # it was `DataLoader worker ... is killed by signal`
+    assert re.fullmatch(rf"error: a loader worker \(pid {workers[0]}\) was killed by SIGKILL at step \d+, with no "
+                        r"stop asked .* step \d+ is saved and the same command resumes the run from .*", lines[-1])
+    stopped_at = int(lines[-1].split("at step ")[1].split(",")[0])
+    folder = RunDir(run_folder(tmp_path))
+    assert torch.load(folder.last_checkpoint, weights_only=True)["step"] == stopped_at >= 8
+    assert not folder.lock.exists() and not folder.result.exists()
+    relaunch = run_train(args, tmp_path, data_cache)
+    assert f"step {stopped_at}" in relaunch.stdout and "Traceback" not in relaunch.stderr  # resumed there
+    assert torch.load(folder.last_checkpoint, weights_only=True)["step"] == 32
+    assert '"status": "finished"' in folder.result.read_text()

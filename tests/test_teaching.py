@@ -317,5 +317,5 @@ def test_teacher_sizes_that_cannot_work_are_refused(sizes, model, words):
         check_teacher_sizes(sizes)
         check_resizable_teacher(sizes, TeacherSource(model, {}, None))
     check_resizable_teacher(sizes, TeacherSource(model, {"dynamic_img_size": True}, None))  # it takes any size
-    with pytest.raises(ConfigError, match=r"distill.teacher.sizes=\[0, 224\] must be >= 1"):
+    with pytest.raises(ConfigError, match=r"distill.teacher.sizes=\[0, 224\] must be in \[1, 2048\]"):
         check_ranges(compose_config(["distill.teacher.sizes=[0,224]"]))

@@ -7,6 +7,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+# The largest image side a key may ask for: every image is resized to it, so a side of 200,000 px allocates
+# 120 GB per image before anything fails (DeiT and its follow-ups train and evaluate at 224-448 px).
+MAX_SIDE = 2048
+SIDE_HINT = f"a side in pixels, at most {MAX_SIDE}"
+
 
 @dataclass(frozen=True)
 class Range:
@@ -49,3 +54,13 @@ def ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le
 def fraction(default: float, hint: str = "") -> Any:
     """A probability or fraction: a numeric field in [0, 1]."""
     return ranged(default, ge=0, le=1, hint=hint)
+
+
+# The numbers of timm's auto-augment policy strings (augment.auto_augment, validate.check_auto_augment) that set how
+# often an op runs per image: each is a loop, so unbounded they stall a loader worker (rand-m9-n1000000: no step in
+# 25 s). The magnitudes (m, mmax) need none: timm clamps them.
+POLICY_RANGES: dict[str, dict[str, Range]] = {
+    "rand": {"n": Range(low=0, high=16, hint="RandAugment's ops per image (DeiT: 2)")},
+    "augmix": {"w": Range(low=1, high=16, hint="AugMix's chains per image (default 3)"),
+               "d": Range(low=0, high=16, hint="the ops of each AugMix chain (0: 1-3 at random)")},
+}

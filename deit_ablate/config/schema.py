@@ -10,7 +10,7 @@ from typing import Any, get_type_hints
 
 from omegaconf import OmegaConf
 
-from deit_ablate.config.ranges import Range, fraction, ranged
+from deit_ablate.config.ranges import MAX_SIDE, SIDE_HINT, Range, fraction, ranged
 from deit_ablate.config.studies import CONF_DIR
 
 
@@ -70,7 +70,7 @@ class ModelConfig:
 class BuiltinDataConfig:
     """How the procedural dataset is drawn (data=builtin only)."""
 
-    image_size: int = ranged(40, ge=8)
+    image_size: int = ranged(40, ge=8, le=MAX_SIDE, hint=SIDE_HINT)
     train_per_class: int = ranged(500, ge=1)
     val_per_class: int = ranged(100, ge=1)
     seed: int = ranged(0, ge=0)
@@ -108,7 +108,7 @@ class AugmentConfig:
     color_jitter: float = ranged(0.4, ge=0)
     reprob: float = fraction(0.25)  # random erasing probability
     remode: EraseMode = EraseMode.pixel
-    recount: int = ranged(1, ge=1)
+    recount: int = ranged(1, ge=1, le=16, hint="the erased boxes per image (DeiT: 1), each drawn in a loop")
     # copies of each image per epoch, each to a different rank; 1 = off
     repeated_aug: int = ranged(3, ge=1, hint="the copies of each image; 1 turns repeated augmentation off")
     scale: tuple[float, float] = ranged((0.08, 1.0), gt=0, le=1, hint="the crop's fraction of the image's area")
@@ -147,7 +147,7 @@ class TeacherConfig:
     chain: str | None = None
     # The sizes (px) the teacher sees each batch at, its logits averaged over them (Beyer et al. 2022's teacher at
     # 224 and 384): the batch resized bilinearly to each (teacher.MultiSizeTeacher); null = the batch as it is.
-    sizes: list[int] | None = ranged(None, ge=1, hint="a side in pixels")
+    sizes: list[int] | None = ranged(None, ge=1, le=MAX_SIDE, hint=SIDE_HINT)
 
 
 @dataclass
@@ -216,9 +216,10 @@ class SharpnessConfig:
 class ResolutionConfig:
     """Train and eval image size; eval resizes to size / crop_pct then center-crops."""
 
-    train_size: int = ranged(224, ge=1, hint="the side of a training image in pixels")
-    eval_size: int = ranged(224, ge=1, hint="the side of an eval image in pixels")
-    crop_pct: float = ranged(0.875, gt=0, le=1, hint="eval resizes to eval_size / crop_pct")
+    train_size: int = ranged(224, ge=1, le=MAX_SIDE, hint=f"the side of a training image; {SIDE_HINT}")
+    eval_size: int = ranged(224, ge=1, le=MAX_SIDE, hint=f"the side of an eval image; {SIDE_HINT}")
+    crop_pct: float = ranged(0.875, ge=0.25, le=1, hint="eval resizes to eval_size / crop_pct (DeiT: 0.875, 1 at "
+                             "384 px), at most 4 times the side")
 
 
 @dataclass
@@ -250,7 +251,7 @@ class FinetuneConfig:
                                        "null for off")
     # The size this row pre-trains at when it is not the preset's (DeiT III's low-resolution pre-training): a
     # fine-tune's config then tells apart pre-trainings that differ only in size (None: the preset's).
-    pretrain_size: int | None = ranged(None, ge=1)
+    pretrain_size: int | None = ranged(None, ge=1, le=MAX_SIDE, hint=SIDE_HINT)
     # Any other key of the run as this stage runs it, nested as in the config (`mix: {criterion: ce}`): applied over
     # the pre-training's values (stage_config.py). DeiT III's fine-tune changes its loss, augmentation and drop path.
     overrides: dict[str, Any] = field(default_factory=dict)

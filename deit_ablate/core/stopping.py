@@ -6,8 +6,11 @@ number. A second Ctrl-C stops at once. A stop asked before the first step saves 
 says so. The loader workers ignore both signals (data/loader.py), so a signal to the whole process group (what
 `timeout`, SLURM and systemd send, and a terminal's Ctrl-C) stops the run the same way; once a stop is pending, a
 worker killed anyway no longer raises torch's error in the middle of a step (its SIGCHLD handler is set aside) and
-the loop stops on the loader's error instead (run/loop.py). Inside a submitit job SIGTERM and USR2 are left to
-submitit, which checkpoints and requeues the job itself.
+the loop stops on the loader's error instead (run/loop.py). A worker killed with no stop pending (SIGKILL from the
+kernel's out-of-memory killer) is not raised wherever the main thread is either (a checkpoint's fsync, a backward
+pass): torch's SIGCHLD handler is deferred to the loop's step boundaries (`WorkerDeaths`), where the run saves its
+last finished step and ends in one line naming the worker and its signal. Inside a submitit job SIGTERM and USR2
+are left to submitit, which checkpoints and requeues the job itself.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import threading
 import torch
 
 from deit_ablate.core.distributed import DistInfo
+from deit_ablate.core.errors import RunError
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -38,6 +42,43 @@ class StopRequested(Exception):
 def in_submitit_job() -> bool:
     """Whether this process is a task of a submitit job (which handles SIGTERM and USR2 itself)."""
     return "SUBMITIT_EXECUTOR" in os.environ
+
+
+class WorkerLost(RunError):
+    """A loader worker died with no stop pending: the run saved its last finished step; the same command resumes it."""
+
+
+class WorkerDeaths:
+    """While entered, a loader worker's death is noted by SIGCHLD and raised (torch's `DataLoader worker (pid N) is
+    killed by signal` RuntimeError) only where `check` is called: between steps, not inside a checkpoint write."""
+
+    def __init__(self) -> None:
+        self.noted = False
+        self._previous: object | None = None
+
+    def __enter__(self) -> WorkerDeaths:
+        if hasattr(signal, "SIGCHLD") and threading.current_thread() is threading.main_thread():
+            from torch.utils.data._utils import signal_handling
+
+            signal_handling._set_SIGCHLD_handler()  # torch's, once per process: it installs no other after ours
+            self._previous = signal.signal(signal.SIGCHLD, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None and signal.getsignal(signal.SIGCHLD) == self._note:  # not set aside by a stop
+            signal.signal(signal.SIGCHLD, self._previous)
+        self._previous = None
+
+    def _note(self, signum: int, frame) -> None:
+        self.noted = True
+
+    def check(self) -> None:
+        """Raise torch's error for a loader worker that died since the last check (other children are not its)."""
+        if self.noted:
+            self.noted = False
+            from torch.utils.data._utils import signal_handling
+
+            signal_handling._error_if_any_worker_fails()
 
 
 class StopSignals:

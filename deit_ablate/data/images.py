@@ -23,6 +23,8 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from deit_ablate.core.errors import ConfigError
+
 IMAGE_EXTENSIONS = IMG_EXTENSIONS  # .jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp
 BACKGROUND = (255, 255, 255, 255)  # what transparent pixels become: white, as a viewer shows them on a page
 _SIXTEEN_BIT_FORMATS = ("PNG", "PPM")  # formats whose 'I' images hold 16-bit samples
@@ -42,9 +44,19 @@ def class_names(split_dir: str | os.PathLike) -> list[str]:
     """The class folders of an ImageFolder split, sorted; [] when the split is missing."""
     try:
         with os.scandir(split_dir) as entries:
-            return sorted(e.name for e in entries if not is_hidden(e.name) and e.is_dir())
+            return sorted(e.name for e in entries if not is_hidden(e.name) and _is_folder(e))
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _is_folder(entry: os.DirEntry) -> bool:
+    """Whether `entry` is a folder (a symlink to one followed); a ConfigError naming it where it cannot be followed
+    (a symlink loop: ELOOP), which would stop the dataset's scan after the run's folder was made."""
+    try:
+        return entry.is_dir()
+    except OSError as error:
+        raise ConfigError(f"data.root: {entry.path} cannot be read ({error.strerror or error}): a class folder is a "
+                          "folder or a symlink to one. Fix or remove that link.") from None
 
 
 def _walk(folder: str, rel: str) -> Iterator[tuple[str, os.DirEntry]]:

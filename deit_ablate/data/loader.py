@@ -268,6 +268,29 @@ def lost_worker(error: BaseException) -> bool:
     return isinstance(error, (EOFError, ConnectionError)) or "DataLoader worker" in str(error)
 
 
+def dead_workers() -> list[tuple[int, str]]:
+    """(pid, how it ended: a signal's name or an exit status) of every loader worker of this process that has died
+    (the workers of the loaders built here that keep theirs: persistent workers)."""
+    dead = []
+    for loader in list(_WORKER_LOADERS):
+        for worker in getattr(getattr(loader, "_iterator", None), "_workers", ()):
+            code = worker.exitcode  # polls: None while it runs
+            if code is not None and code != 0:
+                dead.append((worker.pid, signal.Signals(-code).name if code < 0 else f"exit status {code}"))
+    return dead
+
+
+def describe_lost_worker(error: BaseException) -> str | None:
+    """`a loader worker (pid N) was killed by SIGKILL` for a worker's death that `error` (lost_worker) carries, from
+    the workers themselves, else torch's message; None when no worker died (another connection error)."""
+    dead = dead_workers()
+    if dead:
+        ends = [f"(pid {pid}) was killed by {how}" if how.startswith("SIG") else f"(pid {pid}) ended with {how}"
+                for pid, how in dead]
+        return f"a loader worker {'; another '.join(ends)}"
+    return f"a loader worker died ({str(error).strip()})" if "DataLoader worker" in str(error) else None
+
+
 @atexit.register
 def end_all_workers() -> None:
     """Stop the workers of every loader built here that still has them (persistent workers outlive their epochs): at

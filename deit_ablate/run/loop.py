@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader
 
 from deit_ablate.core.distributed import DistInfo, barrier, gather_objects
 from deit_ablate.core.logs import log
-from deit_ablate.core.stopping import StopRequested, StopSignals
+from deit_ablate.core.stopping import StopRequested, StopSignals, WorkerDeaths, WorkerLost
 from deit_ablate.core.streams import RunStreams
 from deit_ablate.data.bad_images import BadImageError, SkippingImageFolder, stop_error
-from deit_ablate.data.loader import SkipFirst, build_train_loader, lost_worker, seed_epoch_data
+from deit_ablate.data.loader import SkipFirst, build_train_loader, describe_lost_worker, lost_worker, seed_epoch_data
 from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.predictions import LocalPredictions
 from deit_ablate.record.progress import ProgressFile
@@ -98,6 +98,7 @@ class EpochLoop:
         self.max_steps = plan.settings.train.max_steps
         self.record = self.progress_file()  # progress.json, for a reader outside the run (deit-status)
         self.current_epoch = progress.start_epoch
+        self.worker_deaths = WorkerDeaths()
         self.started: StartedEpoch | None = None
         self.batches_in_loader: int | None = None  # of the epoch training now (None between epochs)
         runtime, run_dir = plan.settings.runtime, plan.run_dir
@@ -128,31 +129,37 @@ class EpochLoop:
         """Train the epochs left and evaluate each; the progress at the end (status `diverged` on divergence)."""
         progress, state = self.progress, self.resumed_state
         self.record.start(progress.start_epoch, self.trainer.step)
-        try:
-            if state.get("evaluated") is False and not progress.skip_batches and \
-                    progress.start_epoch < self.plan.recipe.epochs:  # resumed from an epoch's end: evaluate it
-                row = {"train/epoch_loss": state["train_loss"]} if state.get("train_loss") is not None else {}
-                self.evaluate_epoch(progress.start_epoch - 1, row, progress.resumed_from)
-            for epoch in range(progress.start_epoch, self.plan.recipe.epochs):
-                if self.max_steps is not None and self.trainer.step >= self.max_steps:
-                    break
-                self.epoch(epoch)
-            if not progress.metrics:  # relaunched after the final checkpoint: training complete, evaluation not
+        with self.worker_deaths:  # a loader worker's death is raised between steps only (core/stopping.py)
+            try:
+                if state.get("evaluated") is False and not progress.skip_batches and \
+                        progress.start_epoch < self.plan.recipe.epochs:  # resumed from an epoch's end: evaluate it
+                    row = {"train/epoch_loss": state["train_loss"]} if state.get("train_loss") is not None else {}
+                    self.evaluate_epoch(progress.start_epoch - 1, row, progress.resumed_from)
+                for epoch in range(progress.start_epoch, self.plan.recipe.epochs):
+                    if self.max_steps is not None and self.trainer.step >= self.max_steps:
+                        break
+                    self.epoch(epoch)
+                if not progress.metrics:  # relaunched after the final checkpoint: training complete, evaluation not
+                    if self.info.is_main:
+                        log.info(f"[run] training was complete at step {self.trainer.step} (epoch "
+                                 f"{progress.epochs_done}); evaluating the final weights")
+                    self.evaluate_now()
+            except Diverged as diverged:
+                progress.status = "diverged"
                 if self.info.is_main:
-                    log.info(f"[run] training was complete at step {self.trainer.step} (epoch "
-                             f"{progress.epochs_done}); evaluating the final weights")
-                self.evaluate_now()
-        except Diverged as diverged:
-            progress.status = "diverged"
-            if self.info.is_main:
-                log.info(f"[run] {self.plan.identity.name} diverged: {diverged}. Recorded as a result; the sweep "
-                         "goes on.")
-        except BadImageError:
-            raise stop_error(image_folders(self.pieces)) from None
-        except (RuntimeError, EOFError, ConnectionError) as error:
-            if self.stop.requested is None or not lost_worker(error):
-                raise
-            raise self.stopped_without_worker(error) from None
+                    log.info(f"[run] {self.plan.identity.name} diverged: {diverged}. Recorded as a result; the "
+                             "sweep goes on.")
+            except BadImageError:
+                raise stop_error(image_folders(self.pieces)) from None
+            except (RuntimeError, EOFError, ConnectionError) as error:
+                if not lost_worker(error):
+                    raise
+                if self.stop.requested is None:
+                    lost = describe_lost_worker(error)
+                    if lost is None:  # a connection error that no worker's death explains
+                        raise
+                    raise self.lost_worker_without_stop(lost) from None
+                raise self.stopped_without_worker(error) from None
         progress.seconds = self.clock()
         return progress
 
@@ -217,6 +224,7 @@ class EpochLoop:
     def step_hook(self, batches_in_loader: int) -> None:
         """After each optimizer step: the mid-epoch checkpoint when due, and a stop when one is agreed."""
         self.batches_in_loader = batches_in_loader
+        self.worker_deaths.check()  # before this step is saved: a worker that died during it ends the run here
         if self.saver.by_steps():  # on every rank: the checkpoint keeps the loss summed over the ranks
             self.trainer.losses.reduce()
         self.saver(batches_in_loader)
@@ -233,6 +241,16 @@ class EpochLoop:
             log.info(f"[run] a loader worker ended during the stop ({said[0]})")
         return StopRequested(self.stop.requested, f"at step {self.trainer.step}; the same command resumes it from "
                                                   f"{self.plan.run_dir.last_checkpoint}")
+
+    def lost_worker_without_stop(self, lost: str) -> WorkerLost:
+        """A loader worker killed with no stop pending (the kernel's out-of-memory killer sends SIGKILL): the steps
+        done this epoch saved (an epoch's end is saved already), and one line naming the worker and its signal."""
+        if self.batches_in_loader is not None:
+            self.saver.save(self.batches_in_loader)
+        return WorkerLost(f"{lost} at step {self.trainer.step}, with no stop asked (the "
+                          "kernel's out-of-memory killer sends SIGKILL: lower runtime.num_workers or what the run "
+                          f"holds in memory); step {self.trainer.step} is saved and the same command resumes the run "
+                          f"from {self.plan.run_dir.last_checkpoint}")
 
     def stop_if_asked(self, step: int | None = None, batches_in_loader: int | None = None) -> None:
         """Stop on an agreed signal: save the mid-epoch state first (the epoch-end one is written already)."""

@@ -38,6 +38,7 @@ from deit_ablate.data.datasets import check_cifar_data, check_data_root
 from deit_ablate.record.rundir import check_output_root
 from deit_ablate.record.tracking import check_tracking
 from deit_ablate.run.architecture import check_stage_architecture, meta_weights
+from deit_ablate.run.build_check import BUILT_GROUPS, check_build
 from deit_ablate.run.stages import layer_scale_row, stage_batch
 from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.run.teacher import check_distill_config
@@ -412,7 +413,9 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
 def validate_launch(cfg: DictConfig, world_size: int | None = None) -> None:
     """validate_config, then what this machine must offer before anything is written: output folders it can write
     and, for online tracking, a wandb key and a server that answers (train.py, the sweeper and the SLURM launcher
-    call it before Hydra makes a folder or anything is queued)."""
+    call it before Hydra makes a folder or anything is queued); the stage's pipeline built once (build_check.py)."""
     validate_config(cfg, world_size)
+    staged = stage_config(cfg)
+    check_build(*(staged[group] for group in BUILT_GROUPS))
     check_output_root(cfg.runtime.output_root, tracking=cfg.runtime.tracking.mode != TrackingMode.disabled)
     check_tracking(cfg.runtime)
