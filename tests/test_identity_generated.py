@@ -80,6 +80,7 @@ KNOWN_SPLITS = {
     ("finetune.pretrain_size", "finetune"): "it names the size the row's pre-training trains at (held to the "
     "pre-training's own, validate.check_upstream_size): the rows whose pre-trainings differ only in size need it, and "
     "a fine-tune of the default size that spells it out is another folder",
+    ("finetune.pretrain_size", "finetune_distils_by_set"): "as on the finetune route",
     ("data.builtin.classes", "transfer_set"): "an override-set entry equal to the value the stage has without it "
     "stays (recipes spell their stages' values out, and their runs keep their identity)",
 }
@@ -93,6 +94,7 @@ ROUTES: dict[str, tuple[list[str], str]] = {
     "chained_teacher": (["ablation=no_mixup_cutmix", "model=vit_demo_distilled", "distill=hard_token",
                          "distill.teacher.chain=cnn_demo"], "key"),
     "finetune_distils_by_set": (["stage=finetune", "++finetune.overrides.distill.type=soft",
+                                 "++finetune.overrides.distill.alpha=0.5",
                                  f"distill.teacher.checkpoint={TEACHERS / 'teacher.pt'}"], "key"),
 }
 SAMPLE = 40  # (key, route) pairs in the default suite

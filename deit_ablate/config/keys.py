@@ -231,6 +231,8 @@ UNREAD = (
            canonical="options"),
     Unread(("distill.fusion",), lambda get: not _distilled_student(get),
            "only a model with a distillation head fuses two heads at evaluation", canonical="options"),
+    Unread(("distill.teacher.model",), lambda get: get("distill.teacher.chain") is not None,
+           "a chained teacher run (distill.teacher.chain) is its own model option", canonical="options"),
     Unread(("train.ema_decay",), lambda get: not get("train.ema"), "no EMA of the weights is kept (train.ema=false)",
            canonical="options"),
     Unread(("optimizer.decay_epochs", "optimizer.decay_rate"), lambda get: _sched(get) != "step",

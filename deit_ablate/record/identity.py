@@ -125,9 +125,13 @@ def experiment(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapping[str
         distill["teacher"] = preset_teacher(out.get("preset", "demo"))  # as if the run were given no teacher
     if canonical:
         out = canonical_experiment(out, option_values(choices) if choices is not None else None)
-    in_sets = [f"{block}.overrides.{key}" for block in STAGE_SET_BLOCKS for key in NOT_IDENTITY]
-    for dotted in (*NOT_IDENTITY, *in_sets, *inherited_lr_rules(lambda key: _leaf(out, key))):
+    for dotted in (*NOT_IDENTITY, *inherited_lr_rules(lambda key: _leaf(out, key))):
         _pop(out, dotted)
+    for block in STAGE_SET_BLOCKS:  # nor in a stage's override set
+        node = out.get(block)
+        if isinstance(node, dict) and isinstance(node.get("overrides"), dict) and node["overrides"]:
+            node["overrides"] = _nested({key: value for key, value in leaves(node["overrides"]).items()
+                                         if key not in NOT_IDENTITY})
     for dotted in ADDED_KEYS:  # runs from before a key keep their identity while it holds its default
         if is_default_leaf(dotted, _leaf(out, dotted)):
             _pop(out, dotted)
