@@ -36,11 +36,9 @@ CropMode = Choice("CropMode", {name: name for name in ("rrc", "simple")})  # ran
 Criterion = Choice("Criterion", {name: name for name in ("ce", "bce")})  # soft-target cross-entropy, or DeiT III's BCE
 TeacherView = Choice("TeacherView", {name: name for name in ("same", "fixed")})  # Beyer et al. 2022
 HeadKind = Choice("HeadKind", {name: name for name in ("linear", "mlp_tanh")})  # model.head (models.py)
-# timm's schedules as DeiT's main.py names them (--sched): cosine, step (x decay_rate every decay_epochs), none (the
-# optimizer's lr throughout, no warm-up: timm's create_scheduler builds no scheduler)
+# timm's schedules as main.py names them (--sched): cosine, step (x decay_rate every decay_epochs), none (a flat lr)
 Sched = Choice("Sched", {name: name for name in ("cosine", "step", "none")})
-# when the schedule moves (train/optim.py): update = after every optimizer update, from lr(0); epoch = as the released
-# main.py, lr_scheduler.step(epoch) after each epoch, so epoch e > 0 trains at lr(e - 1) and epochs 0 and 1 at lr(0)
+# update: moved after every update from lr(0); epoch: as the released main.py, one epoch late (train/optim.py)
 SchedOn = Choice("SchedOn", {name: name for name in ("update", "epoch")})
 
 
@@ -142,8 +140,7 @@ class TeacherConfig:
     # A teacher run folder without a finished result is refused; true distils from its latest checkpoint, with a
     # warning. A permission, not the experiment: the weights' digest (recorded in the run folder) stands for it.
     allow_unfinished: bool = False
-    # A model option (conf/model/<chain>.yaml) this project trains first as the teacher, in the same sweep: the run
-    # of this run's overrides with model=<chain> and no distillation (stages.teacher_run_overrides). Table 2.
+    # A model option trained first as the teacher in the same sweep (record/overrides.py chained_teacher_overrides)
     chain: str | None = None
     # The sizes (px) the teacher sees each batch at, its logits averaged over them (Beyer et al. 2022's teacher at
     # 224 and 384): the batch resized bilinearly to each (teacher.MultiSizeTeacher); null = the batch as it is.
@@ -161,8 +158,7 @@ class DistillConfig:
     kl_normalization: KLNormalization = KLNormalization.elements
     # headline top-1 of a distilled model: prob = mean of softmaxes (paper); logit = mean of logits (code)
     fusion: FusionRule = FusionRule.prob
-    # what the teacher sees: same = the student's exact (augmented, mixed) view, consistent teaching; fixed = one
-    # fixed view per image whose outputs are computed once and cached (Beyer et al. 2022's control)
+    # same: the student's (augmented, mixed) view, consistent teaching; fixed: one cached view (Beyer et al. 2022)
     teacher_view: TeacherView = TeacherView.same
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
@@ -187,8 +183,7 @@ class OptimizerConfig:
     min_lr: float = ranged(1e-5, ge=0)
     clip_grad: float | None = ranged(None, gt=0, hint="the largest gradient norm (a negative one would reverse "
                                      "every step); null turns clipping off")
-    # Sharpness-aware minimization (Foret et al. 2021): the radius rho of the weight perturbation; 0 = off. Wraps
-    # the optimizer above (adamw or sgd); deit_ablate/train/sam.py
+    # SAM's radius rho (Foret et al. 2021), wrapping the optimizer above; 0 = off (train/sam.py)
     sam_rho: float = ranged(0.0, ge=0, hint="SAM's radius; 0 turns SAM off (Chen, Hsieh & Gong 2022 use 0.05-0.25 "
                                                "for ViT-B/16, 0.2 with AdamW)")
 
@@ -205,8 +200,7 @@ class SharpnessConfig:
     # most power iterations for lambda_max (Hessian-vector products over all N images each)
     iters: int = ranged(20, ge=1)
     tol: float = ranged(1e-3, gt=0.0)  # stop when lambda_max changes by less than this fraction between two iterations
-    # Gaussian weight noise N(0, sigma^2) on every parameter: Chen, Hsieh & Gong 2022 (Table 1) perturb with
-    # N(0, 0.01), read here as the standard deviation
+    # Gaussian weight noise N(0, sigma^2) on every parameter (Chen, Hsieh & Gong 2022, Table 1: N(0, 0.01))
     sigma: float = ranged(0.01, ge=0.0)
     draws: int = ranged(5, ge=1)  # noise draws the noisy loss is averaged over
     seed: int = ranged(0, ge=0)  # picks the images, the power iteration's start vector and the noise
@@ -305,11 +299,9 @@ class TrainConfig:
     # auto: bf16 autocast on GPU, fp32 on CPU; or bf16, fp32, or fp16 (autocast + a loss scaler, as the
     # released DeiT code trained)
     amp: Precision = Precision.auto
-    # Replaced by eval_max_images: it counted batches of runtime.eval_batch on each rank, so the images scored
-    # depended on the layout; any value is refused (validate.py), null keeps earlier runs' identity.
+    # Replaced by eval_max_images (it counted per rank): any value is refused (validate.py); null keeps identities.
     eval_max_batches: int | None = ranged(None, ge=1)
-    # Evaluate on the first N images of the eval split (its order) alone, on any layout: N ranks score N / ranks
-    # each (smoke tests: another experiment). null: the whole split.
+    # The first N images of the eval split alone, on any layout (smoke tests: another experiment); null: all of it.
     eval_max_images: int | None = ranged(None, ge=1, hint="the images of the eval split scored, all ranks together")
 
 

@@ -23,7 +23,6 @@ import functools
 import hashlib
 import json
 import re
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,7 +35,6 @@ from deit_ablate.config.keys import (
     CANONICAL_BY_OPTIONS,
     NOT_EXPERIMENT,
     NOT_IDENTITY,
-    TRANSFER_ONLY,
     inherited_lr_rules,
     is_default_leaf,
     is_teacher_key,
@@ -47,20 +45,24 @@ from deit_ablate.config.keys import (
 from deit_ablate.config.schema import preset_teacher
 from deit_ablate.config.stage_config import is_applied, run_distills, run_unread_settings, stage_sets_read
 from deit_ablate.config.studies import study_names
+from deit_ablate.record.overrides import (  # noqa: F401 -- their home until every caller imports them there
+    STAGE_OVERRIDES,
+    TRANSFER_DATA_KEYS,
+    TRANSFER_OVERRIDES,
+    chained_teacher_overrides,
+    named_by_finetune,
+    override_key,
+    pretrain_overrides,
+    swap_overrides,
+    train_command,
+    transfer_source_overrides,
+)
 
 STAGE_SET_BLOCKS = ("finetune", "transfer")  # the stage blocks with an override set (config/stage_config.py)
 # The digest of a chained student's teacher run, in the student's experiment (not a config key: the run it waits for)
 CHAINED_TEACHER_RUN = "chained_teacher_run"
 # What never changes a pre-training run: the fine-tune recipe. A fine-tune finds its pre-training by the rest.
 FINETUNE_ONLY = ("finetune",)
-# Overrides that pick the stage of a run rather than the experiment it continues.
-STAGE_OVERRIDES = ("stage", "resolution")
-# What a transfer run sets that its source run never had: its study row and recipe (`transfer`, `transfer.*`), the
-# rule of that recipe (`transfer_recipe`, conf/transfer_recipe/) and the keys that name the dataset it moves to.
-# Other data overrides (the built-in set's size, the loader) stay.
-TRANSFER_OVERRIDES = (TRANSFER_ONLY, "transfer_recipe")
-TRANSFER_DATA_KEYS = ("data", "data.name", "data.root", "data.num_classes", "data.mean", "data.std",
-                      "data.builtin.classes")
 # What a shortened folder name keeps in front after the study rows (all studies, Table 8's first): the seed.
 KEPT_VISIBLE = ("seed",)
 
@@ -196,13 +198,9 @@ def experiment_digest(cfg: DictConfig, drop: tuple[str, ...] = (), choices: Mapp
     return _short_hash(json.dumps(tree, sort_keys=True, default=str), 10)
 
 
-def _override_key(item: str) -> str:
-    return item.split("=", 1)[0].lstrip("+~")
-
-
 def _is_identity_override(item: str) -> bool:
     """Overrides that name the experiment: not runtime/Hydra settings, the data's location or a permission."""
-    key = _override_key(item)
+    key = override_key(item)
     return not (key.split(".", 1)[0] in NOT_EXPERIMENT or key.startswith("hydra/") or key in NOT_IDENTITY
                 or item == "stage=pretrain")
 
@@ -224,7 +222,7 @@ def readable_overrides(overrides: list[str], drop_keys: tuple[str, ...] = (),
     those of `keep_visible` (default: the study rows, then the seed: they tell a sweep's runs apart) go first and
     the rest is cut, marked by `~`."""
     items = sorted(_readable(item) for item in overrides if _is_identity_override(item)
-                   and _override_key(item).split(".", 1)[0] not in drop_keys)
+                   and override_key(item).split(".", 1)[0] not in drop_keys)
     text = _UNSAFE.sub("_", ",".join(items))
     if len(text) <= _MAX_READABLE:
         return text
@@ -250,15 +248,15 @@ def run_identity(cfg: DictConfig, overrides: list[str], choices: Mapping[str, An
     no stage of it reads (keys.UNREAD)."""
     drop = stage_drop(str(cfg.stage))
     declared = experiment(cfg, drop, canonical=False)
-    teacher = chained_teacher_digests(cfg, overrides, declared)
+    teacher = chained_teacher_digests(overrides, declared)
     unread = run_unread_settings(declared) if teacher is None else {}  # a chained teacher may read them
     distills = run_distills(declared)
     overrides = [item for item in overrides
-                 if not (is_teacher_key(_override_key(item)) and not distills) and _override_key(item) not in unread]
+                 if not (is_teacher_key(override_key(item)) and not distills) and override_key(item) not in unread]
     digest = experiment_digest(cfg, drop, choices, teacher[0] if teacher else None)
     name = f"{readable_overrides(overrides, drop) or 'default'}-{digest}"
     # groups keep the names they had (no key put first), so the seeds of one setting stay in one wandb group
-    group_readable = readable_overrides([o for o in overrides if _override_key(o) != "seed"], drop, ()) or "default"
+    group_readable = readable_overrides([o for o in overrides if override_key(o) != "seed"], drop, ()) or "default"
     group = f"{group_readable}-{experiment_digest(cfg, drop + ('seed',), choices, teacher[1] if teacher else None)}"
     # The wandb id follows the experiment, not the spelling of its overrides (ablation=baseline = no override).
     return RunIdentity(name=name, run_id=_short_hash(digest, 16), group=group, digest=digest)
@@ -282,30 +280,13 @@ def _option_values(chosen: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
                  for value in [OmegaConf.select(composed, key, default=None)])
 
 
-# The overrides a chained teacher run leaves out besides every study row (Table 2's, Table 5's ⚗ rows): the student's
-# distillation and its model's keys (the teacher is conf/model/<chain>.yaml as it stands, with the DeiT recipe).
-CHAIN_DROPPED = ("distill", "model")
-
-
-def chained_teacher_overrides(chain: str, kwargs: Mapping[str, Any], overrides: list[str]) -> list[str]:
-    """The overrides of the teacher run a student launched with `overrides` distils from (distill.teacher.chain):
-    the student's pre-training overrides without study rows, distill.* and model.* ones, plus model=<chain> and
-    distill.teacher.kwargs (`kwargs`) as its model.kwargs (Table 2's demo CNNs of three sizes)."""
-    dropped = (*CHAIN_DROPPED, *study_names())
-    sized = [f"++model.kwargs.{key}={json.dumps(value, separators=(',', ':'))}"
-             for key, value in sorted(kwargs.items())]
-    return [f"model={chain}", *sized,
-            *(item for item in pretrain_overrides(overrides) if _override_key(item).split(".", 1)[0] not in dropped)]
-
-
-def chained_teacher_digests(cfg: DictConfig, overrides: list[str], declared: dict[str, Any]
-                            ) -> tuple[str, str] | None:
-    """The experiment digest of the chained teacher run the student `cfg` (launched with `overrides`; `declared`: its
+def chained_teacher_digests(overrides: list[str], declared: dict[str, Any]) -> tuple[str, str] | None:
+    """The experiment digest of the chained teacher run a student (launched with `overrides`; `declared`: its
     experiment as declared) distils from, and that run's digest without the seed (its group's); None without one.
     The teacher run is composed from the student's overrides, so a setting the student ignores (`mix.switch_prob`
     under `ablation=no_mixup_cutmix`) or spells as its row does can still change the teacher."""
-    chain = OmegaConf.select(cfg, "distill.teacher.chain", default=None)
-    if chain is None or str(cfg.stage) == "transfer" or not run_distills(declared):
+    chain = declared["distill"]["teacher"].get("chain")
+    if chain is None or str(declared.get("stage")) == "transfer" or not run_distills(declared):
         return None
     kwargs = declared["distill"]["teacher"].get("kwargs") or {}
     return _teacher_digests(tuple(chained_teacher_overrides(str(chain), kwargs, list(overrides))))
@@ -385,38 +366,6 @@ def folder_now(planned: Path) -> Path:
         return planned
     existing = _folders_of(planned.name.rsplit("-", 1)[-1], planned.parent)
     return existing[0] if existing else planned
-
-
-def train_command(overrides: list[str]) -> str:
-    """The command line that trains the run of `overrides`."""
-    return " ".join(["python train.py", *(shlex.quote(item) for item in overrides)])
-
-
-def pretrain_overrides(overrides: list[str]) -> list[str]:
-    """The overrides of the pre-training run that a fine-tune launched with `overrides` continues."""
-    return [item for item in overrides
-            if _override_key(item) not in STAGE_OVERRIDES and _override_key(item).split(".", 1)[0] != "finetune"]
-
-
-def named_by_finetune(stage: str, overrides: list[str]) -> list[str] | None:
-    """The overrides a fine-tune names this pre-training by (its own without the stage, the resolution and
-    finetune.*), when they compose the same run: its own without `stage=pretrain`, the default; else None."""
-    named = pretrain_overrides(overrides)
-    return named if stage == "pretrain" and sorted(set(overrides) - {"stage=pretrain"}) == sorted(named) else None
-
-
-def transfer_source_overrides(overrides: list[str], source_stage: str) -> list[str]:
-    """The overrides of the run that a transfer launched with `overrides` fine-tunes on its new data: the same
-    without the stage, resolution, the transfer row and recipe and the new dataset's keys, at `source_stage`."""
-    kept = [item for item in overrides if _override_key(item) not in (*STAGE_OVERRIDES, *TRANSFER_DATA_KEYS)
-            and _override_key(item).split(".", 1)[0] not in TRANSFER_OVERRIDES]
-    return kept if source_stage == "pretrain" else [f"stage={source_stage}", *kept]
-
-
-def swap_overrides(overrides: list[str], choice: str, drop_keys: tuple[str, ...] = ()) -> list[str]:
-    """`overrides` with `choice` (`group=option`) in place of that group's own, and without those of `drop_keys`."""
-    group = _override_key(choice)
-    return [choice, *(item for item in overrides if _override_key(item) not in (group, *drop_keys))]
 
 
 def task_overrides() -> list[str]:

@@ -138,13 +138,11 @@ class Preflight(Callback):
     """Check a single run before Hydra makes its folder; plan a dry run and stop there, writing nothing."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        guarded(self.check, config)
+        def every_check() -> None:  # a dry run is planned and printed, and the process ends there
+            check_launch(config)
+            if config.runtime.dry_run:
+                print_plans(sweep_plans([config], [Path(str(config.hydra.run.dir))]))
+                sys.exit(0)
+            check_teacher_trained(config)
 
-    @staticmethod
-    def check(config: DictConfig) -> None:
-        """Every check of a single launch; a dry run is planned and printed, and the process ends there."""
-        check_launch(config)
-        if config.runtime.dry_run:
-            print_plans(sweep_plans([config], [Path(str(config.hydra.run.dir))]))
-            sys.exit(0)
-        check_teacher_trained(config)
+        guarded(every_check)

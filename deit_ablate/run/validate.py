@@ -24,7 +24,6 @@ from deit_ablate.config.schema import (
     DistillKind,
     MixConfig,
     MixMode,
-    ResolutionConfig,
     Stage,
     TeacherView,
     TrackingConfig,
@@ -39,12 +38,12 @@ from deit_ablate.record.rundir import check_output_root
 from deit_ablate.record.tracking import check_tracking
 from deit_ablate.run.architecture import check_stage_architecture, meta_weights
 from deit_ablate.run.build_check import BUILT_GROUPS, check_build
+from deit_ablate.run.sizes import check_image_sizes, check_mixer_size, check_pretrain_size, check_upstream_size
 from deit_ablate.run.stages import layer_scale_row, stage_batch
 from deit_ablate.run.student import StudentSpec, build_stage_model, student_spec
 from deit_ablate.run.teacher import check_distill_config
 from deit_ablate.run.transfer import check_transfer_config
 from deit_ablate.train.batch_plan import BatchPlan
-from deit_ablate.train.models import is_mixer
 
 # wandb project and entity names: also folder names, so nothing that could leave the folder or need quoting.
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -235,64 +234,6 @@ def check_model_options(student: StudentSpec) -> None:
     layer_scale_row(student.model.kwargs.get("layer_scale_from"))
 
 
-def check_image_sizes(student: StudentSpec, size: ResolutionConfig) -> None:
-    """A model that takes one image size (a ViT's strict patch embedding) is evaluated at the size it trains at."""
-    import torch
-    from timm.layers import PatchEmbed
-
-    if size.eval_size == size.train_size:
-        return
-    name = student.name
-    with torch.device("meta"):  # the architecture only: no memory, no initialisation cost
-        model = build_stage_model(student, size.train_size)
-    embed = next((m for m in model.modules() if isinstance(m, PatchEmbed)), None)
-    if embed is not None and embed.strict_img_size and not getattr(embed, "dynamic_img_pad", False):
-        raise ConfigError(
-            f"resolution.train_size={size.train_size} but resolution.eval_size={size.eval_size}: {name} is built for "
-            f"{size.train_size}-px images and takes no other size, so its first evaluation would fail after an epoch "
-            f"of training. Set resolution.eval_size={size.train_size} (with resolution.crop_pct the eval resize is "
-            f"eval_size / crop_pct), or pick a resolution option that sets both.")
-
-
-def check_mixer_size(student: StudentSpec, stage: Stage, pretrain_size: int | None) -> None:
-    """A Mixer fine-tunes or transfers at the size it pre-trained at, named by finetune.pretrain_size: its
-    token-mixing MLPs are sized to its patch grid, with no position table to resample."""
-    name, size = student.name, student.img_size
-    if stage == Stage.pretrain or not is_mixer(name) or pretrain_size == size:
-        return
-    raise ConfigError(f"stage={stage} of {name} at resolution.train_size={size}, but finetune.pretrain_size="
-                      f"{pretrain_size}: a Mixer's token-mixing MLPs are sized to the patch grid of "
-                      "the size it pre-trained at (no position table to resample, as a ViT's), so a later stage "
-                      "must train at that size. Set resolution=<its size>px and finetune.pretrain_size=<its size> "
-                      "(224 for the sam study's mixer rows at paper scale, 32 at demo scale).")
-
-
-def check_pretrain_size(stage: Stage, pretrain_size: int | None, train_size: int) -> None:
-    """finetune.pretrain_size, where set, is the size the pre-training stage trains at."""
-    size = pretrain_size
-    if size is not None and stage == Stage.pretrain and size != train_size:
-        raise ConfigError(f"finetune.pretrain_size={size} but this pre-training trains at resolution.train_size="
-                          f"{train_size}. Set resolution.train_size={size} for the pre-training "
-                          "(conf/deit3/res_128.yaml shows how), or finetune.pretrain_size=null.")
-
-
-def check_upstream_size(cfg: DictConfig) -> None:
-    """A fine-tune's finetune.pretrain_size, where set, is the size the pre-training it starts from trains at: the
-    name would otherwise tell apart fine-tunes of one pre-training (or join those of two). Read from the pre-training's
-    own config (the launch's overrides without the stage's: stages.upstream_run_dir's run)."""
-    size = cfg.finetune.pretrain_size
-    if size is None or cfg.stage != Stage.finetune or cfg.finetune.init_checkpoint or "hydra" not in cfg:
-        return
-    from deit_ablate.config.compose import compose_run_config
-    from deit_ablate.record.identity import pretrain_overrides
-
-    trains_at = compose_run_config(pretrain_overrides(list(cfg.hydra.overrides.task))).resolution.train_size
-    if trains_at != size:
-        raise ConfigError(f"finetune.pretrain_size={size}, but the pre-training this fine-tune starts from trains at "
-                          f"resolution.train_size={trains_at}. Set finetune.pretrain_size={trains_at} (or null), or "
-                          "fine-tune the row that pre-trains at that size.")
-
-
 def check_three_augment_and_crop(aug: AugmentConfig, data: DataConfig) -> None:
     """augment.three_augment and augment.crop=simple (DeiT III): built on the pil backend's crop and policy only."""
     options = [name for name, on in (("augment.three_augment=true", aug.three_augment),
@@ -387,7 +328,8 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     check_image_sizes(student, cfg.resolution)
     check_layer_decay(cfg.finetune.layer_decay, student)
     check_pretrain_size(cfg.stage, cfg.finetune.pretrain_size, cfg.resolution.train_size)
-    check_upstream_size(declared)
+    check_upstream_size(declared.finetune, declared.stage,
+                        list(declared.hydra.overrides.task) if "hydra" in declared else None)
     check_mixer_size(student, cfg.stage, cfg.finetune.pretrain_size)
     for stage, block in STAGE_BLOCKS.items():  # a later stage loads its upstream's weights: the same network
         if (str(declared.stage) == stage or declared[block].overrides) and not declared[block].init_checkpoint:
