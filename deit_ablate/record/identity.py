@@ -163,8 +163,10 @@ def canonical_experiment(tree: dict[str, Any], options: Mapping[str, Any] | None
             continue
         if dotted not in CANONICAL_BY_OPTIONS:
             node[leaf] = schema_default(dotted)
-        else:  # without the options (two experiments compared with each other): one mark for both
-            node[leaf] = options.get(dotted) if options is not None else "(unread)"
+        elif options is None:  # two experiments compared with each other: one mark for both
+            node[leaf] = "(unread)"
+        elif dotted in options:
+            node[leaf] = options[dotted]
     return out
 
 
@@ -267,7 +269,10 @@ def option_values(choices: Mapping[str, Any]) -> dict[str, Any]:
     settings whose unread value in an identity is the options' (keys.CANONICAL_BY_OPTIONS)."""
     chosen = tuple(sorted(f"{group}={option}" for group, option in choices.items()
                           if option is not None and not str(group).startswith("hydra")))
-    return dict(_option_values(chosen))
+    try:
+        return dict(_option_values(chosen))
+    except Exception:  # noqa: BLE001 -- options this search path cannot compose: the settings stay as set
+        return {}
 
 
 @functools.lru_cache(maxsize=64)
