@@ -285,3 +285,82 @@ def test_every_damaged_record_of_a_run_folder_is_one_row_in_bounded_time_and_mem
         if file is not None:
             assert rows[name]["state"] == "damaged" and rows[name]["detail"].startswith(f"{file}: "), rows[name]
     assert rows["good"]["state"] == "preempted", rows["good"]
+
+
+# --- predictions.npz (python -m deit_ablate.disagreement, the aggregator's matrix) --------------------------------
+
+def npz(**members: bytes) -> bytes:
+    """A .npz archive of raw `<name>.npy` members (deflated, as np.savez_compressed writes them)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(f"{name}.npy", data)
+    return out.getvalue()
+
+
+def npy(header: str, body: bytes = b"") -> bytes:
+    """An .npy member (format 1.0) with the header dict `header` as written, then `body`."""
+    text = header.encode("latin1")
+    text += b" " * (63 - (10 + len(text)) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + body
+
+
+def good_predictions() -> bytes:
+    import numpy as np
+
+    out = io.BytesIO()
+    np.savez_compressed(out, main=np.arange(8, dtype=np.int16), labels=np.arange(8, dtype=np.int16),
+                        index=np.arange(8, dtype=np.int32), meta=np.array(json.dumps({"model_name": "m"})))
+    return out.getvalue()
+
+
+META = npy("{'descr': '<U2', 'fortran_order': False, 'shape': (), }", "{}".encode("utf-32-le"))
+INTS = npy("{'descr': '<i2', 'fortran_order': False, 'shape': (4,), }", b"\0" * 8)
+PREDICTIONS = {
+    "cut_short": lambda: good_predictions()[:200],
+    "bit_flipped": lambda: flipped(good_predictions(), 3, flips=40),
+    "a_header_of_2_40_items": lambda: npz(labels=npy("{'descr': '<i8', 'fortran_order': False, "
+                                                     "'shape': (1099511627776,), }", b"\0" * 16),
+                                          index=INTS, main=INTS, meta=META),
+    "python_objects": lambda: npz(labels=npy("{'descr': '|O', 'fortran_order': False, 'shape': (1,), }",
+                                             pickle.dumps([os.system])), index=INTS, main=INTS, meta=META),
+    "no_labels": lambda: npz(index=INTS, main=INTS, meta=META),
+    "float_labels": lambda: npz(labels=npy("{'descr': '<f2', 'fortran_order': False, 'shape': (4,), }", b"\0" * 8),
+                                index=INTS, main=INTS, meta=META),
+    "meta_not_json": lambda: npz(labels=INTS, index=INTS, main=INTS,
+                                 meta=npy("{'descr': '<U2', 'fortran_order': False, 'shape': (), }",
+                                          "{[".encode("utf-32-le"))),
+    "zip_bomb": lambda: npz(labels=npy("{'descr': '|u1', 'fortran_order': False, 'shape': (300000000,), }",
+                                       bytes(300_000_000)), index=INTS, main=INTS, meta=META),
+}
+
+
+def test_every_damaged_predictions_file_is_one_line_in_bounded_time_and_memory(tmp_path):
+    """Each file read in a process of at most 1 GB of address space (a 300 MB bomb, a header of 2^40 items), then
+    through the disagreement's loader: one ConfigError line naming the file."""
+    from deit_ablate.analysis.aggregate.disagree import load_predictions
+
+    for name, make in PREDICTIONS.items():
+        (tmp_path / name).mkdir()
+        RunDir(tmp_path / name).predictions.write_bytes(make())
+    script = textwrap.dedent(f"""
+        import resource, sys
+        resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_LIMIT}, {MEMORY_LIMIT}))
+        from deit_ablate.record.rundir import RunDir
+        from deit_ablate.record.runfiles import DamagedRecord
+        for path in sys.argv[1:]:
+            try:
+                RunDir(__import__("pathlib").Path(path)).read_predictions()
+            except DamagedRecord:
+                pass
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", script, *(str(tmp_path / name) for name in PREDICTIONS)],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=SECONDS)
+    assert done.returncode == 0 and not done.stderr, done.stderr[-3000:]
+    for name in PREDICTIONS:
+        run = RunDir(tmp_path / name)
+        with pytest.raises(ConfigError) as raised:
+            load_predictions(run)
+        (line,) = str(raised.value).splitlines()
+        assert line.startswith(f"{run.predictions}: ") and "predictions file" in line, (name, line)
