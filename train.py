@@ -6,12 +6,19 @@ import signal
 import sys
 
 
-class StoppedWhileStarting(BaseException):
-    """SIGTERM or Ctrl-C before the run took these signals over (core/stopping.py): imports, composing the config."""
-
-
 def stopped_while_starting(signum: int, frame) -> None:
-    raise StoppedWhileStarting(signum)
+    """SIGTERM or Ctrl-C before the run took these signals over (core/stopping.py): imports, composing the config.
+    End the process at once: nothing is written before the run takes the signals over, and an exception raised
+    here could land inside a library (omegaconf's deepcopy, flag_override) and become its error and traceback."""
+    for ignored in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(ignored, signal.SIG_IGN)
+    try:
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"\nstopped by {signal.Signals(signum).name} while starting, before the first step: "
+                             "nothing to save; the same command starts the run\n\n")
+            sys.stderr.flush()
+    finally:
+        os._exit(128 + signum)
 
 
 if __name__ == "__main__":  # before the imports, which take seconds
@@ -122,15 +129,6 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-def say_stopped_while_starting(stopped: StoppedWhileStarting) -> int:
-    """One line for a stop before the run took the signals over (nothing trained, nothing to save); the exit status."""
-    signum = stopped.args[0]
-    if os.environ.get("RANK", "0") == "0":
-        print(f"\nstopped by {signal.Signals(signum).name} while starting, before the first step: nothing to save; "
-              "the same command starts the run\n", file=sys.stderr)
-    return 128 + signum
-
-
 if __name__ == "__main__":
     try:
         check_group_options(sys.argv[1:])
@@ -140,6 +138,4 @@ if __name__ == "__main__":
         main()
     except SystemExit as stop:
         exit_now(exit_status(stop))
-    except StoppedWhileStarting as stopped:
-        exit_now(say_stopped_while_starting(stopped))
     exit_now(0)

@@ -51,6 +51,11 @@ class Page:
     render: Callable[[dict[str, Any]], dict[str, str]]
 
 
+class BadInput(Exception):
+    """What the script cannot work from (no runs under --outputs, a damaged docs/measured.json): its message names the
+    problem and the fix; main says it in one line, exit status 2, before any page or docs/measured.json is written."""
+
+
 # -- reading the runs --
 
 def read_runs(outputs: Path) -> list[Any]:
@@ -58,6 +63,10 @@ def read_runs(outputs: Path) -> list[Any]:
     from deit_ablate.analysis.aggregate import dedup, read_offline
     from deit_ablate.record.rundir import wandb_root
 
+    if not wandb_root(outputs).is_dir():
+        raise BadInput(f"--outputs {outputs} holds no {wandb_root(outputs).name}/ folder: no run was logged there. "
+                       "Train the pages' runs there (without --no-train), or give --outputs the output root they were "
+                       "trained under")
     runs, _ = dedup(read_offline(wandb_root(outputs), history=True, warn=lambda message: None))
     return [run for run in runs if run.status == "finished"]
 
@@ -70,7 +79,8 @@ def run_of(demo: Demo, runs: list[Any], outputs: Path) -> Any:
     name = run_dir_of(overrides, outputs).name
     found = [run for run in runs if run.name == name]
     if not found:
-        raise SystemExit(f"docs_numbers: no finished run of `python train.py {' '.join(overrides)}` under {outputs}")
+        raise BadInput(f"no finished run of `python train.py {' '.join(overrides)}` under {outputs}. Train it "
+                       "(without --no-train), or give --outputs the output root it was trained under")
     return max(found, key=lambda run: run.start_time.timestamp() if run.start_time else 0.0)
 
 
@@ -362,14 +372,39 @@ def replace_sections(text: str, sections: dict[str, str], pattern: re.Pattern[st
     """`text` with each generated section named in `sections` holding its new body; a SystemExit names one missing."""
     missing = set(sections) - {match["name"] for match in pattern.finditer(text)}
     if missing:
-        raise SystemExit(f"docs_numbers: no generated section {', '.join(sorted(missing))} in the page")
+        raise BadInput(f"no generated section {', '.join(sorted(missing))} in the page: restore its "
+                       "`<!-- measured:NAME -->` ... `<!-- /measured -->` markers (git diff shows them)")
     return pattern.sub(lambda m: m[1] + sections.get(m["name"], m["body"]) + m[4], text)
+
+
+def read_measured(path: Path) -> dict[str, Any]:
+    """docs/measured.json's figures of each page (none where there is no file); BadInput when it is damaged."""
+    if not path.exists():
+        return {}
+    fix = (f"Restore it (git checkout -- {path.relative_to(REPO) if path.is_relative_to(REPO) else path}) or "
+           "regenerate its pages (python scripts/docs_numbers.py)")
+    try:
+        measured = json.loads(path.read_text())
+    except (ValueError, RecursionError, OSError) as error:  # UnicodeDecodeError is a ValueError
+        raise BadInput(f"{path} cannot be read ({type(error).__name__}: {str(error)[:80]}). {fix}") from None
+    if not isinstance(measured, dict) or not all(isinstance(v, dict) for v in measured.values()):
+        raise BadInput(f"{path} is not a JSON object of each page's figures. {fix}")
+    return measured
 
 
 def render_page(name: str, measured: dict[str, Any]) -> str:
     """Page `name`'s text with its generated sections rendered from `measured` (and the resolved recipes)."""
     page = PAGES[name]
-    text = replace_sections((REPO / page.file).read_text(), page.render(measured[name]))
+    if name not in measured:
+        raise BadInput(f"{MEASURED} holds no figures of page {name}: measure them (python scripts/docs_numbers.py "
+                       f"--pages {name}, without --render-only)")
+    try:
+        sections = page.render(measured[name])
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise BadInput(f"{MEASURED}'s figures of page {name} are damaged ({type(error).__name__}: {str(error)[:80]}). "
+                       f"Restore the file (git checkout -- docs/measured.json) or measure them again (python "
+                       f"scripts/docs_numbers.py --pages {name})") from None
+    text = replace_sections((REPO / page.file).read_text(), sections)
     if name == "transfer":
         text = replace_sections(text, render_recipes(), RESOLVED)
     return text
@@ -394,7 +429,9 @@ def measure_page(page: Page, outputs: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train what is missing, measure, write docs/measured.json and the pages."""
+    """Train what is missing, measure, write docs/measured.json and the pages: all of them once every page is
+    rendered, none on bad input (one line, exit status 2)."""
+    from deit_ablate.core.atomic import write_text_atomic
     from deit_ablate.run.commands import prepare_configs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -409,15 +446,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown page(s) {', '.join(unknown)}; known: {', '.join(PAGES)}")
     prepare_configs()
-    measured = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
     outputs = args.outputs.resolve()
-    for name in names:
-        if not args.render_only:
-            seconds = 0.0 if args.no_train else train_page(PAGES[name], outputs)
-            measured[name] = measure_page(PAGES[name], outputs)
-            print(f"docs_numbers: {name}: {seconds:.0f} s", flush=True)
-        (REPO / PAGES[name].file).write_text(render_page(name, measured))
-    MEASURED.write_text(json.dumps(measured, indent=1, sort_keys=True) + "\n")
+    try:
+        measured = read_measured(MEASURED)
+        if args.no_train and not args.render_only:
+            read_runs(outputs)  # no runs there: said before any page is measured
+        pages = {}
+        for name in names:
+            if not args.render_only:
+                seconds = 0.0 if args.no_train else train_page(PAGES[name], outputs)
+                measured[name] = measure_page(PAGES[name], outputs)
+                print(f"docs_numbers: {name}: {seconds:.0f} s", flush=True)
+            pages[REPO / PAGES[name].file] = render_page(name, measured)
+    except BadInput as error:
+        print(f"error: docs_numbers: {error}.", file=sys.stderr)
+        return 2
+    for path, text in pages.items():
+        write_text_atomic(path, text)
+    write_text_atomic(MEASURED, json.dumps(measured, indent=1, sort_keys=True) + "\n")
     return 0
 
 

@@ -109,13 +109,14 @@ def _bench_script():
     (["--run-data", "nowhere"], "nowhere/train is missing or holds no class folder"),
     (["--sections", "step", "--draw-jpegs", "64"], "add e2e_run to --sections"),
 ])
-def test_e2e_run_on_jpegs_refuses_bad_flags_before_anything_runs(argv, says, tmp_path, monkeypatch):
+def test_e2e_run_on_jpegs_refuses_bad_flags_before_anything_runs(argv, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     bench = _bench_script()
     argv = ["--skip-timm", "--sections", "e2e_run", *argv]
     with pytest.raises(SystemExit) as stopped:
         bench.settings_from(bench.parse_args(argv), argv)
-    assert says in str(stopped.value)
+    (line,) = capsys.readouterr().err.splitlines()  # one line, exit status 2 (scripts/bench.py's refuse)
+    assert stopped.value.code == 2 and line.startswith("error: ") and says in line, line
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 

@@ -93,8 +93,14 @@ def restore(trainer, state: dict[str, Any]) -> tuple[int, float, int]:
 
 
 def find_resume_point(run_dir: Path) -> ResumePoint | None:
-    """The newest readable checkpoint of a run folder to resume from, read whole (record/resume.py)."""
-    return resume.find_resume_point(run_dir, lambda path: resume.checked_training_state(path, load(path)))
+    """The newest readable checkpoint of a run folder to resume from, read whole (record/resume.py) once its pickle
+    was read within bounds (resume.peek_training_state: a crafted one is refused before torch reads it)."""
+
+    def read(path: Path) -> dict[str, Any]:
+        resume.peek_training_state(path)
+        return resume.checked_training_state(path, load(path))
+
+    return resume.find_resume_point(run_dir, read)
 
 
 def set_aside(path: Path) -> Path:

@@ -47,10 +47,14 @@ written before said `digest` and `data`; read_record maps those old names, so ol
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import re
 import shutil
+import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,6 +168,43 @@ def check_output_root(output_root: str | Path, tracking: bool = True) -> None:
         raise ConfigError(f"{wandb_root(root)}, where wandb writes the logs of runtime.output_root={output_root}, "
                           f"cannot be written: {problem}. Make it writable, point runtime.output_root elsewhere, or "
                           "set runtime.tracking.mode=disabled (no wandb log; metrics.csv is still written).")
+
+
+MAX_NPZ_BYTES = 256 << 20  # inflated from predictions.npz: ImageNet's 50,000 images' predictions are about 0.5 MB
+PREDICTIONS_FIX = ("Delete it and its result.json: a relaunch of the run's command resumes at its final checkpoint, "
+                   "only evaluates, and writes both again")
+
+
+def read_npz(path: Path, limit: int = MAX_NPZ_BYTES) -> dict[str, Any]:
+    """The arrays of a numpy .npz file, no more than `limit` bytes inflated (a zip bomb is read no further), each
+    array's header checked against its bytes before numpy allocates it, no Python object unpickled."""
+    from numpy.lib import format as npy
+
+    kind = not_a_file(path)
+    if kind is not None:
+        raise DamagedRecord(path, kind)
+    arrays, left = {}, limit
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                raise ValueError(f"{info.filename[:40]} is no array")
+            with archive.open(info) as handle:
+                data = handle.read(left + 1)
+            left -= len(data)
+            if left < 0:
+                raise DamagedRecord(path, f"inflates to more than {limit >> 20} MB, which no predictions file does",
+                                    PREDICTIONS_FIX)
+            buffer = io.BytesIO(data)
+            version = npy.read_magic(buffer)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"npy format version {version}")
+            read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+            shape, _, dtype = read_header(buffer)
+            if dtype.hasobject or math.prod(shape) * dtype.itemsize != len(data) - buffer.tell():
+                raise ValueError(f"{info.filename[:40]}'s header ({shape}, {dtype}) does not match its bytes")
+            buffer.seek(0)
+            arrays[info.filename[:-4]] = npy.read_array(buffer, allow_pickle=False)
+    return arrays
 
 
 @dataclass(frozen=True)
@@ -293,14 +334,21 @@ class RunDir:
                      temp=self.temp_for(self.predictions))
 
     def read_predictions(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """predictions.npz's arrays and record, or None when the run has none (it finished before runs kept them)."""
-        import numpy as np
-
-        if not self.predictions.is_file():
+        """predictions.npz's arrays and record, or None when the run has none (it finished before runs kept them); a
+        DamagedRecord when it is not what write_predictions writes (read within bounds: read_npz)."""
+        if not self.predictions.exists():
             return None
-        with np.load(self.predictions, allow_pickle=False) as held:
-            arrays = {name: held[name] for name in held.files if name != PREDICTIONS_META}
-            record = json.loads(str(held[PREDICTIONS_META]))
+        try:
+            arrays = read_npz(self.predictions)
+            record = json.loads(str(arrays.pop(PREDICTIONS_META)))
+        except DamagedRecord:
+            raise
+        except (OSError, ValueError, KeyError, EOFError, TypeError, OverflowError, RecursionError, NotImplementedError,
+                zipfile.BadZipFile, zlib.error) as error:
+            raise DamagedRecord(self.predictions, f"not a predictions file ({type(error).__name__}: "
+                                                  f"{str(error)[:80]})", PREDICTIONS_FIX) from None
+        if not isinstance(record, dict):
+            raise DamagedRecord(self.predictions, "not a predictions file (its record is no mapping)", PREDICTIONS_FIX)
         return arrays, record
 
     def read_identity(self) -> dict[str, Any] | None:

@@ -55,15 +55,32 @@ def not_a_file(path: Path) -> str | None:
     return None if stat.S_ISREG(mode) else f"{kind_of(mode)}, not a file"
 
 
-def read_bytes(path: Path) -> bytes:
-    """The bytes of a run folder's file; a DamagedRecord when it is no regular file (a FIFO is never waited on),
-    FileNotFoundError when there is none."""
+MAX_RECORD_BYTES = 16 << 20  # a record of a run folder (JSON, YAML, a lock): each this code writes is a few kB
+
+
+def read_bytes(path: Path, limit: int = MAX_RECORD_BYTES) -> bytes:
+    """The bytes of a run folder's file, at most `limit` of them; a DamagedRecord when it is no regular file (a FIFO
+    is never waited on) or larger, FileNotFoundError when there is none."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
     with os.fdopen(fd, "rb") as handle:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise DamagedRecord(path, f"{kind_of(mode)}, not a file")
-        return handle.read()
+        data = handle.read(limit + 1)  # the size stat gives may change while it is read
+        if len(data) > limit:
+            raise DamagedRecord(path, f"larger than {limit >> 20} MB, which no record this code writes is")
+        return data
+
+
+def read_tail(path: Path, limit: int = 1 << 20) -> str:
+    """The last `limit` bytes of a run folder's text file (a log), decoded with errors replaced."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DamagedRecord(path, f"{kind_of(os.fstat(fd).st_mode)}, not a file")
+        size = os.fstat(fd).st_size
+        handle.seek(max(size - limit, 0))
+        return handle.read(limit).decode(errors="replace")
 
 
 def read_text(path: Path) -> str:
@@ -76,8 +93,11 @@ def read_text(path: Path) -> str:
 
 def read_json(path: Path) -> Any:
     """A run folder's JSON file; a DamagedRecord when it is no regular file or not JSON."""
+    text = read_text(path)
     try:
-        return json.loads(read_text(path))
+        return json.loads(text)
+    except RecursionError:  # json's parser recurses (and stops at Python's limit)
+        raise DamagedRecord(path, "not JSON (brackets nested too deep)") from None
     except ValueError as error:
         if isinstance(error, DamagedRecord):
             raise

@@ -3,7 +3,6 @@ config (file names in record/rundir.py)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from deit_ablate.core.atomic import write_json_atomic
 from deit_ablate.record.rundir import SLURM_JOBS, SWEEP_RECORD
+from deit_ablate.record.runfiles import DamagedRecord, read_json
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -23,9 +23,9 @@ def slurm_jobs_file(runs_root: Path) -> Path:
 
 def read_slurm_jobs(runs_root: Path) -> dict[str, str]:
     """SLURM job id -> run folder name, as the SLURM launcher recorded them (empty without a record)."""
-    try:
-        jobs = json.loads(slurm_jobs_file(runs_root).read_text())
-    except (OSError, ValueError):
+    try:  # bounded, never waiting on a FIFO; a damaged record is no record (the status falls back on progress.json)
+        jobs = read_json(slurm_jobs_file(runs_root))
+    except (OSError, DamagedRecord):
         return {}
     return {str(k): str(v) for k, v in jobs.items()} if isinstance(jobs, dict) else {}
 

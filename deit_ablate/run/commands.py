@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+from deit_ablate.core import ctrl_c
+from deit_ablate.core.ctrl_c import INTERRUPTED, stopped_line
 
 Main = TypeVar("Main", bound=Callable[..., int | None])
 
@@ -32,8 +33,8 @@ def prepare_configs() -> None:
 
 def interrupted(name: str) -> int:
     """Say in one line that `name` stopped on Ctrl-C; the exit status to end with."""
-    print(f"\n{name}: stopped by Ctrl-C; files it had not finished writing keep their previous version",
-          file=sys.stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the line is said once: a second Ctrl-C cannot cut it
+    print(f"\n{stopped_line(name)}", file=sys.stderr)
     return INTERRUPTED
 
 
@@ -45,9 +46,14 @@ def command(name: str) -> Callable[[Main], Main]:
         def run(*args, **kwargs) -> int | None:
             try:
                 prepare_configs()
+                ctrl_c.working()
                 return main(*args, **kwargs)
             except KeyboardInterrupt:
                 return interrupted(name)
+            except BaseException:  # what a Ctrl-C turned into inside a library (omegaconf: an AttributeError)
+                if ctrl_c.was_interrupted():
+                    return interrupted(name)
+                raise
 
         return run  # type: ignore[return-value]
 
@@ -58,6 +64,7 @@ def run_entry(name: str, target: str) -> int:
     """Import and run `target` ("module:function") as command `name`, a Ctrl-C at any moment ending it with one line
     and status 130: during its imports (seconds of torch, timm, wandb), which happen before `command` wraps its main,
     and during the interpreter's exit, where it is ignored (the command's work is done)."""
+    ctrl_c.take_ctrl_c(name)  # the console scripts come here first: before the imports, which take seconds
     try:
         from deit_ablate.core.imports import keep_wandb_out_of_timm
 
@@ -66,6 +73,10 @@ def run_entry(name: str, target: str) -> int:
         status = getattr(importlib.import_module(module), function)()
     except KeyboardInterrupt:
         return interrupted(name)
+    except BaseException:
+        if ctrl_c.was_interrupted():
+            return interrupted(name)
+        raise
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return status or 0
 
@@ -124,6 +135,43 @@ def check_overrides(argv: list[str]) -> None:
             print(f"\nerror: the override {override} is not one Hydra can read ({problem}). A value holding '=', a "
                   "space, a comma, brackets, braces, parentheses or quotes must be quoted for Hydra, inside the "
                   f"shell's own quotes: {quoted(override)}\n", file=sys.stderr)
+            sys.exit(2)
+    check_interpolations(args.overrides)
+
+
+def check_interpolations(overrides: list[str]) -> None:
+    """Each override whose value holds a `${...}` resolves in the composed config; else one line naming the key
+    and the fix (`${HOME}` names a config key: an environment variable is `${oc.env:HOME}`), exit status 2, where
+    Hydra would print OmegaConf's traceback from resolving its run folder. Composes only when a value holds one."""
+    import re
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    from deit_ablate.config.compose import compose_run_config
+
+    keyed = [o for o in overrides if "${" in o.partition("=")[2] and not o.lstrip("+~").startswith("hydra")]
+    if not keyed:
+        return
+    prepare_configs()
+    try:
+        cfg = compose_run_config(overrides)
+    except Exception:  # noqa: BLE001 - any other problem of the overrides: the launch says it as it always does
+        return
+    for override in keyed:
+        key, _, value = override.lstrip("+~").partition("=")
+        try:
+            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except InterpolationResolutionError as error:
+            names = re.findall(r"\$\{([A-Za-z_][\w.]*)\}", value)
+            fix = value
+            for name in names:
+                fix = fix.replace(f"${{{name}}}", f"${{oc.env:{name}}}")
+            advice = (f"for an environment variable write {key}={fix} (quoted for the shell: '{key}={fix}')"
+                      if names else "use ${oc.env:NAME} for an environment variable, or give the value itself")
+            problem = str(error).splitlines()[0]
+            print(f"\nerror: {key}={value} does not resolve: {problem} (a ${{...}} names a key of the config); "
+                  f"{advice}.\n", file=sys.stderr)
             sys.exit(2)
 
 

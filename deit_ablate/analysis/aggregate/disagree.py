@@ -24,7 +24,8 @@ import yaml
 from deit_ablate.config.studies import CONF_DIR, default_choices, preset_choices, studies
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.record.predictions import HEAD_NAMES, HEADS, INDEX, LABELS
-from deit_ablate.record.rundir import DATA, PREDICTIONS, RunDir
+from deit_ablate.record.rundir import DATA, PREDICTIONS, PREDICTIONS_FIX, RunDir
+from deit_ablate.record.runfiles import DamagedRecord, read_text
 
 from .plot import literal
 
@@ -62,8 +63,10 @@ def row_label(run: RunDir) -> str | None:
     group options it changes from the recipe's, `model=cnn_demo`, else the default row, `ablation=baseline`); None
     where the run recorded no choices."""
     try:
-        choices = yaml.safe_load(run.hydra_settings.read_text(encoding="utf-8"))["hydra"]["runtime"]["choices"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        choices = yaml.safe_load(read_text(run.hydra_settings))["hydra"]["runtime"]["choices"]  # bounded, no FIFO
+    except (OSError, DamagedRecord, yaml.YAMLError, KeyError, TypeError, RecursionError):
+        return None
+    if not isinstance(choices, dict):
         return None
     rows = [f"{s.name}={choices[s.name]}" for s in studies() if s.default is None and choices.get(s.name)]
     if rows:
@@ -82,6 +85,11 @@ def load_predictions(run: RunDir, label: str | None = None) -> RunPredictions:
     if held is None:
         raise _missing(run)
     arrays, record = held
+    lengths = {arrays[name].shape for name in (LABELS, INDEX, *HEADS) if name in arrays}
+    if LABELS not in arrays or INDEX not in arrays or len(lengths) != 1 or len(next(iter(lengths))) != 1 \
+            or any(values.dtype.kind not in "iu" for values in arrays.values()):
+        raise DamagedRecord(run.predictions, "not a predictions file (its labels, indices and heads are not integer "
+                                             "arrays of one length)", PREDICTIONS_FIX)
     teacher = (run.read_result() or {}).get("teacher") or {}
     teacher_run = Path(str(teacher["run"])).name if teacher.get("run") else None
     heads = {head: arrays[head].astype(np.int64) for head in HEADS if head in arrays}

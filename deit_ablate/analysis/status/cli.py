@@ -145,8 +145,8 @@ def watch(rows_now: Callable[[], list[RunRow]], where: str, every: float) -> Non
 def main(argv: Sequence[str] | None = None) -> int:
     """Show where every run stands; 2 for a path that is not an output root or a sweep that does not compose."""
     args = parse(sys.argv[1:] if argv is None else argv)
-    overrides = [t for t in args.targets if "=" in t]
-    paths = [t for t in args.targets if "=" not in t]
+    paths = [t for t in args.targets if "=" not in t or Path(t).is_dir()]  # a folder whose path holds `=` too
+    overrides = [t for t in args.targets if t not in paths]
     if len(paths) > 1 or (paths and overrides):
         return fail(f"give one output root or a sweep's overrides, not {' '.join(paths)}: for a sweep under another "
                     "output root add runtime.output_root=<folder> to its overrides.")

@@ -27,7 +27,7 @@ from deit_ablate.analysis.status.slurm import SlurmJob
 from deit_ablate.record.progress import launch_rate, number_problem
 from deit_ablate.record.resume import ACTIONS, LaunchAction
 from deit_ablate.record.rundir import RunDir, read_result
-from deit_ablate.record.runfiles import DamagedRecord
+from deit_ablate.record.runfiles import DamagedRecord, read_tail
 from deit_ablate.record.runlock import describe, read_lock, stale_reason, this_process
 
 STALL_AFTER_S = 600.0  # a held lock with no progress written for this long: stalled (`deit-status --stall-after`)
@@ -81,8 +81,8 @@ def _seconds_since(stamp: str | None) -> float | None:
 def last_error_line(run_dir: RunDir) -> str | None:
     """The last error line of the run's train.log, or None."""
     try:
-        lines = run_dir.log.read_text(errors="replace").splitlines()
-    except OSError:
+        lines = read_tail(run_dir.log).splitlines()  # a log of any size: its last MB
+    except (OSError, DamagedRecord):
         return None
     errors = [line for line in lines if " ERROR " in line]
     return errors[-1].split(": ", 1)[-1] if errors else None

@@ -122,6 +122,8 @@ def _yaml(text: str, path: Path) -> Any:
         return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - a safe loader
     except yaml.YAMLError as error:
         raise DamagedRecord(path, f"not YAML ({str(error).splitlines()[0][:80]})") from None
+    except RecursionError:  # the composer recurses on nested blocks
+        raise DamagedRecord(path, "not YAML (nested too deep)") from None
 
 
 def saved_labels(text: str, path: Path) -> dict[str, Any]:
@@ -148,10 +150,11 @@ def folder_labels(run_dir: RunDir, studies: frozenset[str] | None = None) -> tup
         config = saved_labels(read_text(run_dir.hydra_config), run_dir.hydra_config)
     except FileNotFoundError:
         return UNKNOWN_LABELS
-    if not isinstance(overrides, list):
-        raise DamagedRecord(run_dir.hydra_overrides, f"a {type(overrides).__name__}, not a list of overrides")
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        what = type(overrides).__name__ if not isinstance(overrides, list) else "list holding other than strings"
+        raise DamagedRecord(run_dir.hydra_overrides, f"a {what}, not a list of overrides")
     seed = config.get("seed")
-    return row_label([str(o) for o in overrides], studies), str(config.get("stage", "?")), \
+    return row_label(overrides, studies), str(config.get("stage", "?")), \
         seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
