@@ -14,9 +14,8 @@
           .hydra/overrides.yaml   it without training, never by one that skips it (Hydra writes none: conf/config.yaml
           .hydra/hydra.yaml       hydra.output_subdir); read by teacher.py (a teacher run's model, the command that
                                   relaunches a run) and deit-status (a run's row, stage and seed)
-          .hydra/later-launches.yaml  RunDir.record_launch: each later launch that trains the run (a relaunch, another
-                                  sweep row that shares and resumes it), its time and overrides; the files above stay
-                                  as the first launch wrote them
+          .hydra/later-launches.yaml  RunDir.record_launch: each later launch that trains the run (its time and
+                                  overrides); the files above stay as the first launch wrote them
           train.log               logs.attach_run_log, from the start of run() to its end (rank 0; appended on
           train-rank<N>.log       each launch); the same for rank N > 0
           run.lock                runlock.RunLock, held while a launch trains the run (rank 0; refreshed every
@@ -47,9 +46,7 @@ written before said `digest` and `data`; read_record maps those old names, so ol
 
 from __future__ import annotations
 
-import io
 import json
-import math
 import os
 import re
 import shutil
@@ -62,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from deit_ablate.core.atomic import atomic_write, write_json_atomic, write_text_atomic
 from deit_ablate.core.errors import ConfigError
+from deit_ablate.record import runfiles
 from deit_ablate.record.runfiles import DamagedRecord, folder_problem, not_a_file, read_json, read_json_mapping
 
 if TYPE_CHECKING:  # the aggregator reads run folders without importing omegaconf
@@ -170,41 +168,8 @@ def check_output_root(output_root: str | Path, tracking: bool = True) -> None:
                           "set runtime.tracking.mode=disabled (no wandb log; metrics.csv is still written).")
 
 
-MAX_NPZ_BYTES = 256 << 20  # inflated from predictions.npz: ImageNet's 50,000 images' predictions are about 0.5 MB
 PREDICTIONS_FIX = ("Delete it and its result.json: a relaunch of the run's command resumes at its final checkpoint, "
                    "only evaluates, and writes both again")
-
-
-def read_npz(path: Path, limit: int = MAX_NPZ_BYTES) -> dict[str, Any]:
-    """The arrays of a numpy .npz file, no more than `limit` bytes inflated (a zip bomb is read no further), each
-    array's header checked against its bytes before numpy allocates it, no Python object unpickled."""
-    from numpy.lib import format as npy
-
-    kind = not_a_file(path)
-    if kind is not None:
-        raise DamagedRecord(path, kind)
-    arrays, left = {}, limit
-    with zipfile.ZipFile(path) as archive:
-        for info in archive.infolist():
-            if not info.filename.endswith(".npy"):
-                raise ValueError(f"{info.filename[:40]} is no array")
-            with archive.open(info) as handle:
-                data = handle.read(left + 1)
-            left -= len(data)
-            if left < 0:
-                raise DamagedRecord(path, f"inflates to more than {limit >> 20} MB, which no predictions file does",
-                                    PREDICTIONS_FIX)
-            buffer = io.BytesIO(data)
-            version = npy.read_magic(buffer)
-            if version not in ((1, 0), (2, 0)):
-                raise ValueError(f"npy format version {version}")
-            read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
-            shape, _, dtype = read_header(buffer)
-            if dtype.hasobject or math.prod(shape) * dtype.itemsize != len(data) - buffer.tell():
-                raise ValueError(f"{info.filename[:40]}'s header ({shape}, {dtype}) does not match its bytes")
-            buffer.seek(0)
-            arrays[info.filename[:-4]] = npy.read_array(buffer, allow_pickle=False)
-    return arrays
 
 
 @dataclass(frozen=True)
@@ -339,7 +304,7 @@ class RunDir:
         if not self.predictions.exists():
             return None
         try:
-            arrays = read_npz(self.predictions)
+            arrays = runfiles.read_npz(self.predictions, fix=PREDICTIONS_FIX)
             record = json.loads(str(arrays.pop(PREDICTIONS_META)))
         except DamagedRecord:
             raise
