@@ -52,6 +52,7 @@ TEXT_VALUES: dict[str, list[Any]] = {
     "transfer.init_checkpoint": ["/weights/source.pt"],
     "transfer.optimizer": ["adamw"],
     "data.root": ["/data/elsewhere"],
+    "train.micro_batch": [64],  # a divisor of the demo's global batch of 128 (the schema's 128 has no other)
     "finetune.pretrain_size": [32],  # the demo's pre-training size: any other is refused (validate.py)
 }
 # Mappings: one entry added (a route's override sets are the routes themselves, not keys to flip).
@@ -73,6 +74,7 @@ NOT_FLIPPED = {
     "preset": "the paper preset trains on ImageNet: a launch needs its folder on disk",
     "data.name": "every other dataset needs its files on disk",
     "stage": "the routes are the stages",
+    "train.eval_max_batches": "refused whatever its value (replaced by train.eval_max_images)",
 }
 # Flips that change the identity and nothing built, kept so, and why (each must still split: the test says when one
 # stops, so that it leaves this list).
