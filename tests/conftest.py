@@ -349,3 +349,22 @@ def write_cifar100(root: Path, train_per_class: int = 1) -> None:
                          b"coarse_labels": [label // 5 for label in labels]}, handle)
     with open(folder / CIFAR100_FILES["meta"], "wb") as handle:
         pickle.dump({b"fine_label_names": [f"c{k}".encode() for k in range(100)]}, handle)
+
+
+def lr_trace(cfg: DictConfig, steps_per_epoch: int) -> tuple[float, list[float]]:
+    """(peak lr, the lr of every update) of the stage `cfg` describes, as a run builds and steps it."""
+    import torch
+
+    from deit_ablate.run.assemble import stage_scheduler
+    from deit_ablate.run.stages import stage_recipe
+    from deit_ablate.train.optim import scaled_lr
+
+    recipe = stage_recipe(cfg)
+    peak = scaled_lr(recipe.lr, recipe.global_batch, recipe.lr_base_batch)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    scheduler = stage_scheduler(optimizer, recipe, steps_per_epoch)
+    lrs = []
+    for step in range(1, recipe.epochs * steps_per_epoch + 1):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step_update(step)
+    return peak, lrs

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import lr_trace
 from timm.data import Mixup
 from timm.layers import DropPath
 from torchvision import transforms
@@ -14,7 +15,6 @@ from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.transforms import build_eval_transform, build_train_transform
 from deit_ablate.record.rundir import LAST
-from deit_ablate.run.assemble import stage_scheduler
 from deit_ablate.run.stages import load_pretrained, stage_recipe
 from deit_ablate.run.student import student_model_name
 from deit_ablate.run.validate import plan_batch
@@ -28,16 +28,8 @@ IMAGENET_TRAIN = 1_281_167
 
 
 def _lr_trace(cfg, steps_per_epoch: int) -> tuple[float, list[float]]:
-    """(peak lr, lr at every update) of the stage `cfg` describes, built as run.py builds it."""
-    recipe = stage_recipe(cfg)
-    peak = scaled_lr(recipe.lr, recipe.global_batch, cfg.optimizer.lr_base_batch)
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
-    scheduler = stage_scheduler(optimizer, recipe, steps_per_epoch)
-    lrs = []
-    for step in range(1, recipe.epochs * steps_per_epoch + 1):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        scheduler.step_update(step)
-    return peak, lrs
+    """(peak lr, the lr of every update) of the stage `cfg` describes (conftest.lr_trace)."""
+    return lr_trace(cfg, steps_per_epoch)
 
 
 def test_paper_finetune_is_the_released_command_batch_512_lr_5e6():

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import lr_trace
 from timm.scheduler import CosineLRScheduler, StepLRScheduler
 
 from deit_ablate.config.compose import compose_run_config
 from deit_ablate.record.identity import experiment_digest
-from deit_ablate.run.assemble import stage_scheduler
 from deit_ablate.run.stages import stage_recipe
 from deit_ablate.train.optim import scaled_lr
 from tests.conftest import compose_config
@@ -19,16 +19,8 @@ FINETUNE = ["stage=finetune", "finetune.init_checkpoint=/pretrained.pt"]  # no p
 
 
 def _trace(cfg, steps_per_epoch: int = DEMO_STEPS) -> tuple[float, list[float]]:
-    """(peak lr, the lr of every update) of the stage `cfg` describes, as a run builds and steps it."""
-    recipe = stage_recipe(cfg)
-    peak = scaled_lr(recipe.lr, recipe.global_batch, recipe.lr_base_batch)
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
-    scheduler = stage_scheduler(optimizer, recipe, steps_per_epoch)
-    lrs = []
-    for step in range(1, recipe.epochs * steps_per_epoch + 1):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        scheduler.step_update(step)
-    return peak, lrs
+    """(peak lr, the lr of every update) of the stage `cfg` describes (conftest.lr_trace)."""
+    return lr_trace(cfg, steps_per_epoch)
 
 
 def _released(cfg, scheduler_of, steps_per_epoch: int = DEMO_STEPS) -> list[float]:
