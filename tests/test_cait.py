@@ -396,7 +396,8 @@ def test_the_table_shows_the_texts_numbers_for_36_and_48_blocks_and_talking_head
 
 def _dry_run(proc) -> dict[str, tuple[str, str]]:
     """Each row's run name and plan, from the lines of a dry run."""
-    lines = [line.removeprefix("[dry run] ") for line in proc.stdout.splitlines() if line.startswith("[dry run]")]
+    lines = [line.removeprefix("[dry run] ") for line in proc.stdout.splitlines()
+             if line.startswith("[dry run]") and " computes the same as " not in line]  # a plan line per run
     runs = [(line.split(" ", 1)[0], line.split("): ", 1)[1]) for line in lines]
     return {name.split(",")[0].removeprefix("cait="): (name, plan) for name, plan in runs}
 

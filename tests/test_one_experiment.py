@@ -46,3 +46,34 @@ def test_the_dry_run_names_rows_that_compose_the_same_experiment(tmp_path, data_
     lines = same_computation_lines(plans)
     assert len(lines) == 1 and "computes the same as row deit3=baseline" in lines[0], lines
     assert "the same experiment, composed from other options" in lines[0]
+
+
+def test_a_launch_stopped_while_holding_the_experiment_lock_leaves_the_folder_lock_to_decide(tmp_path):
+    """A launch stopped (SIGSTOP, a debugger) after taking its run folder's lock, before letting go of the experiment's:
+    a second launch of the run goes on to the folder's lock, which names the holder, instead of waiting forever."""
+    import threading
+
+    from deit_ablate.core.distributed import DistInfo
+    from deit_ablate.run.lifecycle import experiment_lock
+
+    run_dir, digest = tmp_path / "runs" / "run", "0123456789"
+    run_dir.mkdir(parents=True)
+    hold = ("import sys, time; from pathlib import Path; from deit_ablate.record.runlock import RunLock; "
+            "[RunLock(Path(p)).try_acquire() for p in sys.argv[1:]]; print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(run_dir.parent / ".experiments" / digest), str(run_dir)],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        (run_dir.parent / ".experiments" / digest).mkdir(parents=True)
+        assert holder.stdout.readline() == "held\n"
+        entered = threading.Event()
+
+        def second_launch() -> None:
+            with experiment_lock(run_dir, digest, DistInfo(), poll_s=0.01):
+                entered.set()
+
+        thread = threading.Thread(target=second_launch, daemon=True)
+        thread.start()
+        assert entered.wait(timeout=10), "the second launch waits on the experiment lock of a launch stopped there"
+    finally:
+        holder.kill()
+        holder.wait()

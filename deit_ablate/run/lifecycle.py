@@ -20,7 +20,7 @@ from deit_ablate.record import checkpoint as ckpt
 from deit_ablate.record.identity import experiment, same_computation, stage_drop
 from deit_ablate.record.resume import LaunchAction, folder_action, previous_result, skip_action
 from deit_ablate.record.rundir import EXPERIMENT_LOCKS, RunDir, wandb_root
-from deit_ablate.record.runlock import RunLock
+from deit_ablate.record.runlock import RunLock, live_holder
 from deit_ablate.record.tracking import Tracker, read_epoch_rows, wandb_logs
 from deit_ablate.run.plan import RunPlan
 from deit_ablate.run.report import wandb_summary
@@ -50,17 +50,19 @@ def acquire_run_lock(run_dir: Path, info: DistInfo, wait: bool, poll_s: float = 
 
 
 @contextlib.contextmanager
-def experiment_lock(runs_root: Path, digest: str, info: DistInfo, poll_s: float = 0.1) -> Iterator[None]:
+def experiment_lock(run_dir: Path, digest: str, info: DistInfo, poll_s: float = 0.1) -> Iterator[None]:
     """Hold the lock of one experiment (rank 0) while a launch picks the folder that holds it and takes that folder's
     lock: two launches of one experiment under two folder names (`deit3=baseline` and `recipe=deit3
     model=vit_base`), started before either made its folder, then train it once, in one folder."""
-    lock, folder = None, runs_root / EXPERIMENT_LOCKS / digest
+    lock, folder = None, run_dir.parent / EXPERIMENT_LOCKS / digest
     while info.is_main and lock is None:  # held for the moment a launch takes its folder's lock
         try:
             folder.mkdir(parents=True, exist_ok=True)
             lock = RunLock(folder)
             if lock.try_acquire() is not None:
                 lock = None
+                if _held_folder(run_dir, digest):  # the folder is chosen: its own lock decides (stop or wait)
+                    break
                 time.sleep(poll_s)
         except FileNotFoundError:  # another launch removed the folder as it let go of it: make it again
             lock = None
@@ -74,6 +76,13 @@ def experiment_lock(runs_root: Path, digest: str, info: DistInfo, poll_s: float 
                     empty.rmdir()
                 except OSError:  # another launch holds it, or gone already
                     break
+
+
+def _held_folder(run_dir: Path, digest: str) -> bool:
+    """Whether a live launch holds the lock of this run's folder or of another folder of its experiment (the holder
+    of the experiment's lock, between taking that lock and letting go of the experiment's, may be stopped there)."""
+    folders = [run_dir, *run_dir.parent.glob(f"*-{digest}")]
+    return any(live_holder(path) is not None for path in folders if path.is_dir())
 
 
 def _started(run_dir: RunDir) -> bool:

@@ -73,7 +73,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     try:
         with StopSignals(info, cfg.runtime.log_interval) as stop, contextlib.ExitStack() as held:
             plan = make_plan(cfg, info)  # from the start of StopSignals: a stop before training says so
-            with experiment_lock(plan.run_dir.path.parent, plan.identity.digest, info):
+            with experiment_lock(plan.run_dir.path, plan.identity.digest, info):
                 plan = experiment_folder(plan, info)
                 held.enter_context(hold_run_folder(plan.run_dir.path, info, plan.settings.runtime.wait_for_lock))
             return _run_locked(plan, info, stop)
