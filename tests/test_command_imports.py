@@ -43,6 +43,14 @@ def test_a_dry_run_loads_torch_and_timm_for_the_launch_check_and_no_wandb(tmp_pa
     assert loaded == ["torch", "torchvision", "timm"], loaded
 
 
+def test_training_loads_neither_the_aggregators_scipy_nor_its_matplotlib(tmp_path, data_cache):
+    """The analysis extra (pyproject.toml) is left out of a GPU node's wheelhouse (issue 53): a run that trains and
+    logs must not need it."""
+    loaded, proc = loaded_by(str(REPO / "train.py"), TINY + ["train.max_steps=2"], tmp_path, data_cache)
+    assert proc.returncode == 0 and "top-1" in proc.stdout, proc.stderr[-3000:]
+    assert {"torch", "timm", "wandb"} <= set(loaded) and not {"scipy", "matplotlib"} & set(loaded), loaded
+
+
 def test_the_skip_of_a_finished_run_loads_no_wandb(tmp_path, data_cache, tiny_run):
     tiny_run.copy_into(tmp_path)  # the skip appends its line to the run's train.log
     loaded, proc = loaded_by(str(REPO / "train.py"), TINY, tmp_path, data_cache)
