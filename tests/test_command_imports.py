@@ -72,3 +72,13 @@ def test_timm_comes_without_wandb_and_wandb_still_imports_after_it():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0 and proc.stdout.split() == ["False", "Settings"], (proc.stdout, proc.stderr[-3000:])
+
+
+def test_an_analysis_command_without_its_extra_says_how_to_install_it(capsys):
+    from deit_ablate.run.commands import ANALYSIS_EXTRA, run_entry
+
+    assert ANALYSIS_EXTRA == ("scipy", "matplotlib")
+    status = run_entry("deit-aggregate", "deit_ablate.analysis.aggregate.cli:main", needs=("no_such_package_53",))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "needs no_such_package_53" in err and "pip install 'deit-ablate[analysis]'" in err

@@ -64,7 +64,7 @@ def test_list_leaves_torch_torchvision_and_the_analysis_extra_out(tmp_path):
 
 @pytest.mark.slow
 def test_wheelhouse_installs_without_an_index_beside_torch(tmp_path, data_cache):
-    """About 10 minutes on the shared 2-core machine (torch and torchvision from pip's cache take most of it): a
+    """About 4 minutes on the shared 2-core machine (torch and torchvision from pip's cache take half of it): a
     wheelhouse of at most 48 MiB installs deit-ablate with --no-index beside the image's torch, trains 2 steps and
     reads them back with deit-status, without the analysis extra; deit-aggregate says how to add it."""
     house, venv, checkout = tmp_path / "house", tmp_path / "venv", tmp_path / "checkout"
