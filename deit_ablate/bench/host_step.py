@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from deit_ablate.bench.env import torch_threads
+from deit_ablate.bench.report import Figure, Report, median
 from deit_ablate.bench.step import StepSetup, build_trainer
 from deit_ablate.core.streams import RunStreams
 
@@ -135,3 +137,49 @@ def alternate(runs: dict[str, Callable[[int], float]], steps: int, pairs: int, w
         for name, run in runs.items():
             ms[name].append(1000 * run(steps) / steps)
     return ms
+
+
+def section(report: Report, command: str, device: torch.device, quick: bool, repeats: int, data_root: str,
+            loader_note: Callable[[str], str], log: Callable[[str], None]) -> None:
+    """The host's share of a step at batch 256 at 224 px on the CPU (bench/py): ours against timm's
+    training-process loop on a stand-in of negligible compute, ms per step in alternating pairs; then the loader
+    alone, one process held to one thread (a worker core), ours against timm's create_transform on JPEGs."""
+    from deit_ablate.bench import pipeline
+
+    batch, size = (16, 224) if quick else (256, 224)
+    steps, pairs = (2, 1) if quick else (10, max(repeats, 5))
+    overrides = host_overrides(data_root, batch, size)
+    setup, run_ours = ours(overrides)
+    extra, run_timm = timms(setup)
+    with torch_threads(1):
+        ms = alternate({"ours": run_ours, "timm": run_timm}, steps, pairs)
+    settings = {"batch": batch, "train_size": size, "steps_per_sample": steps, "torch_threads": 1,
+                "model": "stand-in: deit_tiny of width 48, forward = a 4 x 4 pixel grid into the head",
+                "overrides": overrides}
+    notes = {"ours": "Trainer.train_steps over in-memory uint8 B x H x W x 3 batches: normalise + erasing, Mixup/"
+                     "CutMix, loss, loss sums, logging every 50 steps, AdamW, schedule, progress bar",
+             "timm": "timm's train.py loop with its prefetcher: PrefetchLoader (float, normalise, erasing), forward, "
+                     "SoftTargetCrossEntropy, backward, AdamW, loss.item(), step_update; its Mixup/CutMix is in "
+                     "the workers (FastCollateMixup, drawn once outside the timing)"}
+    for name, samples in ms.items():
+        report.add(Figure("host_step", name, median(samples), "ms/step", report.device["summary"],
+                          f"{command}  (in-process, alternating pairs)", {**settings, "loop": notes[name]}, samples,
+                          extra if name == "timm" else {}))
+    report.compare("host_step", "ours", "timm", target=1.0, lower_is_better=True)
+
+    count = 48 if quick else 256
+    root = pipeline.ensure_jpeg_set(count)
+    loader_overrides = ["resolution=224px", "runtime.num_workers=0", f"data.root={data_root}"]
+    loaders = {}
+    for name in ("ours", "timm_transform"):
+        setup_ = pipeline.loader_setup(loader_overrides)
+        dataset, batch_step = pipeline.jpeg_dataset(root, setup_, whole_timm_transform=name == "timm_transform")
+        loaders[name] = pipeline.our_loader(setup_, dataset, 16 if quick else 32, batch_step, device).one_thread()
+    results = pipeline.alternate_loaders(loaders, 1 if quick else max(repeats, 4), log=log)
+    for name, rows in results.items():
+        samples = [row["images_per_s"] for row in rows]
+        report.add(Figure("loader_per_core", name, median(samples), "images/s", report.device["summary"],
+                          f"{command}  (in-process: one process, one thread, over {count} JPEGs)",
+                          {"images": str(root), "image_size": f"{pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT} JPEG q90",
+                           "train_size": 224, "loader": loader_note(name)}, samples))
+    report.compare("loader_per_core", "ours", "timm_transform", target=1.0)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from deit_ablate.bench.compose import TRAIN_PY, compose_run
-from deit_ablate.bench.env import matmul_rate, matmul_setting, torch_threads
+from deit_ablate.bench.env import matmul_rate, matmul_setting
 from deit_ablate.bench.report import Figure, Report, median
 from deit_ablate.bench.whole_run import JpegRun
 from deit_ablate.data.transforms import TransformSpec
@@ -136,48 +136,9 @@ def section_step(s: Settings, report: Report) -> None:
 
 
 def section_host_step(s: Settings, report: Report) -> None:
-    """The host's share of a step at batch 256 at 224 px on the CPU (bench/host_step.py): ours against timm's
-    training-process loop on a stand-in of negligible compute, ms per step in alternating pairs; then the loader
-    alone, one process held to one thread (a worker core), ours against timm's create_transform on JPEGs."""
-    from deit_ablate.bench import host_step, pipeline
-
-    batch, size = (16, 224) if s.quick else (256, 224)
-    steps, pairs = (2, 1) if s.quick else (10, max(s.repeats, 5))
-    overrides = host_step.host_overrides(builtin_root(s), batch, size)
-    setup, ours = host_step.ours(overrides)
-    extra, timms = host_step.timms(setup)
-    with torch_threads(1):
-        ms = host_step.alternate({"ours": ours, "timm": timms}, steps, pairs)
-    settings = {"batch": batch, "train_size": size, "steps_per_sample": steps, "torch_threads": 1,
-                "model": "stand-in: deit_tiny of width 48, forward = a 4 x 4 pixel grid into the head",
-                "overrides": overrides}
-    notes = {"ours": "Trainer.train_steps over in-memory uint8 B x H x W x 3 batches: normalise + erasing, Mixup/"
-                     "CutMix, loss, loss sums, logging every 50 steps, AdamW, schedule, progress bar",
-             "timm": "timm's train.py loop with its prefetcher: PrefetchLoader (float, normalise, erasing), forward, "
-                     "SoftTargetCrossEntropy, backward, AdamW, loss.item(), step_update; its Mixup/CutMix is in "
-                     "the workers (FastCollateMixup, drawn once outside the timing)"}
-    for name, samples in ms.items():
-        report.add(Figure("host_step", name, median(samples), "ms/step", report.device["summary"],
-                          f"{s.command}  (in-process, alternating pairs)", {**settings, "loop": notes[name]}, samples,
-                          extra if name == "timm" else {}))
-    report.compare("host_step", "ours", "timm", target=1.0, lower_is_better=True)
-
-    count = 48 if s.quick else 256
-    root = pipeline.ensure_jpeg_set(count)
-    loader_overrides = ["resolution=224px", "runtime.num_workers=0", f"data.root={builtin_root(s)}"]
-    loaders = {}
-    for name in ("ours", "timm_transform"):
-        setup_ = pipeline.loader_setup(loader_overrides)
-        dataset, batch_step = pipeline.jpeg_dataset(root, setup_, whole_timm_transform=name == "timm_transform")
-        loaders[name] = pipeline.our_loader(setup_, dataset, 16 if s.quick else 32, batch_step, s.device).one_thread()
-    results = pipeline.alternate_loaders(loaders, 1 if s.quick else max(s.repeats, 4), log=_log)
-    for name, rows in results.items():
-        samples = [row["images_per_s"] for row in rows]
-        report.add(Figure("loader_per_core", name, median(samples), "images/s", report.device["summary"],
-                          f"{s.command}  (in-process: one process, one thread, over {count} JPEGs)",
-                          {"images": str(root), "image_size": f"{pipeline.JPEG_WIDTH}x{pipeline.JPEG_HEIGHT} JPEG q90",
-                           "train_size": 224, "loader": _pipeline_loader_note(name)}, samples))
-    report.compare("loader_per_core", "ours", "timm_transform", target=1.0)
+    """The host's share of a step, ours against timm's loop, and the loader per worker core (bench/host_step.py)."""
+    from deit_ablate.bench import host_step
+    host_step.section(report, s.command, s.device, s.quick, s.repeats, builtin_root(s), _pipeline_loader_note, _log)
 
 
 def section_pipeline(s: Settings, report: Report) -> None:
