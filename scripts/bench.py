@@ -8,7 +8,9 @@
         --run-model deit_small --run-size 224 --run-batch 256 --e2e-epochs 3 --repeats 2   # whole runs on JPEGs
 
 Sections: matmul (dense matmul FLOP/s, the MFU reference: bf16 on GPU, fp32 on CPU), step (Trainer.train_step on
-synthetic on-device batches; images/s, FLOPs/image, MFU; AdamW implementations; --compile), pipeline (our DeiT
+synthetic on-device batches; images/s, FLOPs/image, MFU; AdamW implementations; --compile), host_step (the
+host's ms per step at batch 256 at 224 px on a stand-in network, ours against timm's loop, and the loader per worker
+core, ours against timm's create_transform; docs/host-step.md), pipeline (our DeiT
 train transform + DataLoader on 500x375 JPEGs at 224 px, default vs data.fast_jpeg vs timm's loader), workers
 (per-epoch worker startup, persistent workers on/off), e2e (short real runs of train.py and of timm's train.py,
 alternately: steady images/s, data-wait fraction, compute-only step rate), e2e_run (whole runs of --e2e-epochs

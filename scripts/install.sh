@@ -23,9 +23,10 @@ echo "PyTorch: torch 2.14.1 / torchvision 0.29.1, PyPI's CUDA 13 build (6.5 GB i
 run .venv/bin/python -m pip install --quiet --upgrade pip
 # torch/torchvision before the project, pinned, so pip never resolves a different (multi-GB) build.
 run .venv/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
-# [dali]: NVIDIA DALI for the opt-in data.backend=dali (about 200 MB; runs on the CPU too, so its tests run everywhere)
-# An editable install whose .pth puts the checkout on sys.path (pyproject.toml: package-dir "" = "."), so that
-# hydra_plugins/ is found by Hydra and by SLURM jobs as deit_ablate is.
-run .venv/bin/python -m pip install --quiet -e ".[dev,dali]"
+# [analysis]: the aggregator's scipy and matplotlib; [dali]: NVIDIA DALI for the opt-in data.backend=dali (about
+# 200 MB; runs on the CPU too, so its tests run everywhere). An editable install whose .pth puts the checkout on
+# sys.path (pyproject.toml: package-dir "" = "."), so that hydra_plugins/ is found by Hydra and by SLURM jobs as
+# deit_ablate is.
+run .venv/bin/python -m pip install --quiet -e ".[analysis,dev,dali]"
 [ -n "${DEIT_INSTALL_DRY:-}" ] && exit 0
 echo "deit-ablate installed in .venv ($(.venv/bin/python -c 'import torch, timm; print(f"torch {torch.__version__}, timm {timm.__version__}")'))"

@@ -43,6 +43,14 @@ def test_a_dry_run_loads_torch_and_timm_for_the_launch_check_and_no_wandb(tmp_pa
     assert loaded == ["torch", "torchvision", "timm"], loaded
 
 
+def test_training_loads_neither_the_aggregators_scipy_nor_its_matplotlib(tmp_path, data_cache):
+    """The analysis extra (pyproject.toml) is left out of a GPU node's wheelhouse (issue 53): a run that trains and
+    logs must not need it."""
+    loaded, proc = loaded_by(str(REPO / "train.py"), TINY + ["train.max_steps=2"], tmp_path, data_cache)
+    assert proc.returncode == 0 and "top-1" in proc.stdout, proc.stderr[-3000:]
+    assert {"torch", "timm", "wandb"} <= set(loaded) and not {"scipy", "matplotlib"} & set(loaded), loaded
+
+
 def test_the_skip_of_a_finished_run_loads_no_wandb(tmp_path, data_cache, tiny_run):
     tiny_run.copy_into(tmp_path)  # the skip appends its line to the run's train.log
     loaded, proc = loaded_by(str(REPO / "train.py"), TINY, tmp_path, data_cache)
@@ -64,3 +72,13 @@ def test_timm_comes_without_wandb_and_wandb_still_imports_after_it():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0 and proc.stdout.split() == ["False", "Settings"], (proc.stdout, proc.stderr[-3000:])
+
+
+def test_an_analysis_command_without_its_extra_says_how_to_install_it(capsys):
+    from deit_ablate.run.commands import ANALYSIS_EXTRA, run_entry
+
+    assert ANALYSIS_EXTRA == ("scipy", "matplotlib")
+    status = run_entry("deit-aggregate", "deit_ablate.analysis.aggregate.cli:main", needs=("no_such_package_53",))
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "needs no_such_package_53" in err and "pip install 'deit-ablate[analysis]'" in err

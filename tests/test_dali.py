@@ -16,6 +16,7 @@ from PIL import Image
 from timm.data import auto_augment as timm_aa
 
 from deit_ablate.core.errors import ConfigError
+from deit_ablate.data import dali_augment
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.dali import DALI_PACKAGE, DaliTrainLoader, fill_value, require_dali
 from deit_ablate.data.dali_augment import (
@@ -220,3 +221,46 @@ def test_an_unreadable_image_stops_with_its_name(tmp_path):
     loader = DaliTrainLoader(dataset, list(range(16)), 8, transform_spec(cfg), torch.device("cpu"), threads=1)
     with pytest.raises(ConfigError, match=r"b/3.png cannot be read as an image .*data.backend=pil"):
         _epoch(loader, 0)
+
+
+# The GPU's side of the DALI backend, run on the CPU (docs/testing.md, "Code paths a GPU takes, run on the CPU"):
+# DALI's GPU words never say `cuda`, so the table found them only after issue 53, point 4.
+
+
+class _Node:
+    """Stands in for a DALI DataNode: where it is, and what `.gpu()` makes of it."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def gpu(self) -> _Node:
+        return _Node("gpu")
+
+
+def test_per_sample_arguments_follow_the_images_onto_the_gpu():
+    on_gpu, on_cpu, argument = _Node("gpu"), _Node("cpu"), _Node("cpu")
+    assert dali_augment._like(on_gpu, argument).device == "gpu"  # moved, as DALI's GPU operators need it
+    assert dali_augment._like(on_cpu, argument) is argument
+
+
+def test_the_mixed_decoder_on_a_gpu_and_the_cpus_elsewhere():
+    assert dali_augment.decoder_device(True) == "mixed" and dali_augment.decoder_device(False) == "cpu"
+
+
+def test_a_gpu_loader_builds_the_gpu_graph_and_runs_it_with_the_decoder_stood_in(tiny_train_set, monkeypatch):
+    """A loader for cuda:1 asks for the mixed decoder and DALI's device 1; the two stood in by the CPU's (no GPU
+    here), its epoch is the CPU loader's, pixel for pixel: nothing else of the graph depends on the device."""
+    cfg, dataset = tiny_train_set
+    sampler = build_train_sampler(len(dataset), 3, 1, (0,), 16)
+    spec = transform_spec(cfg)
+    on_gpu = DaliTrainLoader(dataset, sampler, 16, spec, torch.device("cuda", 1), threads=1)  # no CUDA call
+    assert on_gpu.device_id == 1 and on_gpu.graph["gpu"] is True
+    asked: list[bool] = []
+    real = dali_augment.decoder_device
+    monkeypatch.setattr(dali_augment, "decoder_device", lambda gpu: asked.append(gpu) or real(False))
+    on_gpu.device_id = None  # stands in for DALI's GPU device 1
+    gpu_epoch = _epoch(on_gpu, seed=3)
+    assert asked == [True]
+    cpu_epoch = _epoch(DaliTrainLoader(dataset, sampler, 16, spec, torch.device("cpu"), threads=1), seed=3)
+    assert asked == [True, False] and len(gpu_epoch) == len(cpu_epoch) > 0
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(gpu_epoch, cpu_epoch, strict=True))

@@ -303,12 +303,18 @@ def _scopes(node: ast.AST, prefix: str = "") -> list[tuple[int, int, str]]:
     return scopes
 
 
+# A line on a GPU's side: it says `cuda`, or DALI's words for the GPU (a "mixed" or "gpu" device, `.gpu()`, a `gpu`
+# flag), which never say `cuda` (issue 53, point 4).
+GPU_WORDS = re.compile(r'cuda|"mixed"|== "gpu"|\.gpu\(\)|\bgpu"?\s*[:=]')
+
+
 def cuda_functions(package: Path) -> dict[str, list[int]]:
-    """`file:function` (`file:<module>` outside any) of every line of the package that says `cuda`, with the lines."""
+    """`file:function` (`file:<module>` outside any) of every line of the package on a GPU's side (GPU_WORDS), with
+    the lines."""
     found: dict[str, list[int]] = {}
     for path in sorted(package.rglob("*.py")):
         source = path.read_text()
-        lines = [number for number, line in enumerate(source.splitlines(), 1) if "cuda" in line]
+        lines = [number for number, line in enumerate(source.splitlines(), 1) if GPU_WORDS.search(line)]
         if not lines:
             continue
         scopes = _scopes(ast.parse(source))

@@ -59,7 +59,7 @@ def assert_installs_nothing(proc: subprocess.CompletedProcess, tmp_path: Path) -
         "+ false -m venv .venv",
         "+ .venv/bin/python -m pip install --quiet --upgrade pip",
         "+ .venv/bin/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1",
-        "+ .venv/bin/python -m pip install --quiet -e .[dev,dali]",
+        "+ .venv/bin/python -m pip install --quiet -e .[analysis,dev,dali]",
     ], proc.stdout
     assert not (tmp_path / ".venv").exists()
 

@@ -15,7 +15,7 @@ from deit_ablate.bench.report import Figure, Report, median
 from deit_ablate.bench.whole_run import JpegRun
 from deit_ablate.data.transforms import TransformSpec
 
-SECTIONS = ("matmul", "step", "pipeline", "workers", "e2e", "e2e_run", "startup")
+SECTIONS = ("matmul", "step", "host_step", "pipeline", "workers", "e2e", "e2e_run", "startup")
 
 
 @dataclass
@@ -133,6 +133,12 @@ def section_step(s: Settings, report: Report) -> None:
         for name in impls:
             if name != "ours":
                 report.compare("optimizer_step", name, "ours", lower_is_better=True)
+
+
+def section_host_step(s: Settings, report: Report) -> None:
+    """The host's share of a step, ours against timm's loop, and the loader per worker core (bench/host_step.py)."""
+    from deit_ablate.bench import host_step
+    host_step.section(report, s.command, s.device, s.quick, s.repeats, builtin_root(s), _pipeline_loader_note, _log)
 
 
 def section_pipeline(s: Settings, report: Report) -> None:

@@ -122,7 +122,8 @@ class DaliTrainLoader:
         aug = spec.augment
         self.graph = {"size": spec.resolution.train_size, "scale": tuple(aug.scale), "ratio": (3 / 4, 4 / 3),
                       "hflip": aug.hflip, "rand_spec": parse_rand_augment(aug.auto_augment),
-                      "fill_value": fill_value(spec.data.mean), "interpolation": aug.interpolation}
+                      "fill_value": fill_value(spec.data.mean), "interpolation": aug.interpolation,
+                      "gpu": self.device_id is not None}  # the mixed decoder and GPU operators
         self.generator: torch.Generator | None = None  # set per epoch by loader.seed_epoch_data
 
     def __len__(self) -> int:
@@ -135,13 +136,12 @@ class DaliTrainLoader:
         from deit_ablate.data.dali_augment import deit_train_images
 
         source = _EpochBatches(self.dataset.samples, indices, self.batch_size)
-        graph = dict(self.graph, gpu=self.device_id is not None)
 
         @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=self.device_id, seed=seed,
                       enable_conditionals=True, prefetch_queue_depth=2)
         def pipeline():
             encoded, labels = fn.external_source(source=source, num_outputs=2, dtype=[types.UINT8, types.INT64])
-            return deit_train_images(encoded, **graph), labels
+            return deit_train_images(encoded, **self.graph), labels
 
         pipe = pipeline()
         pipe.build()

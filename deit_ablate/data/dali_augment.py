@@ -221,10 +221,15 @@ def rand_augment(images, spec: RandAugmentSpec, fill_value: int, shape):
     return images
 
 
+def decoder_device(gpu: bool) -> str:
+    """DALI's decoder placement: "mixed" (nvJPEG: host bytes in, GPU images out) on a GPU, "cpu" otherwise."""
+    return "mixed" if gpu else "cpu"
+
+
 def deit_train_images(encoded, *, size: int, scale: tuple[float, float], ratio: tuple[float, float], hflip: float,
                       rand_spec: RandAugmentSpec | None, fill_value: int, gpu: bool, interpolation: str = "bicubic"):
     """Decoded, random-resized-cropped (to `size`), flipped and RandAugmented uint8 HWC images."""
-    images = fn.decoders.image_random_crop(encoded, device="mixed" if gpu else "cpu", output_type=types.RGB,
+    images = fn.decoders.image_random_crop(encoded, device=decoder_device(gpu), output_type=types.RGB,
                                            random_area=list(scale), random_aspect_ratio=list(ratio),
                                            num_attempts=10)
     interp = types.INTERP_CUBIC if interpolation == "bicubic" else types.INTERP_LINEAR

@@ -60,11 +60,29 @@ def command(name: str) -> Callable[[Main], Main]:
     return wrap
 
 
-def run_entry(name: str, target: str) -> int:
+# The analysis extra (pyproject.toml): the aggregator's intervals (scipy) and figures (matplotlib). A GPU node's
+# wheelhouse leaves it out (scripts/wheelhouse.sh); training and deit-status never import it.
+ANALYSIS_EXTRA = ("scipy", "matplotlib")
+
+
+def missing_extra(packages: tuple[str, ...]) -> str | None:
+    """The first of `packages` that cannot be imported here, or None (found without importing it)."""
+    import importlib.util
+
+    return next((package for package in packages if importlib.util.find_spec(package) is None), None)
+
+
+def run_entry(name: str, target: str, needs: tuple[str, ...] = ()) -> int:
     """Import and run `target` ("module:function") as command `name`, a Ctrl-C at any moment ending it with one line
     and status 130: during its imports (seconds of torch, timm, wandb), which happen before `command` wraps its main,
-    and during the interpreter's exit, where it is ignored (the command's work is done)."""
+    and during the interpreter's exit, where it is ignored (the command's work is done). A package of `needs` missing
+    (an extra not installed) ends it at once with one line and status 2."""
     ctrl_c.take_ctrl_c(name)  # the console scripts come here first: before the imports, which take seconds
+    missing = missing_extra(needs)
+    if missing:
+        print(f"{name}: needs {missing}, from deit-ablate's analysis extra, which is not installed here; install it "
+              "with `pip install 'deit-ablate[analysis]'` (scripts/install.sh does)", file=sys.stderr)
+        return 2
     try:
         from deit_ablate.core.imports import keep_wandb_out_of_timm
 
@@ -83,7 +101,7 @@ def run_entry(name: str, target: str) -> int:
 
 def deit_aggregate() -> int:
     """The `deit-aggregate` console script (analysis/aggregate/cli.py)."""
-    return run_entry("deit-aggregate", "deit_ablate.analysis.aggregate.cli:main")
+    return run_entry("deit-aggregate", "deit_ablate.analysis.aggregate.cli:main", needs=ANALYSIS_EXTRA)
 
 
 def deit_status() -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from timm.data import Mixup
+from timm.data.mixup import cutmix_bbox_and_lam
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
@@ -166,11 +167,43 @@ def distilled_head_logits(model: nn.Module, images: torch.Tensor) -> tuple[torch
 # --- the criterion of the (mixed) targets ---------------------------------------------------------------
 
 
+class ReusedBufferMixup(Mixup):
+    """timm's Mixup, the same draws and the same pixels, with the batch's reversed copy written into one buffer kept
+    across steps, and CutMix's into its box only. timm's `x.flip(0)` allocates the whole batch every step: at batch
+    256 at 224 px a fresh 154 MB tensor, whose page faults cost more than the flip on the CPU (issue 53, point 2;
+    docs/host-step.md)."""
+
+    _scratch: torch.Tensor | None = None
+
+    def _reversed(self, x: torch.Tensor) -> torch.Tensor:
+        """x's images in reverse order, in the kept buffer."""
+        if self._scratch is None or self._scratch.numel() < x.numel() or self._scratch.dtype != x.dtype or \
+                self._scratch.device != x.device:
+            self._scratch = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+        order = torch.arange(x.shape[0] - 1, -1, -1, device=x.device)
+        return torch.index_select(x, 0, order, out=self._scratch[:x.numel()].view(x.shape))
+
+    def _mix_batch(self, x: torch.Tensor) -> float:
+        lam, use_cutmix = self._params_per_batch()
+        if lam == 1.0:
+            return 1.0
+        if use_cutmix:
+            (yl, yh, xl, xh), lam = cutmix_bbox_and_lam(x.shape, lam, ratio_minmax=self.cutmix_minmax,
+                                                        correct_lam=self.correct_lam)
+            box = x[:, :, yl:yh, xl:xh]
+            box.copy_(self._reversed(box))
+        else:
+            flipped = self._reversed(x).mul_(1.0 - lam)  # before x changes
+            x.mul_(lam).add_(flipped)
+        return lam
+
+
 def build_mixup(mix: MixConfig, num_classes: int) -> Mixup | None:
-    """timm's Mixup with DeiT's Beta alphas and switch probability; None when both alphas are 0."""
+    """timm's Mixup with DeiT's Beta alphas and switch probability (ReusedBufferMixup: the same draws and pixels);
+    None when both alphas are 0."""
     if mix.mixup_alpha <= 0 and mix.cutmix_alpha <= 0:
         return None
-    return Mixup(
+    return ReusedBufferMixup(
         mixup_alpha=mix.mixup_alpha,
         cutmix_alpha=mix.cutmix_alpha,
         prob=mix.prob,
