@@ -19,7 +19,7 @@ def test_the_mixup_of_a_run_is_timms_pixel_for_pixel_with_one_buffer_kept():
     kwargs = dict(mixup_alpha=cfg.mix.mixup_alpha, cutmix_alpha=cfg.mix.cutmix_alpha, prob=cfg.mix.prob,
                   switch_prob=cfg.mix.switch_prob, mode=cfg.mix.mode, label_smoothing=cfg.mix.label_smoothing,
                   num_classes=10)
-    images, labels = torch.rand(8, 3, 24, 24), torch.randint(0, 10, (8,))
+    images, labels = torch.rand(8, 3, 24, 24), torch.arange(8)  # no sample shares its flipped partner's label
     lams = set()
     for seed in range(16):  # Mixup and CutMix both drawn, as np.random decides
         np.random.seed(seed)

@@ -120,3 +120,27 @@ def test_config_errors_are_reported_before_anything_is_submitted(tmp_path, data_
     assert not (runs_root(tmp_path / "outputs") / SUBMITIT).exists()
     after = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, check=True).stdout
     assert not set(after.split()) - set(before.split())  # no new job (an earlier test's may still be ending)
+
+
+def test_two_jobs_of_one_experiment_under_two_names_started_together_train_it_once(tmp_path, data_cache):
+    """`deit3=baseline` and `recipe=deit3 model=vit_base`: one experiment under two folder names, submitted by two
+    sweeps at once as one-task jobs on the two-node partition, both starting before either made its folder. One
+    trains it; the other waits for the holder and finds it finished, in the first's folder (the experiment's lock
+    covers picking and taking the folder)."""
+    one_task = ["hydra/launcher=slurm_8gpu", "hydra.launcher.partition=multi", "hydra.launcher.tasks_per_node=1",
+                "hydra.launcher.gpus_per_node=1", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=20"]
+    args = ["train.max_steps=6", "runtime.wait_for_lock=true", *one_task, *TINY]
+    run_train(["runtime.dry_run=true", *TINY], tmp_path, data_cache)  # the built-in data drawn before the race
+    env = {**os.environ, "DEIT_ABLATE_CACHE": str(data_cache), "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    drivers = [subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", *row, *args], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for row in (["deit3=baseline"], ["recipe=deit3", "model=vit_base"])]
+    outputs = [driver.communicate(timeout=900)[0] for driver in drivers]
+    assert [driver.returncode for driver in drivers] == [0, 0], [out[-2000:] for out in outputs]
+    logs = "\n".join(_rank_logs(tmp_path))
+    folders = [p for p in runs_root(tmp_path / "outputs").iterdir() if p.is_dir() and p.name != SUBMITIT]
+    assert len(folders) == 1, (folders, logs[-3000:])  # the other name's folder, empty, removed
+    result = json.loads(RunDir(folders[0]).result.read_text())
+    assert result["status"] == "finished" and result["steps_done"] == 6
+    assert len(read_offline(wandb_root(tmp_path / "outputs"))) == 1, logs[-3000:]  # trained once
+    assert "already finished" in logs, logs[-3000:]
