@@ -129,10 +129,12 @@ def optimization_built(settings: DictConfig, declared: DictConfig, steps_per_epo
     total = max(recipe.epochs * steps_per_epoch, 1)
     marks = sorted({0, 1, 2, total - 1, *np.linspace(0, total - 1, 41).astype(int).tolist(),
                     *(round(recipe.warmup_epochs * steps_per_epoch) + d for d in (-1, 0, 1))})
-    curve = []
+    curve = []  # (update, the groups' lr) where the lr moves: a flat schedule is one point, wherever sampled
     for step in (m for m in marks if 0 <= m < total):
         scheduler.step_update(num_updates=step)
-        curve.append(tuple(round(g["lr"], 12) for g in optimizer.param_groups))
+        lrs = tuple(round(g["lr"], 12) for g in optimizer.param_groups)
+        if not curve or curve[-1][1] != lrs:
+            curve.append((step, lrs))
     return {"optimizer": type(optimizer).__name__, "groups": digest(groups), "lr": digest(curve),
             "sam_rho": recipe.sam_rho, "train_mode": recipe.train_mode, "clip": settings.optimizer.clip_grad}
 

@@ -28,7 +28,7 @@ from built import differences, run_built
 from deit_ablate.config import schema
 from deit_ablate.config.compose import compose_run_config
 from deit_ablate.config.keys import NOT_EXPERIMENT
-from deit_ablate.config.stage_config import OVERRIDABLE
+from deit_ablate.config.stage_config import NAMED_KEYS, OVERRIDABLE, STAGE_BLOCKS
 from deit_ablate.record.identity import composed_choices, run_identity
 from deit_ablate.run.validate import validate_config
 
@@ -206,26 +206,75 @@ def check_pair(key: str, route: str) -> str | None:
     base, how = ROUTES[route]
     if not reaches(key, how):
         return "skip: the route cannot carry it"
+    assert identity_and_built(base) is not None, f"route {route} is not a valid run"
+    return check_flip(key, base, how, route)
+
+
+def with_companions(key: str, value: Any, how: str) -> list[str]:
+    """The override setting `key` to `value` on the route's way, and the settings it needs beside it."""
+    extra = COMPANIONS.get(key, lambda value: [])(value)
+    return [override(key, value, how), *(item if how == "key" else item.replace("++", f"++{how}.overrides.", 1)
+                                         for item in extra)]
+
+
+def check_flip(key: str, base: list[str], how: str, label: str) -> str | None:
+    """The mismatch of flipping `key` on the run `base` (None: identity and what is built agree), or 'skip: ...'."""
     before = identity_and_built(base)
-    assert before is not None, f"route {route} is not a valid run"
-    companion = COMPANIONS.get(key, lambda value: [])
+    if before is None:
+        return "skip: the run it flips on is refused"
     for value in flips(key):
-        extra = [item if how == "key" else item.replace("++", f"++{how}.overrides.", 1) for item in companion(value)]
-        flipped = [*base, override(key, value, how), *extra]
+        flipped = [*base, *with_companions(key, value, how)]
         after = identity_and_built(flipped)
         if after is None:
             continue
         built = differences(before[1], after[1])
         changed = before[0] != after[0]
         flip = " ".join(flipped[len(base):])
-        if (key, route) in KNOWN_SPLITS:
-            return None if changed and not built else f"{flip} ({route}): no longer a known split: leave KNOWN_SPLITS"
+        if (key, label) in KNOWN_SPLITS:
+            return None if changed and not built else f"{flip} ({label}): no longer a known split: leave KNOWN_SPLITS"
         if changed and not built:
-            return f"{flip} ({route}): the identity changed, nothing built did"
+            return f"{flip} ({label}): the identity changed, nothing built did"
         if built and not changed:
-            return f"{flip} ({route}): the identity stayed, what is built changed at {', '.join(built[:4])}"
+            return f"{flip} ({label}): the identity stayed, what is built changed at {', '.join(built[:4])}"
         return None
     return "skip: no valid other value"
+
+
+def is_switch(key: str) -> bool:
+    """Whether `key` picks among a few ways to compute (a bool, an enum, a text): another key may be read under one
+    of its values only."""
+    kind = schema_leaves()[key][0]
+    args = typing.get_args(kind)
+    inner = next((a for a in args if a is not type(None)), kind) \
+        if typing.get_origin(kind) in (typing.Union, types.UnionType) else kind
+    return inner is bool or (isinstance(inner, type) and issubclass(inner, Enum)) or key in TEXT_VALUES
+
+
+def under_switch(switch: str, key: str) -> bool:
+    """Whether `key` could be read under some values of `switch` only: a key of its group, or a stage block's key
+    that sets one (finetune.warmup_epochs sets optimizer.warmup_epochs, which optimizer.sched=none leaves unread)."""
+    group = switch.split(".")[0]
+    if key == switch:
+        return False
+    if key.split(".")[0] == group:
+        return True
+    return key.split(".")[0] in STAGE_BLOCKS.values() and \
+        NAMED_KEYS.get(key.split(".", 1)[1], "").startswith(f"{group}.")
+
+
+def conditional_pairs() -> list[tuple[str, Any, str]]:
+    """(switch, a value of it, key): every key flipped on a run whose switch of its group takes another value."""
+    keys = [key for key in experiment_keys() if key not in NOT_FLIPPED]
+    return [(switch, value, key) for switch in keys if is_switch(switch) for value in flips(switch)
+            for key in keys if under_switch(switch, key)]
+
+
+def check_conditional(switch: str, value: Any, key: str) -> str | None:
+    """check_flip of `key` on the run (of the stage that reads `key`) whose `switch` is `value`."""
+    stage = key.split(".")[0] if key.split(".")[0] in STAGE_BLOCKS.values() else "pretrain"
+    route = {"pretrain": "pretrain", "finetune": "finetune", "transfer": "transfer_set"}[stage]
+    base = [*ROUTES[route][0], *with_companions(switch, value, "key")]
+    return check_flip(key, base, "key", f"{switch}={override(switch, value, 'key').split('=', 1)[1]}")
 
 
 def all_pairs() -> list[tuple[str, str]]:
@@ -280,6 +329,42 @@ def test_identity_changes_iff_what_is_built_changes_every_key():
     assert not mismatches, "\n".join(mismatches)
     unchecked = sorted(set(experiment_keys()) - checked - set(NOT_FLIPPED))
     assert not unchecked, f"keys no route could flip: {unchecked}"
+
+
+def run_conditional(triples: list[tuple[str, Any, str]]) -> tuple[list[str], int]:
+    """Each (switch, value, key) flip's mismatch, and how many were checked (not skipped)."""
+    mismatches, checked = [], 0
+    for switch, value, key in triples:
+        found = check_conditional(switch, value, key)
+        if found is None:
+            checked += 1
+        elif not found.startswith("skip:"):
+            mismatches.append(f"{key}: {found}")
+    return mismatches, checked
+
+
+def test_a_key_read_under_one_value_of_a_switch_only_is_in_the_identity_then_only_sampled():
+    triples = sorted(conditional_pairs(), key=lambda t: zlib.crc32(f"{t[0]}={t[1]}@{t[2]}".encode()))[:SAMPLE // 2]
+    mismatches, checked = run_conditional(triples)
+    assert not mismatches, "\n".join(mismatches)
+    assert checked >= SAMPLE // 8
+
+
+def test_the_warmup_a_fine_tune_sets_is_unread_under_a_flat_schedule():
+    """optimizer.sched=none trains at the peak throughout: the fine-tune block's warm-up and floor are then unread
+    (before: recorded, a second folder for the same fine-tune)."""
+    triples = [("optimizer.sched", "none", key) for key in ("finetune.warmup_epochs", "finetune.warmup_lr",
+                                                            "finetune.min_lr")]
+    mismatches, checked = run_conditional(triples)
+    assert not mismatches and checked == 3, mismatches
+
+
+@pytest.mark.slow
+def test_a_key_read_under_one_value_of_a_switch_only_is_in_the_identity_then_every_pair():
+    triples = conditional_pairs()
+    mismatches, checked = run_conditional(triples)
+    print(f"{checked} of {len(triples)} (switch, value, key) flips checked")
+    assert not mismatches, "\n".join(mismatches)
 
 
 def test_a_fine_tune_names_the_size_its_pre_training_trains_at():

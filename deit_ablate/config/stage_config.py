@@ -174,6 +174,20 @@ def run_distills(tree: dict[str, Any]) -> bool:
     return any(kind is not None and str(kind) != "none" for kind in kinds)
 
 
+def stage_named_unread(tree: dict[str, Any]) -> list[str]:
+    """The named keys of a stage block (finetune.warmup_epochs, ...) whose setting that stage never reads, by
+    keys.UNREAD evaluated on the stage's own values (a fine-tune's warm-up under optimizer.sched=none)."""
+    composed, out = leaves(tree), []
+    for block in _stage_blocks(tree):
+        node = tree.get(block) or {}
+        named = {target: (key, node[key]) for key, target in NAMED_KEYS.items() if node.get(key) is not None}
+        stage = {**composed, **{target: value for target, (_, value) in named.items()},
+                 **leaves(node.get("overrides") or {})}
+        unread = unread_settings(stage.get)
+        out += [f"{block}.{key}" for target, (key, _) in named.items() if target in unread]
+    return out
+
+
 # What a stage after pre-training never reads, whatever its override set says: SAM wraps the pre-training's optimizer
 # alone (run/stages.py stage_recipe).
 LATER_STAGES_IGNORE = ("optimizer.sam_rho",)

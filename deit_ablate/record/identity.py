@@ -43,7 +43,13 @@ from deit_ablate.config.keys import (
     schema_default,
 )
 from deit_ablate.config.schema import preset_teacher
-from deit_ablate.config.stage_config import is_applied, run_distills, run_unread_settings, stage_sets_read
+from deit_ablate.config.stage_config import (
+    is_applied,
+    run_distills,
+    run_unread_settings,
+    stage_named_unread,
+    stage_sets_read,
+)
 from deit_ablate.config.studies import study_names
 from deit_ablate.record.overrides import (  # noqa: F401 -- their home until every caller imports them there
     STAGE_OVERRIDES,
@@ -153,7 +159,7 @@ def canonical_experiment(tree: dict[str, Any], options: Mapping[str, Any] | None
     out = copy.deepcopy(tree)
     for block, read in stage_sets_read(tree).items():
         out[block]["overrides"] = _nested(read)
-    unread = run_unread_settings(tree)
+    unread = [*run_unread_settings(tree), *stage_named_unread(tree)]
     for dotted in unread:
         *parents, leaf = dotted.split(".")
         node = out
