@@ -12,11 +12,14 @@ from safetensors.torch import save_file
 from timm.data.mixup import mixup_target
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
+from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.run import teacher as teacher_module
+from deit_ablate.run.report import fusion_figures, summarize
 from deit_ablate.train.losses import DistillationLoss, distilled_eval_outputs, distilled_head_logits, fuse_predictions
 from deit_ablate.train.models import resize_pos_embed_state
 from deit_ablate.train.teacher import TeacherLoadError, load_teacher, teacher_forward
+from deit_ablate.train.trainer import evaluate
 from tests.conftest import compose_config
 
 B, K, EPS = 4, 5, 0.1
@@ -251,6 +254,46 @@ def test_fusion_rules_can_disagree() -> None:
     torch.testing.assert_close(swapped["fused"], out["fused_alt"])
     with pytest.raises(ValueError, match="'max' is not a valid FusionRule"):
         fuse_predictions(cls, dist, "max")
+
+
+class _HandHeads(torch.nn.Module):
+    """A stand-in distilled ViT whose 'images' are its two heads' logits: tokens[:, 0] -> head, [:, 1] -> head_dist."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head, self.head_dist = torch.nn.Identity(), torch.nn.Identity()
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        return images
+
+
+def test_evaluation_scores_both_fusions_in_one_pass_as_defined():
+    # Four images, three classes, the heads' logits by hand. Softmax sum (the DeiT paper) and logit mean (the
+    # released code, timm) rank image 0 apart: sure class head vs a distillation head ruling class 0 out.
+    cls = torch.tensor([[10.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    dist = torch.tensor([[-20.0, 3.0, 0.0], [0.0, 1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
+    targets = torch.tensor([0, 1, 0, 1])
+
+    def softmax(row: list[float]) -> list[float]:
+        total = sum(math.exp(v) for v in row)
+        return [math.exp(v) / total for v in row]
+
+    def argmax(row: list[float]) -> int:
+        return max(range(len(row)), key=row.__getitem__)
+
+    by_prob = [argmax([a + b for a, b in zip(softmax(c), softmax(d), strict=True)])
+               for c, d in zip(cls.tolist(), dist.tolist(), strict=True)]
+    by_logit = [argmax([(a + b) / 2 for a, b in zip(c, d, strict=True)])
+                for c, d in zip(cls.tolist(), dist.tolist(), strict=True)]
+    assert (by_prob, by_logit) == ([0, 1, 0, 1], [1, 1, 0, 1])  # the rules disagree on image 0 alone
+    loader = [(torch.stack([cls, dist], dim=1), targets)]
+    for rule, ours, other in (("prob", 100.0, 75.0), ("logit", 75.0, 100.0)):
+        metrics = evaluate(_HandHeads(), loader, DistInfo(), fusion=rule)
+        assert (metrics["top1"], metrics["top1_fused_alt"]) == (ours, other), rule
+        assert (metrics["top1_cls"], metrics["top1_dist"]) == (50.0, 75.0)
+        final = summarize("finished", metrics, {}, ours, 1, 1, 1.0)
+        named = fusion_figures(final, rule)
+        assert (named["fusion"], named["top1_fusion_prob"], named["top1_fusion_logit"]) == (rule, 100.0, 75.0)
 
 
 def tiny_deit(img_size: int = 32, distilled: bool = True) -> torch.nn.Module:

@@ -13,6 +13,9 @@ import torch
 
 from deit_ablate.analysis.aggregate.cells import cell_metric
 from deit_ablate.analysis.aggregate.paper import paper_table
+from deit_ablate.analysis.aggregate.reader import RunInfo
+from deit_ablate.analysis.aggregate.render import render, to_json_dict
+from deit_ablate.analysis.aggregate.table import build_table
 from deit_ablate.config.schema import DistillKind
 from deit_ablate.config.stage_config import stage_config
 from deit_ablate.config.studies import studies
@@ -127,3 +130,39 @@ def test_the_paper_scale_dry_run_plans_every_row_its_teacher_and_fine_tunes(tmp_
         assert rows[row, False] == (f"wait for its teacher run {teacher}" if waits else "train from step 0")
         assert rows[row, True].startswith("wait for its pre-training")
     assert not (tmp_path / "outputs" / "runs").exists() or not any((tmp_path / "outputs" / "runs").iterdir())
+
+
+def test_each_distilled_row_names_its_fusion_and_shows_the_other_beside_it():
+    """Table 5's ⚗ cells compare one fusion with the paper (the softmax sum; the crop row's ↑384, the logit mean)
+    and show the same runs under the other rule; a plain row has neither."""
+    def run(rid: str, row: str, stage: str, seed: int, summary: dict, **config) -> RunInfo:
+        return RunInfo(run_id=rid, config={"preset": "paper", "stage": stage, "seed": seed, "choices": {STUDY: row},
+                                           **config}, summary={"status": "finished", **summary})
+
+    def distilled(fused: float, other: float, **named) -> dict:
+        return {"top1": fused, "top1_fused": fused, "top1_fused_alt": other, "top1_cls": 80.0, "top1_dist": 81.0,
+                **named}
+
+    runs = [run("b0", "deit_b", "pretrain", 0, {"top1": 81.0}),
+            run("bd0", "deit_b_distilled", "pretrain", 0, distilled(83.0, 82.5, fusion="prob")),
+            run("bd1", "deit_b_distilled", "pretrain", 1, distilled(83.4, 82.7, fusion="prob")),
+            # recorded before `fusion` was: the fine-tune's rule is read from its config's finetune.overrides
+            run("crop0", "deit_b_distilled_1000ep_crop_1_0", "finetune", 0, distilled(85.5, 85.3),
+                distill={"fusion": "prob"}, finetune={"overrides": {"distill": {"fusion": "logit"}}})]
+    table = build_table(runs, rows=STUDY)
+    records = {r["key"]: r["cells"] for r in to_json_dict(table)["rows"]}
+    prob = records["deit_b_distilled"]["pretrain"]
+    assert (prob["fusion"], prob["other_fusion"], prob["mean"]) == ("prob", "logit", pytest.approx(83.2))
+    assert prob["other_fusion_mean"] == pytest.approx(82.6)
+    logit = records["deit_b_distilled_1000ep_crop_1_0"]["finetune"]
+    assert (logit["fusion"], logit["other_fusion"], logit["mean"], logit["other_fusion_mean"]) == (
+        "logit", "prob", 85.5, 85.3)
+    assert records["deit_b"]["pretrain"]["fusion"] is None
+    text = render(table, "markdown")
+    assert "| ours pre-train | other fusion |" in text.replace(" @224", "")
+    assert re.search(r"\| deit_b_distilled \| deit_b \| 83\.20 ± 0\.28 \(n=2\) · fused heads · softmax sum \| "
+                     r"82\.60 ± 0\.14 · logit mean \|", text), text
+    assert re.search(r"\| deit_b_distilled_1000ep_crop_1_0 \|.*\| 85\.50 \(n=1\) · fused heads · logit mean \| "
+                     r"85\.30 · softmax sum \|", text), text
+    assert re.search(r"\| deit_b \|  \| 81\.00 \(n=1\) \|  \|", text), text  # no fusion, no other figure
+    assert "Fusion: a ⚗ cell's figure ranks classes" in text

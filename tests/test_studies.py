@@ -80,7 +80,7 @@ def test_the_registry_finds_the_studies_in_the_config_folders():
 def test_the_preset_defaults_come_from_the_config_files():
     assert DEFAULT_CHOICES == {"preset": "demo", "ablation": "baseline", "distill": "none", "mix": "mixup_cutmix",
                                "augment": "randaugment", "optimizer": "adamw", "recipe": "deit",
-                               "transfer_recipe": "deit"}
+                               "transfer_recipe": "deit", "layout": "paper"}
     assert PRESET_CHOICES == {"demo": {"model": "vit_demo", "data": "builtin"},
                               "paper": {"model": "deit_base", "data": "imagenet"}}
 

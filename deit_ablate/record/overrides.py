@@ -19,8 +19,9 @@ TRANSFER_DATA_KEYS = ("data", "data.name", "data.root", "data.num_classes", "dat
                       "data.builtin.classes")
 
 # The overrides a chained teacher run leaves out besides every study row (Table 2's, Table 5's ⚗ rows): the student's
-# distillation and its model's keys (the teacher is conf/model/<chain>.yaml as it stands, with the DeiT recipe).
-CHAIN_DROPPED = ("distill", "model")
+# distillation and its model's keys (the teacher is conf/model/<chain>.yaml as it stands, with the DeiT recipe), and
+# its layout (layout=released is the released DeiT commands' per-GPU batch; a teacher has no such command).
+CHAIN_DROPPED = ("distill", "model", "layout")
 # What a transfer run sets that its source run never had: its study row and recipe, and the rule of that recipe.
 TRANSFER_OVERRIDES = (TRANSFER_ONLY, "transfer_recipe")
 

@@ -51,7 +51,7 @@ from deit_ablate.run.lifecycle import (
 from deit_ablate.run.loop import EpochLoop, Progress, image_folders
 from deit_ablate.run.measure_sharpness import measure_weights
 from deit_ablate.run.plan import RunPlan, make_plan
-from deit_ablate.run.report import print_summary, summarize, wandb_summary
+from deit_ablate.run.report import fusion_figures, print_summary, summarize, wandb_summary
 from deit_ablate.run.stages import changes_line, compared_config, upstream_status
 from deit_ablate.run.teacher import log_teacher, teacher_summary
 from deit_ablate.train.models import architecture, describe_architecture
@@ -255,6 +255,8 @@ def _final_summary(plan: RunPlan, pieces: Pieces, progress: Progress, facts: dic
     final = summarize(progress.status, progress.metrics, progress.ema_metrics, progress.best_top1,
                       progress.epochs_done, trainer.step, progress.seconds)
     final.update(model_name=facts["model_name"], architecture=facts["architecture"])
+    if "top1_fused" in final:  # the stage's rule (a fine-tune's finetune.overrides may set another)
+        final.update(fusion_figures(final, str(plan.settings.distill.fusion)))
     if plan.identity.teacher is not None:
         final["teacher"] = teacher_summary(plan.identity.teacher)
     final["nodes"] = facts["nodes"]

@@ -31,6 +31,13 @@ def summarize(status: str, metrics: dict, ema_metrics: dict, best_top1: float, e
     return final
 
 
+def fusion_figures(final: dict[str, Any], rule: str) -> dict[str, Any]:
+    """A distilled model's top-1 under each fusion rule by name (`top1_fusion_prob`: the DeiT paper's softmax sum,
+    `top1_fusion_logit`: the released code's and timm's logit mean) and the rule its top1_fused ranks by."""
+    other = "logit" if rule == "prob" else "prob"
+    return {"fusion": rule, f"top1_fusion_{rule}": final["top1_fused"], f"top1_fusion_{other}": final["top1_fused_alt"]}
+
+
 def wandb_summary(final: dict[str, Any]) -> dict[str, Any]:
     """The run's summary as wandb keeps it: result.json's `sharpness` record as its three figures
     (`sharpness/lambda_max`, ...), its settings left to result.json."""

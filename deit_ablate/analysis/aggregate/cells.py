@@ -57,6 +57,8 @@ class Cell:
     paper_absent: str = ""  # what the paper column says where the paper's row has no number
     head: str | None = None  # the ⚗ head our figure is (paper.HEADS), where the paper's or --metric names one
     paper_head: str | None = None  # the head the paper's number is, where its numbers file names one
+    fusion: str | None = None  # the rule of a ⚗ cell's fused figure (fusion.py: prob, logit)
+    other_fusion: list[float] = field(default_factory=list)  # the counted runs' top-1 under the other rule
     sharpness: dict[str, list[float]] = field(default_factory=dict)  # figure -> the counted runs' values (sharp.py)
     paper_sharpness: dict[str, float] = field(default_factory=dict)  # figure -> the paper's value
     ci: Interval | None = None  # Welch's 95% interval of Δ over seeds (none: `ci.why`)

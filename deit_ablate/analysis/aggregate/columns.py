@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import sharp, teachers
+from . import fusion, sharp, teachers
 from .cells import Cell, Row, Split, Table
 from .paper import HEADS, STAGE_NAMES
 from .scratch import NOTE as SCRATCH_NOTE
@@ -70,7 +70,7 @@ def ours_text(cell: Cell, digits: int, head: bool = False, count: bool = True) -
         if extra:
             inner += ("; " if inner else "") + ", ".join(extra)
         text = f"{text} ({inner})" if inner else text
-        return f"{text} · {HEADS[cell.head]}" if head and cell.head else text
+        return (f"{text} · {HEADS[cell.head]}" if head and cell.head else text) + fusion.rule_text(cell)
     if state == "missing":
         return "missing"
     counts = {
@@ -130,10 +130,12 @@ def _has_reference(table: Table, stage: str) -> bool:
 def headers(table: Table) -> list[str]:
     """The column headers, in the order of `row_cells`."""
     heads = [table.rows_key] + (["Δ to"] if table.per_row_baselines else [])
+    fused = fusion.stages(table)
     for stage in table.stages:
         sizes = table.stage_sizes.get(stage) or []
         at = f" @{'/'.join(map(str, sizes))}" if sizes else ""
         heads.append(f"ours {STAGE_NAMES[stage]}{at}")
+        heads += [fusion.HEADER] if stage in fused else []
         heads += [f"ours {table.reference}"] if _has_reference(table, stage) else []
         heads += ["Δ"] if table.compared else []
         if table.paper is not None:
@@ -154,9 +156,11 @@ def row_cells(table: Table, row: Row, digits: int) -> list[str]:
     """One row's cell texts, in the order of `headers`."""
     out = [_row_label(row)] + ([row.delta_to if row.delta_to != row.key else ""] if table.per_row_baselines else [])
     count = not table.one_seed  # one seed in every cell: the caption says it once
+    fused = fusion.stages(table)
     for stage in table.stages:
         cell = row.cells[stage]
         out.append(ours_text(cell, digits, head=table.metric == "top1", count=count))  # else the caption's --metric
+        out += [fusion.other_text(cell, digits)] if stage in fused else []
         if _has_reference(table, stage):
             out.append(ours_text(row.reference or Cell(), digits, count=count))
         out += [delta_text(cell, digits)] if table.compared else []
@@ -236,6 +240,7 @@ def footnotes(table: Table) -> list[str]:
     heads = heads_text(table)
     if heads:
         notes.append(heads)
+    notes += [fusion.NOTE] if fusion.stages(table) else []
     if table.splits:
         splits = "; ".join(split_text(s) for s in table.splits)
         notes.append(f"A cell holds runs that differ only in the seed. {splits}.")

@@ -7,7 +7,7 @@ import io
 import json
 from typing import Any
 
-from . import sharp, teachers
+from . import fusion, sharp, teachers
 from .about import fact_lines, facts, headline
 from .cells import Cell, Split, Table
 from .columns import ZERO_MARK, caption, footnotes, headers, row_cells
@@ -36,6 +36,10 @@ CELL_FIELDS = (
     "pooled_std",
     "seeds_needed",
     "seeds_note",
+    "fusion",
+    "other_fusion",
+    "other_fusion_mean",
+    "other_fusion_std",
 )
 def cell_record(cell: Cell) -> dict[str, Any]:
     """A cell as plain values (full precision; None where there is no number)."""
@@ -63,6 +67,7 @@ def cell_record(cell: Cell) -> dict[str, Any]:
         "pooled_std": cell.pooled_std,
         "seeds_needed": cell.seeds_needed,
         "seeds_note": cell.seeds_note,
+        **fusion.record(cell),
         **({"sharpness": sharp.record(cell)} if cell.sharpness else {}),
         "seeds": cell.seeds,
         "run_ids": cell.run_ids,

@@ -8,6 +8,7 @@ from typing import Any
 
 from deit_ablate.config.studies import studies, study_names
 
+from . import fusion
 from .cells import Cell, Row, Split, Table, cell_metric, metric_key
 from .deltas import fill_deltas
 from .paper import STAGES, PaperTable, default_table, paper_table
@@ -182,7 +183,10 @@ class _Filled:
         cell.head = head
         for run in sorted(runs, key=_start, reverse=True):
             value = metric_value(run, key)
-            (self.counted if cell.add(run, value) else self.repeated).append((label, stage, run, value))
+            counted = cell.add(run, value)
+            (self.counted if counted else self.repeated).append((label, stage, run, value))
+            if counted and value is not None and run.status == "finished":
+                fusion.add_run(cell, run, key)
 
 
 Buckets = dict[tuple[str, str], list[RunInfo]]  # (stage, row key) -> runs
