@@ -344,10 +344,10 @@ def run_conditional(triples: list[tuple[str, Any, str]]) -> tuple[list[str], int
 
 
 def test_a_key_read_under_one_value_of_a_switch_only_is_in_the_identity_then_only_sampled():
-    triples = sorted(conditional_pairs(), key=lambda t: zlib.crc32(f"{t[0]}={t[1]}@{t[2]}".encode()))[:SAMPLE // 2]
+    triples = sorted(conditional_pairs(), key=lambda t: zlib.crc32(f"{t[0]}={t[1]}@{t[2]}".encode()))[:SAMPLE // 4]
     mismatches, checked = run_conditional(triples)
     assert not mismatches, "\n".join(mismatches)
-    assert checked >= SAMPLE // 8
+    assert checked >= SAMPLE // 10
 
 
 def test_the_warmup_a_fine_tune_sets_is_unread_under_a_flat_schedule():
