@@ -220,6 +220,13 @@ UNREAD = (
     Unread(("distill.tau", "distill.kl_normalization"), lambda get: str(get("distill.type")) in HARD_KINDS,
            "a hard distillation (distill.type=hard, hard_token) takes the teacher's arg-max label: no temperature, "
            "no KL"),
+    Unread(("distill.tau", "distill.kl_normalization"),
+           lambda get: str(get("distill.type")) not in (NO_DISTILLATION, *HARD_KINDS) and not _on(get, "distill.alpha"),
+           "distill.alpha=0 weighs the teacher's soft term by nothing: its temperature and KL scaling change no loss"),
+    Unread(("transfer.source_stage",), lambda get: bool(get("transfer.init_checkpoint")),
+           "a transfer from transfer.init_checkpoint starts from that file, not from a source run's stage"),
+    Unread(("finetune.pretrain_size",), lambda get: bool(get("finetune.init_checkpoint")),
+           "a fine-tune from finetune.init_checkpoint starts from that file, not from a pre-training run"),
     Unread(("optimizer.momentum",), lambda get: is_adam_like(str(get("optimizer.name"))),
            "an Adam-like optimizer (adam*, lamb) takes betas and eps, not momentum"),
     Unread(("optimizer.betas", "optimizer.eps"), lambda get: not is_adam_like(str(get("optimizer.name"))),
