@@ -13,13 +13,12 @@ import random
 import subprocess
 import sys
 import textwrap
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from deit_ablate.analysis.aggregate.wandb_log import BLOCK_SIZE, CHUNK_HEADER, FIRST, LAST, MIDDLE, encode_log, read_log
+from deit_ablate.analysis.aggregate.wandb_log import encode_log, read_log
 from deit_ablate.record.rundir import RunDir, runs_root, wandb_root
 from tests.conftest import REPO, SharedRun
 
@@ -145,16 +144,14 @@ def far_start(records: list) -> None:
     run_record(records).start_time.seconds = 1 << 62
 
 
-def huge_record(log: Path) -> Path:
-    """A history record of 40 MB appended to the log (FIRST, MIDDLE..., LAST chunks), past the 16 MB a record is read
-    to."""
-    data = bytearray(log.read_bytes())
-    room = BLOCK_SIZE - CHUNK_HEADER.size
-    data += bytes(BLOCK_SIZE - len(data) % BLOCK_SIZE)  # a fresh block: every chunk fills one
-    for kind in (FIRST, *[MIDDLE] * ((40 << 20) // room), LAST):
-        data += CHUNK_HEADER.pack(zlib.crc32(bytes(room), zlib.crc32(bytes([kind]))), room, kind) + bytes(room)
-    log.write_bytes(bytes(data))
-    return log
+def huge_record(v: Victim) -> Path:
+    """A history record of 40 MB (one value) before the log's last one, past the 16 MB a record is read to."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    record = Record()
+    item = record.history.item.add()
+    item.key, item.value_json = "train/blob", json.dumps("x" * (40 << 20))
+    return v.edit(lambda records: records.insert(len(records) - 1, record))
 
 
 def epoch_row_damaged(epoch: str) -> Callable[[Victim], Path]:
@@ -187,7 +184,7 @@ DAMAGE: dict[str, dict[str, Callable[[Victim], Path | None]]] = {
         "not_a_log": lambda v: put(v.log, b"\x00garbage\xff" * 1000),
         "empty": lambda v: put(v.log, b""),
         "oversized_sparse": lambda v: sparse(v.log, HUGE, v.log.read_bytes(), b"tail") or v.log,
-        "a_record_of_40_mb": lambda v: huge_record(v.log),
+        "a_record_of_40_mb": huge_record,
         "above_the_cap": lambda v: sparse(v.log, (4 << 30) + 1, v.log.read_bytes()) or v.log,
         "a_fifo": lambda v: replaced(v.log, "fifo") or v.log,
         "a_folder": lambda v: replaced(v.log, "folder") or v.log,
@@ -311,3 +308,24 @@ def test_a_damaged_file_is_one_warning_and_every_other_run_is_aggregated(kind, c
     if named[case] is not None:
         said = [line for line in lines if f"{named[case]}:" in line]
         assert said, (case, done.stderr[-3000:])
+
+
+def test_a_record_above_the_bound_is_skipped_and_the_records_after_it_are_read(tmp_path):
+    """The framing reads a record of more than MAX_RECORD_BYTES chunk by chunk without gathering it, and goes on with
+    the next record; cut inside such a record, the log ends there."""
+    from deit_ablate.analysis.aggregate.wandb_log import MAX_RECORD_BYTES
+
+    records = [b"a" * 100, bytes(MAX_RECORD_BYTES + 1), b"b" * 70_000, b"c"]
+    blob = encode_log(records)
+    log = put(tmp_path / "run-x.wandb", blob)
+    read = read_log(log)
+    assert read.records == [records[0], *records[2:]] and read.problem is None and read.skipped == [7 + 7 + 100]
+    read = read_log(put(log, blob[: MAX_RECORD_BYTES // 2]))
+    assert read.records == records[:1] and read.problem.startswith("cut inside a multi-block record")
+
+
+def test_a_where_value_nested_too_deep_is_matched_as_text(tmp_path):
+    """`--where seed=[[[...` (100,000 deep) is taken as text, not a RecursionError."""
+    from deit_ablate.analysis.aggregate.select import _typed
+
+    assert _typed("[" * DEEP) == "[" * DEEP

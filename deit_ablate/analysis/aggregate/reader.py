@@ -26,7 +26,7 @@ from deit_ablate.record.rundir import RunDir
 from .find import MAX_LOG_BYTES, Warn, find_run_files, stderr_warn  # noqa: F401 (the reader's names)
 from .run_folder import damage, folders_by_run_id, metrics_rows, plain_name, whole_epoch
 from .values import DamagedLog, key_path, loads
-from .wandb_log import LogRead, iter_log
+from .wandb_log import MAX_RECORD_BYTES, LogRead, iter_log
 
 STATUSES = ("finished", "diverged", "failed", "unfinished")
 API_PREFIX = "wandb://"
@@ -261,6 +261,9 @@ def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | No
     if log.problem:
         warnings.insert(0, f"{path}: {log.problem}; read up to the last complete record "
                            f"({scan.records} records, {log.stopped_at} of {log.size} bytes)")
+    if log.skipped:
+        warnings.insert(0, f"{path}: {len(log.skipped)} record(s) larger than {MAX_RECORD_BYTES >> 20} MB skipped "
+                           f"(the first at byte {log.skipped[0]})")
     if info is None:
         warnings.append(f"{path}: {NO_RUN_RECORD}; run skipped")
     return info, warnings

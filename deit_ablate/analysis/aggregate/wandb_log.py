@@ -15,7 +15,7 @@ import stat
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,6 +36,7 @@ class LogRead:
     problem: str | None = None
     stopped_at: int = 0  # byte offset where reading stopped
     size: int = 0
+    skipped: list[int] = field(default_factory=list)  # where each record above MAX_RECORD_BYTES starts (not read)
 
 
 MAX_RECORD_BYTES = 16 << 20  # one record (a run's config, a history row) is a few kB; a log may hold millions
@@ -63,8 +64,8 @@ def _zeros_to_end(handle: BinaryIO, rest: bytes) -> bool:
 
 
 def iter_log(path: str | Path, log: LogRead) -> Iterator[bytes]:
-    """Each complete record of a wandb log, read a 32 KiB block at a time (no record above MAX_RECORD_BYTES is
-    gathered); what stopped the read is left in `log` (`problem`, `stopped_at`, `size`) when the iteration ends."""
+    """Each complete record of a wandb log, read a 32 KiB block at a time (a record above MAX_RECORD_BYTES is skipped,
+    never gathered); what stopped the read and what was skipped are left in `log` when the iteration ends."""
     with _open_log(Path(path)) as handle:
         log.size = size = os.fstat(handle.fileno()).st_size
         buf = handle.read(BLOCK_SIZE)
@@ -74,7 +75,7 @@ def iter_log(path: str | Path, log: LogRead) -> Iterator[bytes]:
         if buf[:6] != FILE_HEADER[:6]:
             log.problem = "not a wandb transaction log (bad header)"
             return
-        block_at, pos, record_start, parts, gathered = 0, len(FILE_HEADER), len(FILE_HEADER), [], 0
+        block_at, pos, record_start, parts, gathered, inside = 0, len(FILE_HEADER), len(FILE_HEADER), [], 0, False
         hsize = CHUNK_HEADER.size
         while True:
             if pos + hsize > len(buf):  # the block's tail: padding, or the file's end
@@ -103,22 +104,23 @@ def iter_log(path: str | Path, log: LogRead) -> Iterator[bytes]:
             if zlib.crc32(data, _TYPE_CRC[kind]) != crc:
                 log.problem = f"checksum mismatch at byte {at}"
                 break
-            if (kind in (FULL, FIRST)) == bool(parts):
+            if (kind in (FULL, FIRST)) == inside:
                 log.problem = f"chunk out of sequence at byte {at}"
                 break
-            gathered = gathered + length if kind in (MIDDLE, LAST) else length
-            if gathered > MAX_RECORD_BYTES:
-                log.problem = f"a record larger than {MAX_RECORD_BYTES >> 20} MB at byte {record_start}"
+            gathered, pos, inside = (gathered + length if inside else length), end, kind in (FIRST, MIDDLE)
+            if gathered > MAX_RECORD_BYTES:  # skipped, read no further than its chunks
+                if parts:
+                    log.skipped.append(record_start)
                 parts.clear()
-                break
-            pos = end
-            if kind in (FULL, LAST):
-                record, record_start = (b"".join([*parts, data]) if parts else data), block_at + end
+            elif inside:
+                parts.append(data)
+            else:
+                record = b"".join([*parts, data]) if parts else data
                 parts.clear()
                 yield record
-            else:
-                parts.append(data)
-        if parts:
+            if not inside:
+                record_start = block_at + end
+        if inside:
             log.problem = f"cut inside a multi-block record at byte {size}"
         log.stopped_at = record_start if log.problem else size
 
