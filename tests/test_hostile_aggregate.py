@@ -116,13 +116,18 @@ def set_config(key: str, value_json: str) -> Callable[[list], object]:
     return lambda records: setattr(config_item(records, key), "value_json", value_json)
 
 
-def add_summary(key: str, value_json: str) -> Callable[[list], object]:
+def add_summary(key: str | list[str], value_json: str) -> Callable[[list], object]:
+    """A summary record setting `key` (a list: a nested key) to `value_json`, before the log's last record."""
     def change(records: list) -> None:
         from wandb.proto.wandb_internal_pb2 import Record
 
         record = Record()
         item = record.summary.update.add()
-        item.key, item.value_json = key, value_json
+        if isinstance(key, list):
+            item.nested_key.extend(key)
+        else:
+            item.key = key
+        item.value_json = value_json
         records.insert(len(records) - 1, record)
 
     return change
@@ -196,6 +201,7 @@ DAMAGE: dict[str, dict[str, Callable[[Victim], Path | None]]] = {
         "config_key_nested_deep": lambda v: v.edit(deep_key),
         "config_value_of_2_mb": lambda v: v.edit(set_config("augment", json.dumps("x" * (2 << 20)))),
         "summary_nested_deep": lambda v: v.edit(add_summary("top1", "[" * DEEP + "]" * DEEP)),
+        "summary_key_nested_deep": lambda v: v.edit(add_summary(["k"] * DEEP, "1")),
         "start_time_after_year_9999": lambda v: v.edit(far_start),
         "summary_top1_10e400": as_is(add_summary("top1", "1" + "0" * 400)),
         "summary_top1_10e5000": as_is(add_summary("top1", "1" + "0" * 5000)),

@@ -180,13 +180,14 @@ def _scan(records: Iterable[bytes], path: Path, history: bool, warnings: list[st
             if out.epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
                 _keep_epoch(out, _epoch_row(record), len(payload), f"{path}: history record {out.records}", warnings)
         elif kind == "summary":  # the hot loop: most records are summary updates
+            kept = 0
             for item in record.summary.update:
-                key, value = item.key or _summary_path(item), item.value_json
-                out.kept += len(value) - len(summary_items.get(key) or "")
+                key, value = item.key or tuple(item.nested_key), item.value_json
+                kept += len(value) - len(summary_items.get(key) or "")
                 summary_items[key] = value
             for item in record.summary.remove:
-                summary_items[item.key or _summary_path(item)] = None
-            out.keep(0)
+                summary_items[item.key or tuple(item.nested_key)] = None
+            out.keep(kept)
         elif kind == "config":
             out.keep(len(payload))
             _apply_items(out.config, record.config.update, record.config.remove)
@@ -196,14 +197,10 @@ def _scan(records: Iterable[bytes], path: Path, history: bool, warnings: list[st
             out.run.CopyFrom(record.run)
             _apply_items(out.config, out.run.config.update, out.run.config.remove)
             for item in out.run.summary.update:
-                summary_items.setdefault(item.key or _summary_path(item), item.value_json)
+                summary_items.setdefault(item.key or tuple(item.nested_key), item.value_json)
         elif kind == "exit":
             out.exit_code = record.exit.exit_code
     return out
-
-
-def _summary_path(item: Any) -> tuple[str, ...]:
-    return key_path(tuple(item.nested_key))
 
 
 def _run_info(scan: _Scan, path: Path, log: Any) -> RunInfo:
@@ -213,7 +210,7 @@ def _run_info(scan: _Scan, path: Path, log: Any) -> RunInfo:
     summary: dict[str, Any] = {}
     for key, text in scan.summary_items.items():
         if text is not None:
-            _set_path(summary, (key,) if isinstance(key, str) else key, _loads(text))
+            _set_path(summary, (key,) if isinstance(key, str) else key_path(key), _loads(text))
     last: dict[str, Any] = {}
     if scan.last_history is not None:
         record = Record()

@@ -20,6 +20,9 @@ def _parse_int(text: str) -> int | float:
     return int(text) if len(text) <= MAX_INT_DIGITS else float(text)
 
 
+_DECODER = json.JSONDecoder(parse_int=_parse_int)
+
+
 def depth(value: Any) -> int:
     """How deep lists and mappings nest in `value` (a plain value: 0), counted without recursion."""
     deepest, stack = 0, [(value, 0)]
@@ -42,7 +45,7 @@ def loads(text: str) -> Any:
         raise DamagedLog(f"a value of {len(text)} bytes, above the {MAX_VALUE_BYTES >> 20} MB a value is read to")
     deep = DamagedLog(f"a value nested deeper than {MAX_DEPTH} levels")
     try:
-        value = json.loads(text, parse_int=_parse_int)
+        value = _DECODER.decode(text)
     except RecursionError:  # json's parser recurses (and stops at Python's limit)
         raise deep from None
     except ValueError:
