@@ -139,7 +139,8 @@ class _Scan:
     exit_code: int | None = None
     epochs: list[dict[str, Any]] | None = None
     records: int = 0
-    kept: int = 0  # bytes of the config, summary and epoch values kept (bounded: MAX_KEPT_BYTES)
+    kept: int = 0  # bytes of the config and epoch values kept (bounded: MAX_KEPT_BYTES)
+    largest_summary: int = 0  # bytes of the largest summary record: no summary value kept is longer
 
     def keep(self, size: int) -> None:
         """Count `size` more bytes kept; a DamagedLog past MAX_KEPT_BYTES."""
@@ -180,14 +181,14 @@ def _scan(records: Iterable[bytes], path: Path, history: bool, warnings: list[st
             if out.epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
                 _keep_epoch(out, _epoch_row(record), len(payload), f"{path}: history record {out.records}", warnings)
         elif kind == "summary":  # the hot loop: most records are summary updates
-            kept = 0
             for item in record.summary.update:
-                key, value = item.key or tuple(item.nested_key), item.value_json
-                kept += len(value) - len(summary_items.get(key) or "")
-                summary_items[key] = value
+                summary_items[item.key or tuple(item.nested_key)] = item.value_json
             for item in record.summary.remove:
                 summary_items[item.key or tuple(item.nested_key)] = None
-            out.keep(kept)
+            if len(payload) > out.largest_summary:
+                out.largest_summary = len(payload)
+            if len(summary_items) * out.largest_summary > MAX_KEPT_BYTES:  # a bound on the summary's text kept
+                out.keep(MAX_KEPT_BYTES + 1)
         elif kind == "config":
             out.keep(len(payload))
             _apply_items(out.config, record.config.update, record.config.remove)

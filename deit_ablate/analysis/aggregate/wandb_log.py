@@ -26,6 +26,7 @@ FILE_HEADER = struct.pack("<4sHB", b":W&B", 0xBEE1, 0)
 CHUNK_HEADER = struct.Struct("<IHB")
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 _TYPE_CRC = {t: zlib.crc32(bytes([t])) for t in (FULL, FIRST, MIDDLE, LAST)}
+_FULL_CRC = _TYPE_CRC[FULL]
 
 
 @dataclass
@@ -88,12 +89,19 @@ def iter_log(path: str | Path, log: LogRead) -> Iterator[bytes]:
                     break
                 continue
             crc, length, kind = CHUNK_HEADER.unpack_from(buf, pos)
+            end = pos + hsize + length
+            if kind == FULL and not inside and end <= len(buf):  # the common case first: a record in one chunk
+                data = buf[pos + hsize:end]
+                if zlib.crc32(data, _FULL_CRC) == crc:
+                    pos, record_start = end, block_at + end
+                    yield data
+                    continue
             at = block_at + pos
             if kind == 0 and length == 0 and crc == 0:
                 if not _zeros_to_end(handle, buf[pos:]):
                     log.problem = f"zero chunk header followed by data at byte {at}"
                 break
-            start, end = pos + hsize, pos + hsize + length
+            start = pos + hsize
             if end > len(buf) and len(buf) < BLOCK_SIZE:
                 log.problem = f"cut inside a record at byte {block_at + len(buf)} (chunk needs {block_at + end})"
                 break
