@@ -64,17 +64,36 @@ def _zeros_to_end(handle: BinaryIO, rest: bytes) -> bool:
     return True
 
 
+def _header_problem(buf: bytes) -> str | None:
+    """What is wrong with the file header at the start of `buf`, or None."""
+    if len(buf) < len(FILE_HEADER):
+        return f"file is {len(buf)} bytes, shorter than the log header"
+    return "not a wandb transaction log (bad header)" if buf[:6] != FILE_HEADER[:6] else None
+
+
+def _chunk_problem(buf: bytes, pos: int, block_at: int, inside: bool) -> str | None:
+    """What is wrong with the chunk at `pos` of the block read at `block_at` (`inside` a record or not), or None."""
+    crc, length, kind = CHUNK_HEADER.unpack_from(buf, pos)
+    at, start, end = block_at + pos, pos + CHUNK_HEADER.size, pos + CHUNK_HEADER.size + length
+    if end > len(buf) and len(buf) < BLOCK_SIZE:
+        return f"cut inside a record at byte {block_at + len(buf)} (chunk needs {block_at + end})"
+    if end > len(buf) or kind not in _TYPE_CRC:
+        return f"malformed chunk at byte {at}"
+    if zlib.crc32(buf[start:end], _TYPE_CRC[kind]) != crc:
+        return f"checksum mismatch at byte {at}"
+    if (kind in (FULL, FIRST)) == inside:
+        return f"chunk out of sequence at byte {at}"
+    return None
+
+
 def iter_log(path: str | Path, log: LogRead) -> Iterator[bytes]:
     """Each complete record of a wandb log, read a 32 KiB block at a time (a record above MAX_RECORD_BYTES is skipped,
     never gathered); what stopped the read and what was skipped are left in `log` when the iteration ends."""
     with _open_log(Path(path)) as handle:
         log.size = size = os.fstat(handle.fileno()).st_size
         buf = handle.read(BLOCK_SIZE)
-        if len(buf) < len(FILE_HEADER):
-            log.problem = f"file is {len(buf)} bytes, shorter than the log header"
-            return
-        if buf[:6] != FILE_HEADER[:6]:
-            log.problem = "not a wandb transaction log (bad header)"
+        log.problem = _header_problem(buf)
+        if log.problem:
             return
         block_at, pos, record_start, parts, gathered, inside = 0, len(FILE_HEADER), len(FILE_HEADER), [], 0, False
         hsize = CHUNK_HEADER.size
@@ -96,25 +115,14 @@ def iter_log(path: str | Path, log: LogRead) -> Iterator[bytes]:
                     pos, record_start = end, block_at + end
                     yield data
                     continue
-            at = block_at + pos
             if kind == 0 and length == 0 and crc == 0:
                 if not _zeros_to_end(handle, buf[pos:]):
-                    log.problem = f"zero chunk header followed by data at byte {at}"
+                    log.problem = f"zero chunk header followed by data at byte {block_at + pos}"
                 break
-            start = pos + hsize
-            if end > len(buf) and len(buf) < BLOCK_SIZE:
-                log.problem = f"cut inside a record at byte {block_at + len(buf)} (chunk needs {block_at + end})"
+            log.problem = _chunk_problem(buf, pos, block_at, inside)
+            if log.problem:
                 break
-            if end > len(buf) or kind not in _TYPE_CRC:
-                log.problem = f"malformed chunk at byte {at}"
-                break
-            data = buf[start:end]
-            if zlib.crc32(data, _TYPE_CRC[kind]) != crc:
-                log.problem = f"checksum mismatch at byte {at}"
-                break
-            if (kind in (FULL, FIRST)) == inside:
-                log.problem = f"chunk out of sequence at byte {at}"
-                break
+            data = buf[pos + hsize:end]
             gathered, pos, inside = (gathered + length if inside else length), end, kind in (FIRST, MIDDLE)
             if gathered > MAX_RECORD_BYTES:  # skipped, read no further than its chunks
                 if parts:
