@@ -139,6 +139,17 @@ def as_is(change: Callable[[list], object]) -> Callable[[Victim], None]:
     return lambda v: v.edit(change) and None
 
 
+def many_summary_keys(records: list) -> None:
+    """A summary record of 300,000 keys (a few MB that a reader would keep as 300,000 values)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    record = Record()
+    for key in range(300_000):
+        item = record.summary.update.add()
+        item.key, item.value_json = f"k{key}", "1"
+    records.insert(len(records) - 1, record)
+
+
 def deep_key(records: list) -> None:
     item = run_record(records).config.update.add()
     item.nested_key.extend(["k"] * DEEP)
@@ -202,6 +213,7 @@ DAMAGE: dict[str, dict[str, Callable[[Victim], Path | None]]] = {
         "config_value_of_2_mb": lambda v: v.edit(set_config("augment", json.dumps("x" * (2 << 20)))),
         "summary_nested_deep": lambda v: v.edit(add_summary("top1", "[" * DEEP + "]" * DEEP)),
         "summary_key_nested_deep": lambda v: v.edit(add_summary(["k"] * DEEP, "1")),
+        "summary_of_300k_keys": lambda v: v.edit(many_summary_keys),
         "start_time_after_year_9999": lambda v: v.edit(far_start),
         "summary_top1_10e400": as_is(add_summary("top1", "1" + "0" * 400)),
         "summary_top1_10e5000": as_is(add_summary("top1", "1" + "0" * 5000)),

@@ -63,7 +63,7 @@ class RunInfo:
 
 
 MAX_KEPT_BYTES = 256 << 20  # config, summary and epoch values a log's run keeps: a DeiT run's are a few hundred kB
-MAX_EPOCH_ROWS = 1_000_000
+ENTRY_BYTES = 1024  # what each key or row kept counts at least (Python's objects around a short value)
 
 
 def _item_path(item: Any) -> tuple[str, ...]:
@@ -140,13 +140,13 @@ class _Scan:
     epochs: list[dict[str, Any]] | None = None
     records: int = 0
     kept: int = 0  # bytes of the config and epoch values kept (bounded: MAX_KEPT_BYTES)
-    largest_summary: int = 0  # bytes of the largest summary record: no summary value kept is longer
+    largest_summary: int = ENTRY_BYTES  # bytes of the largest summary record (no summary value kept is longer)
 
     def keep(self, size: int) -> None:
         """Count `size` more bytes kept; a DamagedLog past MAX_KEPT_BYTES."""
         self.kept += size
         if self.kept > MAX_KEPT_BYTES:
-            raise DamagedLog(f"its config, summary and epoch values exceed {MAX_KEPT_BYTES >> 20} MB")
+            raise DamagedLog(f"its config, summary and epoch rows would take more than {MAX_KEPT_BYTES >> 20} MB")
 
 
 def _keep_epoch(out: _Scan, row: dict[str, Any] | None, size: int, where: str, warnings: list[str]) -> None:
@@ -157,7 +157,7 @@ def _keep_epoch(out: _Scan, row: dict[str, Any] | None, size: int, where: str, w
         warnings.append(f"{where}: its epoch {str(row['epoch'])[:40]!r} is no whole number; the row skipped")
         return
     out.epochs.append({**row, "epoch": whole_epoch(row["epoch"])})
-    out.keep(size if len(out.epochs) < MAX_EPOCH_ROWS else MAX_KEPT_BYTES)
+    out.keep(max(size, ENTRY_BYTES))
 
 
 def _scan(records: Iterable[bytes], path: Path, history: bool, warnings: list[str]) -> _Scan:
@@ -187,13 +187,13 @@ def _scan(records: Iterable[bytes], path: Path, history: bool, warnings: list[st
                 summary_items[item.key or tuple(item.nested_key)] = None
             if len(payload) > out.largest_summary:
                 out.largest_summary = len(payload)
-            if len(summary_items) * out.largest_summary > MAX_KEPT_BYTES:  # a bound on the summary's text kept
+            if len(summary_items) * out.largest_summary > MAX_KEPT_BYTES:  # a bound on what the summary keeps
                 out.keep(MAX_KEPT_BYTES + 1)
         elif kind == "config":
-            out.keep(len(payload))
+            out.keep(len(payload) + ENTRY_BYTES * len(record.config.update))
             _apply_items(out.config, record.config.update, record.config.remove)
         elif kind == "run":
-            out.keep(len(payload))
+            out.keep(len(payload) + ENTRY_BYTES * len(record.run.config.update))
             out.run = RunRecord()
             out.run.CopyFrom(record.run)
             _apply_items(out.config, out.run.config.update, out.run.config.remove)
