@@ -116,6 +116,19 @@ def set_config(key: str, value_json: str) -> Callable[[list], object]:
     return lambda records: setattr(config_item(records, key), "value_json", value_json)
 
 
+def set_nested(key: str, **values: object) -> Callable[[list], object]:
+    """The config group `key` with `values` set in it."""
+    def change(records: list) -> None:
+        item = config_item(records, key)
+        item.value_json = json.dumps({**json.loads(item.value_json), **values})
+
+    return change
+
+
+def set_model(**values: object) -> Callable[[list], object]:
+    return set_nested("model", **values)
+
+
 def add_summary(key: str | list[str], value_json: str) -> Callable[[list], object]:
     """A summary record setting `key` (a list: a nested key) to `value_json`, before the log's last record."""
     def change(records: list) -> None:
@@ -223,10 +236,15 @@ DAMAGE: dict[str, dict[str, Callable[[Victim], Path | None]]] = {
         "seed_a_dict": as_is(set_config("seed", '{"a": 1}')),
         "seed_10e400": as_is(set_config("seed", "1" + "0" * 400)),
         "run_name_a_path": as_is(set_config("run_name", json.dumps("../../../hostile-good"))),
-        "run_name_a_list": as_is(set_config("run_name", "[1, 2]")),
-        "choices_a_list": as_is(set_config("choices", "[1, 2]")),
-        "model_a_list": as_is(set_config("model", "[1, 2]")),
-        "stage_a_dict": as_is(set_config("stage", '{"a": []}')),
+        "run_name_a_list": lambda v: v.edit(set_config("run_name", "[1, 2]")),
+        "choices_a_list": lambda v: v.edit(set_config("choices", "[1, 2]")),
+        "model_a_list": lambda v: v.edit(set_config("model", "[1, 2]")),
+        "stage_a_dict": lambda v: v.edit(set_config("stage", '{"a": []}')),
+        "distill_a_list": lambda v: v.edit(set_config("distill", "[1, 2]")),
+        "model_name_a_list": lambda v: v.edit(set_model(name=[1])),
+        "model_kwargs_a_text": lambda v: v.edit(set_model(kwargs="x")),
+        "data_fingerprint_digest_a_list": lambda v: v.edit(set_nested("data_fingerprint", digest=[1])),
+        "architecture_params_a_list": as_is(add_summary("architecture", '{"name": "m", "params": [1]}')),
         "epoch_inf": lambda v: epoch_row_damaged("Infinity")(v),
         "epoch_nan": lambda v: epoch_row_damaged("NaN")(v),
         "epoch_a_text": lambda v: epoch_row_damaged('"x"')(v),

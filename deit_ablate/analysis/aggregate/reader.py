@@ -25,6 +25,7 @@ from deit_ablate.record.rundir import RunDir
 
 from .find import MAX_LOG_BYTES, Warn, find_run_files, stderr_warn  # noqa: F401 (the reader's names)
 from .run_folder import damage, folders_by_run_id, metrics_rows, plain_name, whole_epoch
+from .shape import shape_problem
 from .values import DamagedLog, key_path, loads
 from .wandb_log import MAX_RECORD_BYTES, LogRead, iter_log
 
@@ -219,6 +220,9 @@ def _run_info(scan: _Scan, path: Path, log: Any) -> RunInfo:
         for item in record.history.item:
             _set_path(last, _item_path(item), _history_value(item))
     scan.config.pop("_wandb", None)
+    problem = shape_problem(scan.config)
+    if problem:
+        raise DamagedLog(problem)
     run = scan.run
     return RunInfo(
         run_id=run.run_id or path.stem.removeprefix("run-"),
