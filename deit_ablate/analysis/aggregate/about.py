@@ -75,7 +75,7 @@ def built_text(run: RunInfo) -> str:
     """The model as the run built it (`vit_base_patch16_224 (patch 8, width 32, depth 1, heads 2, 0.02 M params)`),
     else its configured timm name; '' when neither is recorded."""
     arch = run.summary.get("architecture")
-    if isinstance(arch, dict) and "params" in arch and "name" in arch:
+    if isinstance(arch, dict) and isinstance(arch.get("params"), (int, float)) and "name" in arch:
         return describe_architecture(arch)
     name = _get(run.config, "model.name")
     return format_value(name) if name is not None else ""

@@ -25,7 +25,7 @@ from .cells import Table
 from .columns import ONE_SEED
 from .paper import STAGE_NAMES
 from .plot import framed_figure, literal
-from .reader import RunInfo, csv_path, is_api_source, read_histories, read_metrics_csv
+from .reader import RunInfo, csv_path, is_api_source, metrics_rows, read_histories, whole_epoch
 from .stats import NO_SPREAD
 
 METRICS_CSV = METRICS
@@ -76,8 +76,9 @@ def load_histories(
     from_logs: list[RunInfo] = []
     for run in runs:
         path = csv_path(run)
-        if path is not None and path.is_file():
-            out[run.run_id] = (read_metrics_csv(path), "csv")
+        rows = metrics_rows(path, lambda message: None) if path is not None else None  # damage: said when read
+        if rows is not None:
+            out[run.run_id] = (rows, "csv")
         elif run.history is not None:
             out[run.run_id] = (run.history, "log")
         elif is_api_source(run.source):
@@ -94,9 +95,10 @@ def epoch_values(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[int,
     """Value per epoch of the first of `keys` the rows have (an epoch logged twice, after a resume: the last)."""
     for key in keys:
         found = {
-            int(r["epoch"]): float(r[key])
+            whole_epoch(r["epoch"]): float(r[key])
             for r in rows
-            if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key])) and r.get("epoch") is not None
+            if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))
+            and whole_epoch(r.get("epoch")) is not None
         }
         if found:
             return found

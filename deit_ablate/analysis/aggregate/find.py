@@ -83,5 +83,8 @@ def find_run_files(path: str | Path, warn: Warn = stderr_warn) -> list[Path]:
     for file in sorted(found):  # `latest-run` is a symlink to a run folder already listed
         if any(part == "latest-run" for part in file.parts):
             continue
-        unique.setdefault(file.resolve(), file)
+        try:
+            unique.setdefault(file.resolve(), file)
+        except (OSError, RuntimeError):  # a symlink loop: _readable says so
+            unique.setdefault(file, file)
     return _readable(sorted(unique.values()), root.resolve(), warn)

@@ -10,8 +10,6 @@ their own history.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 from collections.abc import Iterable
@@ -23,10 +21,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from deit_ablate.record.rundir import RunDir, runs_root
+from deit_ablate.record.rundir import RunDir
 
 from .find import MAX_LOG_BYTES, Warn, find_run_files, stderr_warn  # noqa: F401 (the reader's names)
-from .wandb_log import read_log
+from .run_folder import damage, folders_by_run_id, metrics_rows, plain_name, whole_epoch
+from .shape import shape_problem
+from .values import DamagedLog, key_path, loads
+from .wandb_log import MAX_RECORD_BYTES, LogRead, iter_log
 
 STATUSES = ("finished", "diverged", "failed", "unfinished")
 API_PREFIX = "wandb://"
@@ -62,8 +63,12 @@ class RunInfo:
         return value if value in STATUSES[:3] else "unfinished"
 
 
+MAX_KEPT_BYTES = 256 << 20  # config, summary and epoch values a log's run keeps: a DeiT run's are a few hundred kB
+ENTRY_BYTES = 1024  # what each key or row kept counts at least (Python's objects around a short value)
+
+
 def _item_path(item: Any) -> tuple[str, ...]:
-    return tuple(item.nested_key) if item.nested_key else (item.key,)
+    return key_path(tuple(item.nested_key)) if item.nested_key else (item.key,)
 
 
 def _set_path(target: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
@@ -83,11 +88,7 @@ def _del_path(target: dict[str, Any], path: tuple[str, ...]) -> None:
     target.pop(path[-1], None)
 
 
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return text
+_loads = loads
 
 
 def _history_value(item: Any) -> Any:
@@ -111,7 +112,10 @@ def _apply_items(target: dict[str, Any], update: Iterable[Any], remove: Iterable
 def _timestamp(ts: Any) -> datetime | None:
     if not ts.seconds and not ts.nanos:
         return None
-    return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, tz=timezone.utc)
+    try:
+        return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, tz=timezone.utc)
+    except (OverflowError, ValueError, OSError):  # a time no clock gives (year 10000 and beyond): damaged
+        raise DamagedLog(f"its start time ({ts.seconds} s after 1970) is no date") from None
 
 
 def _epoch_row(record: Any) -> dict[str, Any] | None:
@@ -135,9 +139,29 @@ class _Scan:
     history_rows: int = 0
     exit_code: int | None = None
     epochs: list[dict[str, Any]] | None = None
+    records: int = 0
+    kept: int = 0  # bytes of the config and epoch values kept (bounded: MAX_KEPT_BYTES)
+    largest_summary: int = ENTRY_BYTES  # bytes of the largest summary record (no summary value kept is longer)
+
+    def keep(self, size: int) -> None:
+        """Count `size` more bytes kept; a DamagedLog past MAX_KEPT_BYTES."""
+        self.kept += size
+        if self.kept > MAX_KEPT_BYTES:
+            raise DamagedLog(f"its config, summary and epoch rows would take more than {MAX_KEPT_BYTES >> 20} MB")
 
 
-def _scan(records: list[bytes], path: Path, history: bool, warnings: list[str]) -> _Scan:
+def _keep_epoch(out: _Scan, row: dict[str, Any] | None, size: int, where: str, warnings: list[str]) -> None:
+    """Keep an epoch's evaluation row (of `size` bytes); one whose epoch is no whole number is said and skipped."""
+    if row is None:
+        return
+    if whole_epoch(row["epoch"]) is None:
+        warnings.append(f"{where}: its epoch {str(row['epoch'])[:40]!r} is no whole number; the row skipped")
+        return
+    out.epochs.append({**row, "epoch": whole_epoch(row["epoch"])})
+    out.keep(max(size, ENTRY_BYTES))
+
+
+def _scan(records: Iterable[bytes], path: Path, history: bool, warnings: list[str]) -> _Scan:
     """One pass over the records: config, summary, the last history row (and the per-epoch ones with `history`)."""
     from wandb.proto.wandb_internal_pb2 import Record, RunRecord
 
@@ -145,6 +169,7 @@ def _scan(records: list[bytes], path: Path, history: bool, warnings: list[str]) 
     record = Record()
     summary_items = out.summary_items
     for payload in records:
+        out.records += 1
         try:
             record.ParseFromString(payload)
         except Exception as exc:  # a damaged record inside an intact frame: keep what came before
@@ -155,18 +180,21 @@ def _scan(records: list[bytes], path: Path, history: bool, warnings: list[str]) 
             out.history_rows += 1
             out.last_history = payload
             if out.epochs is not None and b"val" in payload:  # cheap test first: most rows are training steps
-                row = _epoch_row(record)
-                if row is not None:
-                    out.epochs.append(row)
+                _keep_epoch(out, _epoch_row(record), len(payload), f"{path}: history record {out.records}", warnings)
         elif kind == "summary":  # the hot loop: most records are summary updates
             for item in record.summary.update:
-                key = item.key
-                summary_items[key or tuple(item.nested_key)] = item.value_json
+                summary_items[item.key or tuple(item.nested_key)] = item.value_json
             for item in record.summary.remove:
                 summary_items[item.key or tuple(item.nested_key)] = None
+            if len(payload) > out.largest_summary:
+                out.largest_summary = len(payload)
+            if len(summary_items) * out.largest_summary > MAX_KEPT_BYTES:  # a bound on what the summary keeps
+                out.keep(MAX_KEPT_BYTES + 1)
         elif kind == "config":
+            out.keep(len(payload) + ENTRY_BYTES * len(record.config.update))
             _apply_items(out.config, record.config.update, record.config.remove)
         elif kind == "run":
+            out.keep(len(payload) + ENTRY_BYTES * len(record.run.config.update))
             out.run = RunRecord()
             out.run.CopyFrom(record.run)
             _apply_items(out.config, out.run.config.update, out.run.config.remove)
@@ -184,7 +212,7 @@ def _run_info(scan: _Scan, path: Path, log: Any) -> RunInfo:
     summary: dict[str, Any] = {}
     for key, text in scan.summary_items.items():
         if text is not None:
-            _set_path(summary, (key,) if isinstance(key, str) else key, _loads(text))
+            _set_path(summary, (key,) if isinstance(key, str) else key_path(key), _loads(text))
     last: dict[str, Any] = {}
     if scan.last_history is not None:
         record = Record()
@@ -192,6 +220,9 @@ def _run_info(scan: _Scan, path: Path, log: Any) -> RunInfo:
         for item in record.history.item:
             _set_path(last, _item_path(item), _history_value(item))
     scan.config.pop("_wandb", None)
+    problem = shape_problem(scan.config)
+    if problem:
+        raise DamagedLog(problem)
     run = scan.run
     return RunInfo(
         run_id=run.run_id or path.stem.removeprefix("run-"),
@@ -214,26 +245,30 @@ def _run_info(scan: _Scan, path: Path, log: Any) -> RunInfo:
 
 
 def read_run_file(path: str | Path, history: bool = False) -> tuple[RunInfo | None, list[str]]:
-    """Parse one `run-*.wandb` file with wandb's protobuf `Record`; return the run and any warnings.
+    """Parse one `run-*.wandb` file with wandb's protobuf `Record`; return the run and any warnings (a log that is
+    not a run's: None, and the one line saying why).
 
     With `history`, the per-epoch evaluation rows are kept too (`RunInfo.history`, for curves).
     """
     path = Path(path)
     warnings: list[str] = []
+    log = LogRead([])
     try:
-        log = read_log(path)
+        scan = _scan(iter_log(path, log), path, history, warnings)
+        info = _run_info(scan, path, log) if scan.run is not None else None
     except OSError as exc:  # removed or unreadable between listing and reading
         return None, [f"{path}: cannot read ({exc.strerror or exc}); run skipped"]
+    except ValueError as exc:  # no log file, or a DamagedLog: what its records hold is no run's
+        return None, [*warnings, f"{path}: {exc}; run skipped"]
     if log.problem:
-        warnings.append(
-            f"{path}: {log.problem}; read up to the last complete record "
-            f"({len(log.records)} records, {log.stopped_at} of {log.size} bytes)"
-        )
-    scan = _scan(log.records, path, history, warnings)
-    if scan.run is None:
+        warnings.insert(0, f"{path}: {log.problem}; read up to the last complete record "
+                           f"({scan.records} records, {log.stopped_at} of {log.size} bytes)")
+    if log.skipped:
+        warnings.insert(0, f"{path}: {len(log.skipped)} record(s) larger than {MAX_RECORD_BYTES >> 20} MB skipped "
+                           f"(the first at byte {log.skipped[0]})")
+    if info is None:
         warnings.append(f"{path}: {NO_RUN_RECORD}; run skipped")
-        return None, warnings
-    return _run_info(scan, path, log), warnings
+    return info, warnings
 
 
 def _read_many(files: list[Path], jobs: int, history: bool = False) -> list[tuple[RunInfo | None, list[str]]]:
@@ -256,60 +291,37 @@ def read_histories(files: list[Path], jobs: int | None = None) -> list[list[dict
 
 def csv_path(run: RunInfo) -> Path | None:
     """Where the run folder's metrics.csv sits for an offline log in `<output_root>/wandb/<folder>/`."""
-    name = run.config.get("run_name")
+    name = plain_name(run.config.get("run_name"))
     if is_api_source(run.source) or not name or not run.source:
         return None
     parents = Path(run.source).parents
-    return RunDir.under(parents[2], str(name)).metrics if len(parents) > 2 else None
+    return RunDir.under(parents[2], name).metrics if len(parents) > 2 else None
 
 
-def _csv_number(text: str) -> Any:
-    try:
-        return float(text) if text != "" else None
-    except ValueError:
-        return text
-
-
-def read_metrics_csv(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.csv, numbers as floats (`epoch` as int)."""
-    with path.open(newline="") as f:
-        rows = [{k: _csv_number(v) for k, v in row.items()} for row in csv.DictReader(f)]
-    return [{**r, "epoch": int(r["epoch"])} for r in rows if isinstance(r.get("epoch"), float)]
-
-
-def _history_from_run_folder(run: RunInfo) -> None:
-    """Take the run's per-epoch rows from its run folder's metrics.csv, when it is there (the source of truth)."""
+def _history_from_run_folder(run: RunInfo, warn: Warn) -> None:
+    """Take the run's per-epoch rows from its run folder's metrics.csv, when it is there (the source of truth); a
+    damaged one is said through `warn` and the log's own rows stay."""
     path = csv_path(run)
-    if path is None or not path.is_file():
-        return
-    try:
-        run.history = read_metrics_csv(path)
-    except (OSError, ValueError, csv.Error):  # unreadable: the log's own rows stay
-        pass
+    rows = metrics_rows(path, warn) if path is not None else None
+    if rows is not None:
+        run.history = rows
 
 
-def _run_from_its_folder(path: Path, history: bool) -> RunInfo | None:
+def _run_from_its_folder(path: Path, history: bool, folders: dict[str, RunDir], warn: Warn) -> RunInfo | None:
     """The run of a log cut before its run record (a launch killed within a second of starting wandb), as its run
-    folder records it (identity.json, result.json, metrics.csv), found under the log's output root by its run id."""
-    run_id, parents = path.stem.removeprefix("run-"), path.parents
-    root = runs_root(parents[2]) if len(parents) > 2 else None
-    if root is None or not root.is_dir():
+    folder records it (result.json; metrics.csv with `history`), found in `folders` by the run id in the log's name;
+    a damaged result.json is said through `warn`."""
+    run_id = path.stem.removeprefix("run-")
+    run = folders.get(run_id)
+    if run is None:
         return None
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        run = RunDir(folder)
-        try:
-            identity = run.read_identity() or {}
-            if identity.get("run_id") != run_id:
-                continue
-            summary = run.read_summary()
-        except (OSError, ValueError):  # unreadable or damaged: not this run's record
-            continue
-        info = RunInfo(run_id=run_id, name=str(identity.get("name", "")), config={"run_name": identity.get("name")},
-                       summary=summary, source=str(path), problem=NO_RUN_RECORD)
-        if history:
-            info.history = read_metrics_csv(run.metrics) if run.metrics.is_file() else []
-        return info
-    return None
+    try:
+        summary = run.read_summary()
+    except (OSError, ValueError) as error:
+        warn(f"{run.result}: {damage(error)}; the run of {path} skipped")
+        return None
+    return RunInfo(run_id=run_id, name=run.name, config={"run_name": run.name}, summary=summary, source=str(path),
+                   problem=NO_RUN_RECORD, history=[] if history else None)
 
 
 def read_offline(
@@ -321,9 +333,13 @@ def read_offline(
     if jobs is None:
         jobs = min(4, os.cpu_count() or 1)
     runs: list[RunInfo] = []
+    folders: dict[Path, dict[str, RunDir]] = {}  # by output root, read when a log needs it
     for file, (info, warnings) in zip(files, _read_many(files, jobs, history), strict=True):
-        if info is None and any(NO_RUN_RECORD in message for message in warnings):
-            info = _run_from_its_folder(file, history)
+        if info is None and any(NO_RUN_RECORD in message for message in warnings) and len(file.parents) > 2:
+            root = file.parents[2]
+            if root not in folders:
+                folders[root] = folders_by_run_id(root, warn)
+            info = _run_from_its_folder(file, history, folders[root], warn)
             if info is not None:
                 warnings = [f"{file}: {NO_RUN_RECORD}; the run read from its run folder" if NO_RUN_RECORD in m
                             else m for m in warnings]
@@ -331,7 +347,7 @@ def read_offline(
             warn(message)
         if info is not None:
             if history:
-                _history_from_run_folder(info)
+                _history_from_run_folder(info, warn)
             runs.append(info)
     return runs
 
@@ -350,5 +366,8 @@ def metric_value(run: RunInfo, key: str) -> float | None:
             value = value.get(part) if isinstance(value, dict) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer too long for a float (a result.json's 10**400)
+        return None
     return value if math.isfinite(value) else None

@@ -138,7 +138,7 @@ class RunFilter:
 def _typed(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: brackets nested too deep for json's parser
         return text
 
 
