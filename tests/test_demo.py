@@ -11,6 +11,7 @@ from tests.conftest import run_train
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the demo as a user runs it, on both cores: beside another test it runs several times slower
 def test_default_demo_learns_well_above_chance(tmp_path, data_cache):
     proc = run_train([], tmp_path, data_cache, extra_env={"OMP_NUM_THREADS": "2"}, timeout=900)
     run_dir = next((runs_root(tmp_path / "outputs")).glob("default-*"))
