@@ -18,8 +18,8 @@ OTHER = {"prob": "logit", "logit": "prob"}
 HEADER = "other fusion"
 NOTE = ("Fusion: a ⚗ cell's figure ranks classes by its two heads fused by the rule named after it, the one it "
         "compares with the paper: softmax sum (the DeiT paper's: the heads' softmax outputs added) or logit mean "
-        "(the released code's and timm's evaluation; the ↑384 85.42 of CaiT's text). `other fusion` is the same "
-        "runs' top-1 under the other rule, from the same evaluation pass (summary top1_fused_alt).")
+        "(the released code's and timm's evaluation; the ↑384 85.42 of CaiT's text). `other fusion` is the top-1 of "
+        "the same runs under the other rule, from the same evaluation pass (summary top1_fused_alt).")
 
 
 def run_fusion(run: RunInfo, key: str) -> tuple[str, float] | None:
@@ -56,7 +56,7 @@ def add_run(cell: Cell, run: RunInfo, key: str) -> None:
     if found is None:
         return
     rule, other = found
-    cell.fusion = rule if cell.fusion in (None, rule) else "mixed"
+    cell.fusion = rule if cell.fusion in (None, rule) else "either rule"  # runs of both: no other figure is shown
     cell.other_fusion.append(other)
 
 
