@@ -8,6 +8,7 @@ import itertools
 import math
 import os
 import signal
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -280,10 +281,14 @@ def dead_workers() -> list[tuple[int, str]]:
     return dead
 
 
-def describe_lost_worker(error: BaseException) -> str | None:
+def describe_lost_worker(error: BaseException, wait_s: float = 2.0) -> str | None:
     """`a loader worker (pid N) was killed by SIGKILL` for a worker's death that `error` (lost_worker) carries, from
-    the workers themselves, else torch's message; None when no worker died (another connection error)."""
-    dead = dead_workers()
+    the workers themselves, else torch's message; None when no worker died (another connection error). A killed
+    worker's sockets close before it can be reaped, so its death is awaited for up to `wait_s`."""
+    dead, deadline = dead_workers(), time.monotonic() + wait_s
+    while not dead and time.monotonic() < deadline:
+        time.sleep(0.02)
+        dead = dead_workers()
     if dead:
         ends = [f"(pid {pid}) was killed by {how}" if how.startswith("SIG") else f"(pid {pid}) ended with {how}"
                 for pid, how in dead]
