@@ -99,7 +99,7 @@ ROUTES: dict[str, tuple[list[str], str]] = {
                                  "++finetune.overrides.distill.alpha=0.5",
                                  f"distill.teacher.checkpoint={TEACHERS / 'teacher.pt'}"], "key"),
 }
-SAMPLE = 40  # (key, route) pairs in the default suite
+SAMPLE = 30  # (key, route) pairs in the default suite
 
 
 def schema_leaves(node: type = schema.Config, prefix: str = "") -> dict[str, tuple[Any, Any, Any]]:
