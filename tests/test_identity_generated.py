@@ -191,7 +191,18 @@ def write_teachers() -> None:
 
 def identity_and_built(overrides: list[str]) -> tuple[str, dict[str, Any]] | None:
     """The run's identity digest and what it builds; None when the launch would refuse the config or a run it starts
-    from could not be built (a flip the pre-training of a fine-tune cannot take)."""
+    from could not be built (a flip the pre-training of a fine-tune cannot take). Kept per overrides: a route's run
+    is the base of every flip on it."""
+    key = tuple(overrides)
+    if key not in _BUILT:
+        _BUILT[key] = _identity_and_built(list(overrides))
+    return _BUILT[key]
+
+
+_BUILT: dict[tuple[str, ...], tuple[str, dict[str, Any]] | None] = {}
+
+
+def _identity_and_built(overrides: list[str]) -> tuple[str, dict[str, Any]] | None:
     try:
         cfg = compose_run_config(overrides)
         validate_config(cfg)
