@@ -180,11 +180,9 @@ def stage_named_unread(tree: dict[str, Any]) -> list[str]:
     composed, out = leaves(tree), []
     for block in _stage_blocks(tree):
         node = tree.get(block) or {}
-        named = {target: (key, node[key]) for key, target in NAMED_KEYS.items() if node.get(key) is not None}
-        stage = {**composed, **{target: value for target, (_, value) in named.items()},
-                 **leaves(node.get("overrides") or {})}
-        unread = unread_settings(stage.get)
-        out += [f"{block}.{key}" for target, (key, _) in named.items() if target in unread]
+        unread = unread_settings({**composed, **_block_settings(node)}.get)
+        out += [f"{block}.{key}" for key, target in NAMED_KEYS.items()
+                if node.get(key) is not None and target in unread]
     return out
 
 
@@ -205,8 +203,7 @@ def stage_sets_read(tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
         entries = leaves(node.get("overrides") or {})
         if not entries:
             continue
-        named = {target: node[key] for key, target in NAMED_KEYS.items() if node.get(key) is not None}
-        stage = {**composed, **named, **entries}
+        stage = {**composed, **_block_settings(node)}
         unread = unread_settings(stage.get)
         ignored = [*LATER_STAGES_IGNORE]
         if block == STAGE_BLOCKS[str(Stage.transfer)]:  # a transfer distils from no teacher (run/stages.py)

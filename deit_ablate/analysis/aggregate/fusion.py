@@ -70,21 +70,23 @@ def rule_text(cell: Cell) -> str:
     return f" · {NAMES.get(cell.fusion, cell.fusion)}" if cell.fusion else ""
 
 
+def _spread(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and standard deviation of the other rule's figures (None where there are too few)."""
+    return (statistics.fmean(values) if values else None, statistics.stdev(values) if len(values) >= 2 else None)
+
+
 def other_text(cell: Cell, digits: int) -> str:
     """The other rule's mean ± std and its name, '' where the cell has no fused figure."""
-    values = cell.other_fusion
-    if not values or cell.fusion not in NAMES:
+    mean, std = _spread(cell.other_fusion)
+    if mean is None or cell.fusion not in NAMES:
         return ""
-    text = f"{statistics.fmean(values):.{digits}f}"
-    text += f" ± {statistics.stdev(values):.{digits}f}" if len(values) >= 2 else ""
+    text = f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
     return f"{text} · {NAMES[OTHER[cell.fusion]]}"
 
 
 def record(cell: Cell) -> dict[str, object]:
     """A cell's fusion fields for JSON and CSV (None where it has no fused figure)."""
-    values = cell.other_fusion
+    mean, std = _spread(cell.other_fusion)
     rule = cell.fusion
-    return {"fusion": rule,
-            "other_fusion": OTHER.get(rule) if rule else None,
-            "other_fusion_mean": statistics.fmean(values) if values else None,
-            "other_fusion_std": statistics.stdev(values) if len(values) >= 2 else None}
+    return {"fusion": rule, "other_fusion": OTHER.get(rule) if rule else None, "other_fusion_mean": mean,
+            "other_fusion_std": std}
