@@ -27,7 +27,7 @@ from deit_ablate.core.distributed import DistInfo
 from deit_ablate.core.streams import RunStreams
 from deit_ablate.data.loader import SeededSamples, build_train_sampler
 from deit_ablate.data.transforms import TransformSpec, build_eval_transform, build_train_pipeline
-from deit_ablate.record.identity import pretrain_overrides, transfer_source_overrides
+from deit_ablate.record.overrides import pretrain_overrides, transfer_source_overrides
 from deit_ablate.record.rundir import RunDir
 from deit_ablate.run.architecture import meta_model
 from deit_ablate.run.assemble import stage_optimizer, stage_scheduler

@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from deit_ablate.analysis.aggregate.reader import read_offline
-from deit_ablate.record.identity import composed_choices, experiment, pretrain_overrides
+from deit_ablate.record.identity import composed_choices, experiment
+from deit_ablate.record.overrides import pretrain_overrides
 from deit_ablate.record.rundir import RESULT, RunDir, runs_root, wandb_root
 from deit_ablate.run.stages import load_pretrained
 from deit_ablate.train.models import build_model, resize_pos_embed_state

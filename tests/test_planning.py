@@ -4,7 +4,8 @@ import pytest
 
 from deit_ablate.config.compose import compose_run_config
 from deit_ablate.record import resolvers
-from deit_ablate.record.identity import composed_choices, named_by_finetune, pretrain_overrides, run_identity
+from deit_ablate.record.identity import composed_choices, run_identity
+from deit_ablate.record.overrides import named_by_finetune, pretrain_overrides
 
 
 @pytest.mark.parametrize("row", [["ablation=no_mixup"], ["ablation=sgd_finetune", "seed=2"], ["deit3=res_128"],

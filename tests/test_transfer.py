@@ -42,7 +42,8 @@ from deit_ablate.data.cifar10 import (
     CIFAR10Pickles,
 )
 from deit_ablate.data.datasets import build_dataset, check_data_root, data_fingerprint
-from deit_ablate.record.identity import composed_choices, experiment, experiment_digest, transfer_source_overrides
+from deit_ablate.record.identity import composed_choices, experiment, experiment_digest
+from deit_ablate.record.overrides import transfer_source_overrides
 from deit_ablate.record.rundir import RunDir
 from deit_ablate.run.lineage import Lineage
 from deit_ablate.run.stages import load_backbone, stage_recipe, upstream_overrides, upstream_role

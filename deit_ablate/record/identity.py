@@ -51,17 +51,10 @@ from deit_ablate.config.stage_config import (
     stage_sets_read,
 )
 from deit_ablate.config.studies import study_names
-from deit_ablate.record.overrides import (  # noqa: F401 -- their home until every caller imports them there
-    STAGE_OVERRIDES,
-    TRANSFER_DATA_KEYS,
+from deit_ablate.record.overrides import (
     TRANSFER_OVERRIDES,
     chained_teacher_overrides,
-    named_by_finetune,
     override_key,
-    pretrain_overrides,
-    swap_overrides,
-    train_command,
-    transfer_source_overrides,
 )
 
 STAGE_SET_BLOCKS = ("finetune", "transfer")  # the stage blocks with an override set (config/stage_config.py)

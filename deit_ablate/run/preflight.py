@@ -106,7 +106,7 @@ def sweep_plans(configs: Sequence[DictConfig], run_dirs: Sequence[Path], job_log
     from hydra.core.hydra_config import HydraConfig
 
     from deit_ablate.core.distributed import DistInfo
-    from deit_ablate.record.identity import named_by_finetune
+    from deit_ablate.record.overrides import named_by_finetune
     from deit_ablate.record.resolvers import run_dir_of
     from deit_ablate.record.rundir import RunDir
     from deit_ablate.run.plan import make_plan

@@ -58,7 +58,7 @@ def check_upstream_size(finetune: FinetuneConfig, stage: Stage, overrides: list[
     if size is None or stage != Stage.finetune or finetune.init_checkpoint or overrides is None:
         return
     from deit_ablate.config.compose import compose_run_config
-    from deit_ablate.record.identity import pretrain_overrides
+    from deit_ablate.record.overrides import pretrain_overrides
 
     trains_at = compose_run_config(pretrain_overrides(overrides)).resolution.train_size
     if trains_at != size:

@@ -16,7 +16,7 @@ from deit_ablate.config.schema import CONF_DIR, Stage
 from deit_ablate.config.stage_config import STAGE_BLOCKS, stage_config
 from deit_ablate.core.errors import ConfigError, RunInUse
 from deit_ablate.record import checkpoint as ckpt
-from deit_ablate.record.identity import chained_teacher_overrides, pretrain_overrides, swap_overrides, train_command
+from deit_ablate.record.overrides import chained_teacher_overrides, pretrain_overrides, swap_overrides, train_command
 from deit_ablate.record.resolvers import run_dir_of
 from deit_ablate.record.rundir import LAST, RUNS, RunDir
 from deit_ablate.record.runlock import live_holder

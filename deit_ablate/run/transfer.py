@@ -15,7 +15,8 @@ from typing import Any
 from deit_ablate.config.schema import DataConfig, DataName, DistillConfig, DistillKind, Stage, TransferConfig
 from deit_ablate.core.errors import ConfigError
 from deit_ablate.data.builtin import CLASS_SETS
-from deit_ablate.record.identity import RunIdentity, transfer_source_overrides, with_source
+from deit_ablate.record.identity import RunIdentity, with_source
+from deit_ablate.record.overrides import transfer_source_overrides
 from deit_ablate.record.resolvers import run_dir_of
 from deit_ablate.record.rundir import DATA, RunDir
 from deit_ablate.run.lineage import Lineage
