@@ -24,7 +24,15 @@ from timm.data.auto_augment import AugmentOp
 from timm.layers import DropPath
 from torch.utils.data import Dataset
 
-from deit_ablate.core.streams import PER_RANK, STREAMS_VERSION, EpochStreams, RunStreams, Stream, trained_before
+from deit_ablate.core.streams import (
+    PER_RANK,
+    STREAMS_VERSION,
+    EpochStreams,
+    RunStreams,
+    Stream,
+    seed_torch,
+    trained_before,
+)
 from deit_ablate.data.datasets import build_dataset
 from deit_ablate.data.loader import SeededSamples, SkipFirst, build_train_loader, build_train_sampler, seed_epoch_data
 from deit_ablate.data.transforms import build_train_pipeline
@@ -202,6 +210,22 @@ def test_a_micro_batch_draws_by_epoch_step_and_slot_alone():
     torch.manual_seed(123)  # whatever ran before (another slot, another process): the same draws again
     again = _chunk_draws(1, 1, 3)
     assert again[0] == draws[1, 1, 3][0] and torch.equal(again[1], draws[1, 1, 3][1])
+
+
+def test_seed_torch_draws_what_torch_manual_seed_draws():
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    seed_torch(7)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_micro_batch_seeds_no_gpu_while_cuda_is_not_in_use(monkeypatch):
+    seeded_gpus = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded_gpus.append)
+    EpochStreams(RunStreams(STREAM_SEED), 0).seed_chunk(0, 0)
+    assert not torch.cuda.is_initialized()
+    # torch.manual_seed would queue a lazy seeding of every GPU, a formatted stack each micro-batch
+    assert seeded_gpus == []
 
 
 def test_random_erasing_draws_per_sample_whatever_the_batch():

@@ -88,6 +88,15 @@ def seed_sample(sample_seed: int) -> None:
     torch.default_generator.manual_seed(sample_seed)
 
 
+def seed_torch(seed: int) -> None:
+    """Seed what torch.manual_seed seeds where it is drawn from: the CPU's generator, and every GPU's once CUDA is in
+    use. Without CUDA in use, torch.manual_seed queues a lazy seeding of the GPUs with a formatted stack each call
+    (about half a millisecond a step, docs/host-step.md)."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
 @dataclass(frozen=True)
 class RunStreams:
     """The random streams of one process (global `rank`) of a run with seed `seed`."""
@@ -132,7 +141,7 @@ class EpochStreams:
         """Seed what one micro-batch draws in the training process: timm's Mixup/CutMix (NumPy's global generator)
         and drop path and dropout (torch's generators, the GPU's too)."""
         np.random.seed(self.chunk_seed(Stream.MIX, step, slot) % 2**32)
-        torch.manual_seed(self.chunk_seed(Stream.DROP, step, slot))
+        seed_torch(self.chunk_seed(Stream.DROP, step, slot))
 
 
 def trained_before(result: dict) -> str | None:
