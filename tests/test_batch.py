@@ -11,7 +11,7 @@ from PIL import Image
 from timm.data.random_erasing import RandomErasing
 from torchvision import transforms
 
-from deit_ablate.data.batch import BatchNormalize, split_for_batches, to_uint8_hwc
+from deit_ablate.data.batch import BatchNormalize, ErasingBoxes, split_for_batches, to_uint8_hwc
 from deit_ablate.data.builtin import draw_image
 from deit_ablate.data.transforms import build_eval_transform, build_train_pipeline, build_train_transform
 from tests.conftest import compose_config, transform_spec
@@ -59,6 +59,29 @@ def test_batch_erasing_is_timms_erasing_applied_to_each_image_in_turn():
     assert torch.equal(got, expected)
     erased = (got != normalized).flatten(1).any(dim=1)
     assert 0 < erased.sum() < 16  # p=0.5: some images erased, some not
+
+
+@pytest.mark.parametrize("mode,max_count", [("pixel", None), ("rand", 3), ("const", 2)])
+def test_boxes_drawn_in_the_workers_erase_as_timms_erasing_seeded_per_image(mode, max_count):
+    erasing = RandomErasing(0.5, mode=mode, max_count=max_count, device="cpu")
+    step = BatchNormalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), erasing)
+    batch = torch.randint(0, 256, (24, 12, 20, 3), dtype=torch.uint8)  # H != W: rows and columns kept apart
+    seeds = [random.Random(i).getrandbits(63) for i in range(24)]
+    plain = BatchNormalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))(batch)
+    expected = plain.clone()
+    for image, seed in zip(expected, seeds, strict=True):  # the definition: timm's erasing of each image, seeded
+        random.seed(seed)
+        torch.default_generator.manual_seed(seed)
+        erasing(image)
+    boxes = torch.stack([ErasingBoxes(erasing)(seed, 12, 20) for seed in seeds])
+    random.seed(0)  # whatever the training process's generators hold: the boxes and seeds decide
+    torch.manual_seed(0)
+    got = step(batch, boxes=boxes)
+    assert torch.equal(got, expected)
+    erased = (got != plain).flatten(1).any(dim=1)
+    assert 0 < erased.sum() < 24 and boxes[:, 0].tolist() == seeds
+    assert erased.tolist() == (boxes[:, 1] > 0).tolist() or mode == "const"  # a const box may equal its pixels
+    assert torch.equal(step(batch, seeds=seeds), expected)  # the seeded path (DALI's batches) computes the same
 
 
 def test_batch_erasing_hits_reprob_of_the_images():

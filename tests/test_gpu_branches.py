@@ -44,6 +44,7 @@ from deit_ablate.bench.gpu_check import (
 )
 from deit_ablate.config.schema import RuntimeConfig
 from deit_ablate.core.distributed import bind_device, choose_device, device_generator, process_group_backend
+from deit_ablate.core.streams import seed_torch
 from deit_ablate.data.batch import seed_erasing
 from deit_ablate.data.dali import copy_target, dali_device_id
 from deit_ablate.data.loader import build_loader
@@ -241,6 +242,16 @@ def test_the_device_generator_that_erasing_and_sam_reseed():
     first = torch.rand(4)
     set_rng_state(state, CPU)
     assert torch.equal(first, torch.rand(4))
+
+
+def test_a_micro_batch_seeds_every_gpu_once_cuda_is_in_use(monkeypatch):
+    seeded_gpus = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # stands in for a run on a GPU
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded_gpus.append)  # stands in for the GPUs' generators
+    seed_torch(11)
+    drawn = torch.rand(4)
+    torch.default_generator.manual_seed(11)
+    assert seeded_gpus == [11] and torch.equal(drawn, torch.rand(4))
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])

@@ -28,8 +28,8 @@ class Niceness(Dataset):
 def _loaded_niceness(overrides: list[str]) -> set[int]:
     cfg = compose_config(overrides)
     dataset = Niceness()
-    pairs = [(index, 0) for index in SequentialSampler(dataset)]  # a training loader's items: (index, seed)
-    loader = build_loader(dataset, pairs, 2, cfg.runtime, train=True)
+    keys = [(index, 0, 0) for index in SequentialSampler(dataset)]  # a training loader's keys: (index, seeds)
+    loader = build_loader(dataset, keys, 2, cfg.runtime, train=True)
     return {int(value) for batch in loader for value in batch}
 
 
@@ -58,9 +58,9 @@ def test_a_runs_training_workers_take_the_niceness_of_its_image_size(resolution,
     assert cfg.runtime.worker_nice is None
     spec = TransformSpec(cfg.data, cfg.augment, cfg.resolution)
     dataset = Niceness()
-    pairs = [(index, 0) for index in SequentialSampler(dataset)]
+    keys = [(index, 0, 0) for index in SequentialSampler(dataset)]
     own = os.nice(0)
-    loader = build_train_loader(dataset, pairs, 2, spec, cfg.runtime, torch.device("cpu"))
+    loader = build_train_loader(dataset, keys, 2, spec, cfg.runtime, torch.device("cpu"))
     assert {int(value) for batch in loader for value in batch} == {min(own + expected, 19)}
 
 
@@ -76,7 +76,7 @@ def test_a_runs_loader_workers_end_when_asked_not_killed_after_a_wait():
     it: the stop signal never reached the workers, each was waited on for 5 s and killed (exit -15), 20 s at the
     end of every run with 2 training and 2 evaluation workers."""
     cfg = compose_config(["runtime.num_workers=2"])
-    loader = build_loader(Niceness(), [(index, 0) for index in range(4)], 2, cfg.runtime, train=True)
+    loader = build_loader(Niceness(), [(index, 0, 0) for index in range(4)], 2, cfg.runtime, train=True)
     assert len(list(loader)) == 2
     workers = list(loader._iterator._workers)
     end_workers(loader)

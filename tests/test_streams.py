@@ -31,6 +31,7 @@ from deit_ablate.core.streams import (
     RunStreams,
     Stream,
     seed_torch,
+    slot_positions,
     trained_before,
 )
 from deit_ablate.data.datasets import build_dataset
@@ -226,6 +227,26 @@ def test_a_micro_batch_seeds_no_gpu_while_cuda_is_not_in_use(monkeypatch):
     assert not torch.cuda.is_initialized()
     # torch.manual_seed would queue a lazy seeding of every GPU, a formatted stack each micro-batch
     assert seeded_gpus == []
+
+
+@pytest.mark.parametrize("world,rank,workers", [(1, 0, 0), (2, 1, 2)])
+def test_the_workers_erasing_boxes_erase_as_the_trainer_seeds_each_position(jpeg_root, world, rank, workers):
+    cfg = _config(jpeg_root, "augment.reprob=0.5", f"runtime.num_workers={workers}")
+    spec = transform_spec(cfg)
+    per_image, batch_step = build_train_pipeline(spec)
+    dataset = build_dataset(cfg.data, "train", per_image, jpeg_root, on_bad_image=cfg.runtime.on_bad_image)
+    own = tuple(range(rank * SLOTS // world, (rank + 1) * SLOTS // world))
+    sampler = SeededSamples(build_train_sampler(len(dataset), 1, SLOTS, own, MICRO), RunStreams(STREAM_SEED, rank))
+    loader = build_train_loader(dataset, sampler, len(own) * MICRO, spec, cfg.runtime, torch.device("cpu"),
+                                erasing=batch_step.erasing)
+    seed_epoch_data(sampler, loader, RunStreams(STREAM_SEED, rank), 1)
+    epoch, erased = EpochStreams(RunStreams(STREAM_SEED, rank), 1), 0
+    for step, (images, _, boxes) in enumerate(loader):
+        seeds = [epoch.sample_seed(Stream.ERASING, p) for p in slot_positions(SLOTS, own, MICRO, step)]
+        assert boxes[:, 0].tolist() == seeds  # the trainer's seeds for these positions, in batch order
+        assert torch.equal(batch_step(images, boxes=boxes), batch_step(images, seeds=seeds))
+        erased += int((boxes[:, 1] > 0).sum())
+    assert erased > 0
 
 
 def test_random_erasing_draws_per_sample_whatever_the_batch():

@@ -144,7 +144,8 @@ def our_loader(setup: LoaderSetup, dataset: Dataset, batch: int, batch_step: Cal
     as train_steps does (this counts as pipeline time)."""
     sampler = one_process_sampler(setup, dataset, batch)
     device = device or torch.device("cpu")
-    loader = build_train_loader(dataset, sampler, batch, setup.spec, setup.runtime, device)
+    erasing = getattr(batch_step, "erasing", None)
+    loader = build_train_loader(dataset, sampler, batch, setup.spec, setup.runtime, device, erasing=erasing)
     seed_epoch_data(sampler, loader, RunStreams(setup.seed), 0)
     return Loader(loader, batch_step, device)
 
@@ -169,10 +170,10 @@ class Loader:
     def __iter__(self):
         with torch_threads(self.threads):
             reused = None  # as Trainer.train_steps does on CPU
-            for images, targets in self.loader:
+            for images, targets, *erasing in self.loader:  # the workers' erasing boxes, where they draw them
                 images = images.to(self.device, non_blocking=True)
                 if self.batch_step is not None:
-                    images = self.batch_step(images, out=reused)
+                    images = self.batch_step(images, out=reused, boxes=erasing[0] if erasing else None)
                     reused = images if images.device.type == "cpu" else None
                 yield images, targets
                 synchronize(self.device)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from PIL import Image
-from timm.data.random_erasing import RandomErasing
+from timm.data.random_erasing import RandomErasing, _get_pixels
 from timm.data.transforms import MaybeToTensor
 from torchvision import transforms
 
@@ -31,6 +31,43 @@ def seed_erasing(seed: int, device: torch.device) -> None:
     generator (pixel-mode noise)."""
     random.seed(seed)
     device_generator(device).manual_seed(seed)
+
+
+class _BoxRecorder:
+    """Stands in for one C x H x W image in timm's RandomErasing: keeps where it erases, holds no pixels."""
+
+    dtype = torch.float32
+
+    def __init__(self, height: int, width: int) -> None:
+        self.shape, self.boxes = torch.Size((3, height, width)), []
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __setitem__(self, index: tuple[slice, slice, slice], pixels: torch.Tensor) -> None:
+        _, rows, cols = index
+        self.boxes += [rows.start, cols.start, rows.stop - rows.start, cols.stop - cols.start]
+
+
+class ErasingBoxes:
+    """Where timm's random erasing erases one image, from the image's erasing seed: its Python draws (whether, how
+    many boxes, where), taken in a loader worker; the pixels are drawn per batch on the device (`BatchNormalize`)."""
+
+    def __init__(self, erasing: RandomErasing) -> None:
+        self.erasing = copy.copy(erasing)
+        self.erasing.device = "meta"  # timm's pixel draw, where an image gets one, costs nothing here
+        self.length = 2 + 4 * erasing.max_count
+
+    def __call__(self, seed: int, height: int, width: int) -> torch.Tensor:
+        """int64 [seed, boxes, top, left, h, w, ...] of an image of `height` x `width`, padded with -1."""
+        image = _BoxRecorder(height, width)
+        random.seed(seed)
+        self.erasing(image)
+        record = torch.full((self.length,), -1, dtype=torch.int64)
+        record[0], record[1] = seed, len(image.boxes) // 4
+        if image.boxes:
+            record[2:2 + len(image.boxes)] = torch.tensor(image.boxes, dtype=torch.int64)
+        return record
 
 
 def to_uint8_hwc(image: Image.Image) -> torch.Tensor:
@@ -53,11 +90,13 @@ class BatchNormalize:
         return self.mean, self.inv_std
 
     def __call__(self, images: torch.Tensor, out: torch.Tensor | None = None,
-                 seeds: Sequence[int] | None = None) -> torch.Tensor:
+                 seeds: Sequence[int] | None = None, boxes: torch.Tensor | None = None) -> torch.Tensor:
         """A B x H x W x 3 uint8 batch as a normalized (and erased) B x 3 x H x W float batch.
 
         `out`, a float tensor of the result's shape on the same device, is overwritten and returned. With `seeds`
-        (one per image: streams.py's erasing stream), each image's erasing draws from its own seed."""
+        (one per image: streams.py's erasing stream), each image's erasing draws from its own seed; with `boxes`
+        (`ErasingBoxes` of each image, from the loader workers), only the erased images' pixels are drawn here,
+        from the same seeds: the same result."""
         pixels = images.permute(0, 3, 1, 2)
         if out is None or out.shape != pixels.shape or out.device != images.device:
             out = torch.empty(pixels.shape, dtype=torch.float32, device=images.device)
@@ -65,13 +104,26 @@ class BatchNormalize:
         out.copy_(pixels).sub_(mean).mul_(inv_std)
         if self.erasing is not None:
             self.erasing.device = images.device
-            if seeds is None:
+            if boxes is not None:
+                self._fill_boxes(out, boxes)
+            elif seeds is None:
                 out = self.erasing(out)
             else:
                 for image, seed in zip(out, seeds, strict=True):
                     seed_erasing(seed, images.device)
                     self.erasing(image)  # timm erases a 3-D tensor in place
         return out
+
+    def _fill_boxes(self, out: torch.Tensor, boxes: torch.Tensor) -> None:
+        """Draw the erased boxes' pixels as timm's erasing draws them, each image's from its seed."""
+        generator = device_generator(out.device)
+        erasing, chan = self.erasing, out.shape[1]
+        erased = (boxes[:, 1] > 0).nonzero().flatten().tolist()
+        for index, (seed, count, *box) in zip(erased, boxes[erased].tolist(), strict=True):
+            generator.manual_seed(seed)
+            for top, left, height, width in zip(*[iter(box[:4 * count])] * 4, strict=True):
+                out[index, :, top:top + height, left:left + width] = _get_pixels(
+                    erasing.per_pixel, erasing.rand_color, (chan, height, width), dtype=out.dtype, device=out.device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mean={(self.mean / 255).flatten().tolist()}, erasing={self.erasing})"

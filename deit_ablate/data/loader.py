@@ -18,8 +18,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from deit_ablate.config.schema import DataBackend, RuntimeConfig
 from deit_ablate.core.streams import EpochStreams, RunStreams, Stream, seed_sample, slot_positions
+from deit_ablate.data.batch import ErasingBoxes
 
 if TYPE_CHECKING:
+    from timm.data.random_erasing import RandomErasing
+
     from deit_ablate.data.transforms import TransformSpec
 
 # The released RASampler keeps floor(|data| / 256) * 256 images of each epoch (timm's selected_round).
@@ -86,8 +89,8 @@ def build_train_sampler(length: int, repeats: int, slots: int, own: tuple[int, .
 
 
 class SeededSamples(Sampler):
-    """`sampler`'s indices, each paired with its sample's augmentation seed: a function of the run's seed, the epoch
-    and the sample's position in the epoch's order (streams.py), whoever computes it."""
+    """`sampler`'s indices, each with its sample's augmentation and erasing seeds: functions of the run's seed, the
+    epoch and the sample's position in the epoch's order (streams.py), whoever computes them."""
 
     def __init__(self, sampler: SlotSampler, streams: RunStreams) -> None:
         self.sampler, self.streams = sampler, streams
@@ -100,7 +103,8 @@ class SeededSamples(Sampler):
 
     def __iter__(self):
         seeds = self.epoch_streams
-        return ((index, seeds.sample_seed(Stream.AUGMENT, position)) for index, position in self.sampler.dealt())
+        return ((index, seeds.sample_seed(Stream.AUGMENT, position), seeds.sample_seed(Stream.ERASING, position))
+                for index, position in self.sampler.dealt())
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -108,18 +112,24 @@ class SeededSamples(Sampler):
 
 class SeededItems(Dataset):
     """`dataset` whose items are augmented from their own seed (`SeededSamples`), in a loader worker or the training
-    process alike: the worker count changes no draw."""
+    process alike: the worker count changes no draw. With `erasing`, each item also carries where timm's random
+    erasing erases it (`ErasingBoxes`: its Python draws, made here rather than in the training process)."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: Dataset, erasing: RandomErasing | None = None) -> None:
         self.dataset = dataset
+        self.boxes = ErasingBoxes(erasing) if erasing is not None else None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int]):
-        index, sample_seed = key
+    def __getitem__(self, key: tuple[int, int, int]):
+        index, sample_seed, erasing_seed = key
         seed_sample(sample_seed)
-        return self.dataset[index]
+        item = self.dataset[index]
+        if self.boxes is None:
+            return item
+        image, target = item
+        return image, target, self.boxes(erasing_seed, image.shape[0], image.shape[1])
 
 
 def seed_epoch_data(sampler: SeededSamples, loader, streams: RunStreams, epoch: int) -> None:
@@ -304,10 +314,11 @@ def end_all_workers() -> None:
 
 
 def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: RuntimeConfig,
-                 train: bool, device_type: str | None = None, niceness: int | None = None) -> DataLoader:
+                 train: bool, device_type: str | None = None, niceness: int | None = None,
+                 erasing: RandomErasing | None = None) -> DataLoader:
     """A DataLoader as `rank_loader_settings` resolves it (workers that live through the run, pinned memory on a
-    GPU, prefetch); a training one's items are (index, seed) pairs (`SeededSamples`), each augmented from its own
-    seed.
+    GPU, prefetch); a training one's keys are (index, seeds) (`SeededSamples`), each item augmented from its own
+    seeds, its batches (images, targets), or (images, targets, erasing boxes) with the stage's `erasing`.
 
     The workers run `niceness` (`worker_niceness`; runtime.worker_nice, 0 when unset) below the training process's
     CPU priority: where cores are short they fill the time the training step leaves idle instead of preempting its
@@ -317,7 +328,7 @@ def build_loader(dataset: Dataset, sampler: Sampler, batch_size: int, runtime: R
     workers = settings.workers
     niceness = worker_niceness(runtime.worker_nice, device_type, None) if niceness is None else niceness
     if train:
-        dataset = SeededItems(dataset)
+        dataset = SeededItems(dataset, erasing)
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -347,9 +358,11 @@ def end_workers(*loaders: object) -> None:
 
 
 def build_train_loader(dataset: Dataset, sampler: SeededSamples | SkipFirst, batch_size: int, spec: TransformSpec,
-                       runtime: RuntimeConfig, device: torch.device | None = None):
-    """The training loader of data.backend: a DataLoader over the PIL transform, or DALI's (on `device`, augmenting
-    as `spec` says), which takes the plain indices and draws per pipeline."""
+                       runtime: RuntimeConfig, device: torch.device | None = None,
+                       erasing: RandomErasing | None = None):
+    """The training loader of data.backend: a DataLoader over the PIL transform, whose workers also draw where
+    `erasing` (the per-batch step's) erases each image, or DALI's (on `device`, augmenting as `spec` says), which
+    takes the plain indices and draws per pipeline (its erasing drawn per batch from the samples' seeds)."""
     if spec.data.backend == DataBackend.dali:
         from deit_ablate.data.dali import DaliTrainLoader
 
@@ -357,17 +370,18 @@ def build_train_loader(dataset: Dataset, sampler: SeededSamples | SkipFirst, bat
         return DaliTrainLoader(dataset, IndicesOnly(sampler), batch_size, spec, device, threads=max(1, threads))
     device_type = device.type if device is not None else None
     niceness = worker_niceness(runtime.worker_nice, device_type, spec.resolution.train_size)
-    return build_loader(dataset, sampler, batch_size, runtime, train=True, device_type=device_type, niceness=niceness)
+    return build_loader(dataset, sampler, batch_size, runtime, train=True, device_type=device_type, niceness=niceness,
+                        erasing=erasing)
 
 
 class IndicesOnly(Sampler):
-    """The image indices of a sampler of (index, seed) pairs."""
+    """The image indices of a sampler of (index, seeds) keys."""
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
 
     def __iter__(self):
-        return (index for index, _ in self.sampler)
+        return (item[0] for item in self.sampler)
 
     def __len__(self) -> int:
         return len(self.sampler)

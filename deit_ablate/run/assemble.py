@@ -120,7 +120,8 @@ def build_loaders(plan: RunPlan, info: DistInfo) -> Loaders:
     slots = build_train_sampler(len(train_set), cfg.augment.repeated_aug, batch.slots, batch.slots_of(info.rank),
                                 batch.micro_batch)
     train_sampler = SeededSamples(slots, RunStreams(cfg.seed, info.rank))
-    train_loader = build_train_loader(train_set, train_sampler, per_rank, spec, cfg.runtime, info.device)
+    train_loader = build_train_loader(train_set, train_sampler, per_rank, spec, cfg.runtime, info.device,
+                                      erasing=batch_transform.erasing)
     # the first train.eval_max_images images of the split, all ranks together: the same images on any layout
     scored = len(val_set) if cfg.train.eval_max_images is None else min(cfg.train.eval_max_images, len(val_set))
     val_loader = build_loader(val_set, ShardSampler(scored, info.world_size, info.rank),

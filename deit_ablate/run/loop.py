@@ -183,7 +183,8 @@ class EpochLoop:
         if epoch == self.progress.start_epoch and self.progress.skip_batches:  # resumed mid-epoch (preemption)
             sampler = SkipFirst(loaders.train_sampler, self.progress.skip_batches * per_rank)
             loader = build_train_loader(loaders.train_set, sampler, per_rank, self.plan.transforms,
-                                        self.plan.settings.runtime, self.info.device)
+                                        self.plan.settings.runtime, self.info.device,
+                                        erasing=loaders.batch_transform.erasing)
         seed_epoch_data(loaders.train_sampler, loader, self.streams, epoch)
         return loader
 

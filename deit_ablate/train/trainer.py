@@ -279,15 +279,16 @@ class Trainer:
         steps_in_epoch, window_images = 0, 0
         window_start = time.perf_counter()
         reused = None  # on CPU, the float batch of the per-batch step: a fresh 38 MB tensor per step costs page faults
-        for images, targets in bar:
+        for images, targets, *erasing in bar:  # erasing: the loader workers' erasing boxes, where they draw them
             if max_steps is not None and self.step >= max_steps:
                 break
             images = images.to(self.info.device, non_blocking=True)
             targets = targets.to(self.info.device, non_blocking=True)
             step_in_epoch = first_step + steps_in_epoch
             if self.batch_transform is not None:
-                images = self.batch_transform(images, out=reused,
-                                              seeds=self.sample_seeds(Stream.ERASING, step_in_epoch))
+                boxes = erasing[0] if erasing else None
+                seeds = self.sample_seeds(Stream.ERASING, step_in_epoch) if boxes is None else None
+                images = self.batch_transform(images, out=reused, seeds=seeds, boxes=boxes)
                 reused = images if images.device.type == "cpu" else None
             losses.add(self.train_step(images, targets, step_in_epoch), images.shape[0])
             steps_in_epoch += 1
