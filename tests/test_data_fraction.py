@@ -64,7 +64,7 @@ def _loaders(monkeypatch, cache, world_size: int, rank: int, workers: int = 0):
 def _epoch_images(loaders) -> list[int]:
     """The split positions (of the whole train/) the rank's epoch 0 trains on."""
     loaders.train_sampler.set_epoch(0)
-    return [loaders.train_set.indices[index] for index, _ in loaders.train_sampler]
+    return [loaders.train_set.indices[index] for index, *_ in loaders.train_sampler]
 
 
 def test_every_layout_trains_on_the_same_subset_and_evaluates_on_all_of_val(monkeypatch, data_cache, tiny_data
@@ -77,8 +77,8 @@ def test_every_layout_trains_on_the_same_subset_and_evaluates_on_all_of_val(monk
     two = [image for rank in (0, 1) for image in _epoch_images(_loaders(monkeypatch, data_cache, 2, rank))]
     assert set(one) <= set(kept) and sorted(one) == sorted(two)  # the same images, dealt to one or two ranks
     # loader workers read the same images: the same labels in the same order
-    labels = [labels.tolist() for _, labels in alone.train_loader]
+    labels = [labels.tolist() for _, labels, *_ in alone.train_loader]
     with_worker = _loaders(monkeypatch, data_cache, 1, 0, workers=1)
     assert with_worker.train_set.indices == kept
     with_worker.train_sampler.set_epoch(0)
-    assert [labels.tolist() for _, labels in with_worker.train_loader] == labels
+    assert [labels.tolist() for _, labels, *_ in with_worker.train_loader] == labels
