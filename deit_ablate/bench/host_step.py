@@ -9,9 +9,9 @@ timm's AdamW step, `loss.item()`, the scheduler's step_update. Its Mixup/CutMix 
 (FastCollateMixup), so it is drawn once outside the timing and reported on its own. Both sides train the same stand-in:
 a narrow DeiT whose forward reads a 4 x 4 grid of pixels into its head, so what is timed is the host's work.
 
-On a GPU (`--device cuda`) the batch goes to the device once, outside the timing, both loops and models run there,
-and each timed run starts and ends with the device drained (DeviceCalls.synchronize; nothing on the CPU), so the
-time is the training process's host time per step with the batch arithmetic on the device.
+On a GPU the batch goes to the device once, outside the timing, both loops and models run there, and each timed run
+starts and ends with the device drained (DeviceCalls.synchronize; nothing on the CPU), so the time is the training
+process's host time per step with the batch arithmetic on the device.
 """
 
 from __future__ import annotations
