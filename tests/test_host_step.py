@@ -3,6 +3,8 @@ without allocating the flipped batch each step, and the host-step bench runs bot
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from timm.data import Mixup
@@ -41,3 +43,16 @@ def test_both_sides_of_the_host_step_run_on_the_stand_in(data_cache):
     ms = host_step.alternate({"ours": ours, "timm": timms}, steps=2, pairs=1, warmup=1)
     assert setup.trainer.step == before + 3 and all(len(v) == 1 and v[0] > 0 for v in ms.values())
     assert extra["mixup_collate_s_per_batch_in_a_worker"] > 0
+
+
+def test_each_timed_run_drains_the_device_and_both_sides_run_on_the_setups_device(data_cache):
+    """On a GPU the figure is the host's time only if the queued kernels are waited for: synchronize (a no-op on the
+    CPU, torch.cuda.synchronize on a GPU) before and after every timed run of either side."""
+    assert "runtime.device=cuda" in host_step.host_overrides("root", 8, 32, "cuda")
+    setup, ours = host_step.ours(host_step.host_overrides(str(data_cache / "builtin"), 8, 32), torch.device("cpu"))
+    _, timms = host_step.timms(setup)
+    calls = []
+    setup.calls = dataclasses.replace(setup.calls, synchronize=lambda: calls.append("synchronize"))
+    host_step.alternate({"ours": ours, "timm": timms}, steps=1, pairs=1, warmup=1)
+    assert calls == ["synchronize"] * 8  # warm-up and one pair, each side: before and after
+    assert setup.pixels.device == setup.device == next(setup.trainer.module.parameters()).device

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,12 +19,28 @@ from tests.conftest import REPO, TINY
 
 SCRIPT = REPO / "scripts" / "wheelhouse.sh"
 LIMIT_MIB = 48  # issue 53: the wheelhouse's share of a 64 MiB transfer
+TORCH, TORCHVISION = "2.14.1", "0.29.1"  # a node image's, as scripts/install.sh pins them
 
 
 def _run(args: list[str], cwd, timeout: int = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def build_wheelhouse(house: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """A wheelhouse for this machine's Python in `house` (scripts/wheelhouse.sh --python local)."""
+    return _run([str(house), "--python", "local"], cwd, timeout=600)
+
+
+def image_python(venv: Path, env: dict[str, str]) -> Path:
+    """A node's image: a fresh venv with torch and torchvision (and so numpy and Pillow) and nothing of this checkout's
+    .venv; its python."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"torch=={TORCH}", f"torchvision=={TORCHVISION}"],
+                   check=True, env=env, timeout=900)
+    return python
 
 
 def test_usage_errors(tmp_path):
@@ -69,7 +86,7 @@ def test_wheelhouse_installs_without_an_index_beside_torch(tmp_path, data_cache)
     reads them back with deit-status, without the analysis extra; deit-aggregate says how to add it."""
     house, venv, checkout = tmp_path / "house", tmp_path / "venv", tmp_path / "checkout"
     started = time.monotonic()
-    proc = _run([str(house), "--python", "local"], tmp_path, timeout=600)
+    proc = build_wheelhouse(house, tmp_path)
     house_done = time.monotonic()
     assert proc.returncode == 0, proc.stderr
     wheels = sorted(p.name for p in house.iterdir())
@@ -80,13 +97,10 @@ def test_wheelhouse_installs_without_an_index_beside_torch(tmp_path, data_cache)
     assert size_mib <= LIMIT_MIB, (size_mib, sorted(house.iterdir(), key=lambda p: -p.stat().st_size)[:5])
     assert f"{size_mib:.1f} MiB in all" in proc.stdout and "nvidia-dali left out" in proc.stdout
 
-    # A node's image: a venv with torch and torchvision (and so numpy and Pillow), nothing of this checkout's .venv.
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python, bin_dir = str(venv / "bin" / "python"), venv / "bin"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(DEIT_ABLATE_CACHE=str(data_cache), WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    python, bin_dir = str(image_python(venv, env)), venv / "bin"
     pip = [python, "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, "torch==2.14.1", "torchvision==0.29.1"], check=True, env=env, timeout=900)
     torch_done = time.monotonic()
     install = subprocess.run([*pip, "--no-index", "--find-links", str(house), "deit-ablate"], env=env,
                              capture_output=True, text=True, timeout=600)

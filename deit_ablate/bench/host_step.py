@@ -8,6 +8,10 @@ PrefetchLoader (uint8 to float, normalisation, random erasing), the forward, Sof
 timm's AdamW step, `loss.item()`, the scheduler's step_update. Its Mixup/CutMix runs in its loader workers
 (FastCollateMixup), so it is drawn once outside the timing and reported on its own. Both sides train the same stand-in:
 a narrow DeiT whose forward reads a 4 x 4 grid of pixels into its head, so what is timed is the host's work.
+
+On a GPU the batch goes to the device once, outside the timing, both loops and models run there, and each timed run
+starts and ends with the device drained (DeviceCalls.synchronize; nothing on the CPU), so the time is the training
+process's host time per step with the batch arithmetic on the device.
 """
 
 from __future__ import annotations
@@ -39,27 +43,30 @@ def stand_in_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.
     return types.MethodType(forward, module)
 
 
-def host_overrides(data_root: str, batch: int, size: int) -> list[str]:
+def host_overrides(data_root: str, batch: int, size: int, device: str = "cpu") -> list[str]:
     """The run the host step is timed on: the demo's DeiT recipe at `size` px, one micro-batch of `batch` a step (the
-    computation timm's train.py makes), the stand-in network."""
+    computation timm's train.py makes), the stand-in network, on `device` (fp32 on either)."""
     return ["model=deit_tiny", *STAND_IN, f"resolution.train_size={size}", f"resolution.eval_size={size}",
             f"train.global_batch={batch}", f"train.micro_batch={batch}", f"runtime.max_batch_per_device={batch}",
             "runtime.num_workers=0", f"data.root={data_root}", "data.builtin.train_per_class=30",
-            "data.builtin.val_per_class=10", "runtime.device=cpu", "train.amp=fp32", "runtime.log_interval=50"]
+            "data.builtin.val_per_class=10", f"runtime.device={device}", "train.amp=fp32", "runtime.log_interval=50"]
 
 
-def ours(overrides: list[str]) -> tuple[StepSetup, Callable[[int], float]]:
-    """Our trainer with the stand-in forward, and a function timing `steps` steps of train_steps (seconds)."""
-    setup = build_trainer(overrides, torch.device("cpu"))
+def ours(overrides: list[str], device: torch.device | None = None) -> tuple[StepSetup, Callable[[int], float]]:
+    """Our trainer on `device` (the CPU by default) with the stand-in forward, its batch there, and a function timing
+    `steps` steps of train_steps (seconds; the device drained before and after)."""
+    setup = build_trainer(overrides, device or torch.device("cpu"))
     module = setup.trainer.module
     module.forward = stand_in_forward(module)
     streams, epoch = RunStreams(0), [0]
     batch = (setup.pixels, setup.targets, *worker_boxes(setup, streams))
 
     def run(steps: int) -> float:
-        batches = [batch] * steps
+        batches = [batch] * steps  # the boxes stay on the CPU, as the loader hands them over
+        setup.calls.synchronize()
         start = time.perf_counter()
         setup.trainer.train_steps(batches, epoch[0], streams=streams)
+        setup.calls.synchronize()
         epoch[0] += 1
         return time.perf_counter() - start
 
@@ -93,8 +100,9 @@ class _Batches:
 
 
 def timms(setup: StepSetup) -> tuple[dict[str, float], Callable[[int], float]]:
-    """timm's training-process loop on the same stand-in, recipe and batch (a function timing `steps` steps), and
-    the seconds its FastCollateMixup takes per batch in a loader worker."""
+    """timm's training-process loop on the same stand-in, recipe and batch, on the setup's device (a function timing
+    `steps` steps, the device drained before and after), and the seconds its FastCollateMixup takes per batch in a
+    loader worker."""
     import numpy as np
     from timm.data import FastCollateMixup
     from timm.data.loader import PrefetchLoader
@@ -102,25 +110,28 @@ def timms(setup: StepSetup) -> tuple[dict[str, float], Callable[[int], float]]:
     from timm.optim import create_optimizer_v2
     from timm.scheduler import create_scheduler_v2
 
-    model = type(setup.trainer.module)(**_module_kwargs(setup.trainer.module))
+    device = setup.device
+    model = type(setup.trainer.module)(**_module_kwargs(setup.trainer.module)).to(device)
     model.forward = stand_in_forward(model)
     optimizer = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
     scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=300, warmup_epochs=5, step_on_epochs=False,
                                        updates_per_epoch=1251)
     mixup = FastCollateMixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1,
                              num_classes=setup.trainer.module.num_classes)
-    samples = [(np.ascontiguousarray(image.permute(2, 0, 1).numpy()), int(target))
+    samples = [(np.ascontiguousarray(image.permute(2, 0, 1).cpu().numpy()), int(target))
                for image, target in zip(setup.pixels, setup.targets, strict=True)]
     start = time.perf_counter()
     pixels, targets = mixup(samples)
     collate_s = time.perf_counter() - start
+    pixels, targets = pixels.to(device), targets.to(device)  # on the device once, outside the timing
     loss_fn = SoftTargetCrossEntropy()
     updates = [0]
 
     def run(steps: int) -> float:
-        loader = PrefetchLoader(_Batches(pixels, targets, steps), device=torch.device("cpu"), re_prob=0.25,
-                                re_mode="pixel", re_count=1)
+        loader = PrefetchLoader(_Batches(pixels, targets, steps), device=device, re_prob=0.25, re_mode="pixel",
+                                re_count=1)
         model.train()
+        setup.calls.synchronize()
         start = time.perf_counter()
         for images, soft in loader:
             loss = loss_fn(model(images), soft)
@@ -130,6 +141,7 @@ def timms(setup: StepSetup) -> tuple[dict[str, float], Callable[[int], float]]:
             loss.item()  # timm's losses_m.update(loss.item() ...) each step
             updates[0] += 1
             scheduler.step_update(num_updates=updates[0])
+        setup.calls.synchronize()
         return time.perf_counter() - start
 
     return {"mixup_collate_s_per_batch_in_a_worker": collate_s}, run
@@ -155,15 +167,16 @@ def alternate(runs: dict[str, Callable[[int], float]], steps: int, pairs: int, w
 
 def section(report: Report, command: str, device: torch.device, quick: bool, repeats: int, data_root: str,
             loader_note: Callable[[str], str], log: Callable[[str], None]) -> None:
-    """The host's share of a step at batch 256 at 224 px on the CPU (bench/py): ours against timm's
-    training-process loop on a stand-in of negligible compute, ms per step in alternating pairs; then the loader
-    alone, one process held to one thread (a worker core), ours against timm's create_transform on JPEGs."""
+    """The host's share of a step at batch 256 at 224 px on `device` (the batch and both loops there, so on a GPU the
+    batch arithmetic runs on it): ours against timm's training-process loop on a stand-in of negligible compute, ms
+    per step in alternating pairs; then the loader alone, one process held to one thread (a worker core), ours against
+    timm's create_transform on JPEGs."""
     from deit_ablate.bench import pipeline
 
     batch, size = (16, 224) if quick else (256, 224)
     steps, pairs = (2, 1) if quick else (10, max(repeats, 5))
-    overrides = host_overrides(data_root, batch, size)
-    setup, run_ours = ours(overrides)
+    overrides = host_overrides(data_root, batch, size, device.type)
+    setup, run_ours = ours(overrides, device)
     extra, run_timm = timms(setup)
     with torch_threads(1):
         ms = alternate({"ours": run_ours, "timm": run_timm}, steps, pairs)
