@@ -21,9 +21,16 @@
 # the CPU at toy sizes. Limits (s), set in the environment: GPU_SESSION_INSTALL_S (60; --dry 90), GPU_SESSION_DEMO_S
 # (60; 75), GPU_SESSION_CHECK_S (210; 225), GPU_SESSION_HOST_S (45; 30), GPU_SESSION_RUNS_S (165; 120); at most 540
 # together (the install's counted when --wheelhouse is given).
+# Relative paths (OUTDIR, --wheelhouse, --python, --timm-train) are the caller's, wherever the script lives.
 set -uo pipefail
+CALLER=$PWD
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+
+from_caller() {  # a path the caller gave, relative to the caller's folder, not the checkout's
+    case "$1" in /*|"") echo "$1" ;; */*) echo "$CALLER/$1" ;; *) if [ -e "$CALLER/$1" ]; then echo "$CALLER/$1"; \
+        else echo "$1"; fi ;; esac
+}
 
 usage() {
     echo "usage: bash scripts/gpu_session.sh OUTDIR [--dry] [--wheelhouse DIR [--python PY]] [--timm-train PATH]" \
@@ -36,11 +43,11 @@ OUT="" DRY=0 TIMM=${TIMM_TRAIN:-} HOUSE="" IMAGE_PY=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry) DRY=1 ;;
-        --timm-train) [ $# -ge 2 ] || usage; TIMM=$2; shift ;;
-        --wheelhouse) [ $# -ge 2 ] || usage; HOUSE=$2; shift ;;
-        --python) [ $# -ge 2 ] || usage; IMAGE_PY=$2; shift ;;
+        --timm-train) [ $# -ge 2 ] || usage; TIMM=$(from_caller "$2"); shift ;;
+        --wheelhouse) [ $# -ge 2 ] || usage; HOUSE=$(from_caller "$2"); shift ;;
+        --python) [ $# -ge 2 ] || usage; IMAGE_PY=$(from_caller "$2"); shift ;;
         -*) usage ;;
-        *) [ -z "$OUT" ] || usage; OUT=$1 ;;
+        *) [ -z "$OUT" ] || usage; OUT=$1; case "$OUT" in /*) ;; *) OUT=$CALLER/$OUT ;; esac ;;
     esac
     shift
 done

@@ -51,6 +51,16 @@ def test_bad_arguments_stop_before_anything_is_written(args, env, says, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_relative_paths_are_the_callers(tmp_path):
+    (tmp_path / "house").mkdir()
+    (tmp_path / "house" / "deit_ablate-0-py3-none-any.whl").write_bytes(b"")
+    _not_torch(tmp_path)
+    proc = _run(["out", "--wheelhouse", "house", "--python", "python-without-torch"], tmp_path)
+    # the caller's house/ and ./python-without-torch were found (not the checkout's): the check that stops it is torch
+    assert proc.returncode == 2 and f"{tmp_path}/python-without-torch does not import torch" in proc.stderr, \
+        proc.stderr
+
+
 def _not_torch(tmp_path: Path) -> Path:
     """A stand-in for a Python without torch: `-c ""` runs, `-c "import torch"` fails."""
     script = tmp_path / "python-without-torch"
