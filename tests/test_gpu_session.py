@@ -151,7 +151,7 @@ def test_dry_session_runs_every_part_into_outdir(tmp_path, data_cache):
     assert RunDir(run).result.is_file()
     assert "top-1" in (out / "demo.log").read_text()
     host = json.loads((out / "host_step.json").read_text())
-    assert {f["name"] for f in host["figures"]} >= {"host_step", "loader_per_core"}
+    assert {f["name"] for f in host["figures"]} >= {"host_step", "host_step_32px", "loader_per_core"}
     check = json.loads((out / "gpu_check.json").read_text())
     assert check["dry"] is True and check["results"]["train_step_eager"]["images_per_s"] > 0
     table = (out / "summary.txt").read_text()

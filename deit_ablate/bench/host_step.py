@@ -165,24 +165,16 @@ def alternate(runs: dict[str, Callable[[int], float]], steps: int, pairs: int, w
     return ms
 
 
-def section(report: Report, command: str, device: torch.device, quick: bool, repeats: int, data_root: str,
-            loader_note: Callable[[str], str], log: Callable[[str], None]) -> None:
-    """The host's share of a step at batch 256 at 224 px on `device` (the batch and both loops there, so on a GPU the
-    batch arithmetic runs on it): ours against timm's training-process loop on a stand-in of negligible compute, ms
-    per step in alternating pairs; then the loader alone, one process held to one thread (a worker core), ours against
-    timm's create_transform on JPEGs."""
-    from deit_ablate.bench import pipeline
-
-    batch, size = (16, 224) if quick else (256, 224)
-    steps, pairs = (2, 1) if quick else (10, max(repeats, 5))
-    overrides = host_overrides(data_root, batch, size, device.type)
+def host_step_figures(report: Report, command: str, measurement: str, overrides: list[str], device: torch.device,
+                      steps: int, pairs: int) -> None:
+    """Ours and timm's ms per step on the run `overrides` describe, in alternating pairs, into `report`."""
     setup, run_ours = ours(overrides, device)
     extra, run_timm = timms(setup)
     with torch_threads(1):
         ms = alternate({"ours": run_ours, "timm": run_timm}, steps, pairs)
-    settings = {"batch": batch, "train_size": size, "steps_per_sample": steps, "torch_threads": 1,
-                "model": "stand-in: deit_tiny of width 48, forward = a 4 x 4 pixel grid into the head",
-                "overrides": overrides}
+    settings = {"batch": setup.batch, "train_size": setup.pixels.shape[1], "steps_per_sample": steps,
+                "torch_threads": 1, "model": "stand-in: deit_tiny of width 48, forward = a 4 x 4 pixel grid into the "
+                "head", "overrides": overrides}
     notes = {"ours": "Trainer.train_steps over in-memory uint8 B x H x W x 3 batches: normalise + erasing (its "
                      "boxes drawn in the workers, once outside the timing), Mixup/CutMix, loss, loss sums, logging "
                      "every 50 steps, AdamW, schedule, progress bar",
@@ -190,10 +182,25 @@ def section(report: Report, command: str, device: torch.device, quick: bool, rep
                      "SoftTargetCrossEntropy, backward, AdamW, loss.item(), step_update; its Mixup/CutMix is in "
                      "the workers (FastCollateMixup, drawn once outside the timing)"}
     for name, samples in ms.items():
-        report.add(Figure("host_step", name, median(samples), "ms/step", report.device["summary"],
+        report.add(Figure(measurement, name, median(samples), "ms/step", report.device["summary"],
                           f"{command}  (in-process, alternating pairs)", {**settings, "loop": notes[name]}, samples,
                           extra if name == "timm" else {}))
-    report.compare("host_step", "ours", "timm", target=1.0, lower_is_better=True)
+    report.compare(measurement, "ours", "timm", target=1.0, lower_is_better=True)
+
+
+def section(report: Report, command: str, device: torch.device, quick: bool, repeats: int, data_root: str,
+            loader_note: Callable[[str], str], log: Callable[[str], None]) -> None:
+    """The host's share of a step at batch 256 on `device` (the batch and both loops there, so on a GPU the batch
+    arithmetic runs on it), at 224 px and at 32 px (what is left where that arithmetic is small): ours against timm's
+    training-process loop on a stand-in of negligible compute, ms per step in alternating pairs; then the loader
+    alone, one process held to one thread (a worker core), ours against timm's create_transform on JPEGs."""
+    from deit_ablate.bench import pipeline
+
+    batch = 16 if quick else 256
+    steps, pairs = (2, 1) if quick else (10, max(repeats, 5))
+    for size, measurement in ((224, "host_step"), (32, "host_step_32px")):
+        host_step_figures(report, command, measurement, host_overrides(data_root, batch, size, device.type), device,
+                          steps if size == 224 else 2 * steps, pairs)
 
     count = 48 if quick else 256
     root = pipeline.ensure_jpeg_set(count)
