@@ -55,7 +55,9 @@ class ErasingBoxes:
 
     def __init__(self, erasing: RandomErasing) -> None:
         self.erasing = copy.copy(erasing)
-        self.erasing.device = "meta"  # timm's pixel draw, where an image gets one, costs nothing here
+        # its fill made a 3 x 1 x 1 zero on the CPU: the mode decides the pixels alone, never the Python draws
+        self.erasing.per_pixel = self.erasing.rand_color = False
+        self.erasing.device = "cpu"
         self.length = 2 + 4 * erasing.max_count
 
     def __call__(self, seed: int, height: int, width: int) -> torch.Tensor:
@@ -63,11 +65,8 @@ class ErasingBoxes:
         image = _BoxRecorder(height, width)
         random.seed(seed)
         self.erasing(image)
-        record = torch.full((self.length,), -1, dtype=torch.int64)
-        record[0], record[1] = seed, len(image.boxes) // 4
-        if image.boxes:
-            record[2:2 + len(image.boxes)] = torch.tensor(image.boxes, dtype=torch.int64)
-        return record
+        padding = [-1] * (self.length - 2 - len(image.boxes))
+        return torch.tensor([seed, len(image.boxes) // 4, *image.boxes, *padding], dtype=torch.int64)
 
 
 def to_uint8_hwc(image: Image.Image) -> torch.Tensor:
