@@ -61,6 +61,14 @@ def test_relative_paths_are_the_callers(tmp_path):
         proc.stderr
 
 
+def _any_python(tmp_path: Path) -> Path:
+    """A stand-in for the image's Python where no check reaches it: every `-c` runs (no 1.5 s torch import)."""
+    script = tmp_path / "python-that-imports-torch"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    return script
+
+
 def _not_torch(tmp_path: Path) -> Path:
     """A stand-in for a Python without torch: `-c ""` runs, `-c "import torch"` fails."""
     script = tmp_path / "python-without-torch"
@@ -81,7 +89,8 @@ def test_bad_wheelhouse_arguments_stop_before_anything_is_written(case, says, tm
     house.mkdir()
     if case != "empty":
         (house / "deit_ablate-0.1.0-py3-none-any.whl").write_text("")
-    python = {"no-python": "no-python", "no-torch": str(_not_torch(tmp_path))}.get(case, sys.executable)
+    python = {"no-python": "no-python", "no-torch": _not_torch}.get(case, _any_python)
+    python = python if isinstance(python, str) else str(python(tmp_path))
     if case == "venv-taken":
         venv.mkdir()
     env = {"GPU_SESSION_VENV": str(venv), "GPU_SESSION_INSTALL_S": "91" if case == "limits" else "90"}
@@ -99,7 +108,7 @@ def test_a_failed_install_skips_the_other_parts(tmp_path):
     venv.mkdir()
     (venv / "bin").mkdir()  # a venv to reuse (its python fails: the venv is not made again, pip cannot run)
     (venv / "bin" / "python").symlink_to("/bin/false")
-    proc = _run([str(out), "--dry", "--wheelhouse", str(house), "--python", sys.executable], tmp_path,
+    proc = _run([str(out), "--dry", "--wheelhouse", str(house), "--python", str(_any_python(tmp_path))], tmp_path,
                 {"GPU_SESSION_VENV": str(venv)})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
