@@ -10,7 +10,8 @@
 #   (a) the demo on the GPU: python train.py runtime.device=cuda, its run folder under OUTDIR/demo/
 #   (b) the GPU check: bash scripts/gpu_check.sh OUTDIR/gpu_check.json
 #   (c) the host's share of a step on the GPU: scripts/bench.py --sections host_step --device cuda, ours against
-#       timm's loop on a stand-in of negligible compute, batch 256 at 224 px (docs/host-step.md): OUTDIR/host_step.json
+#       timm's loop on a stand-in of negligible compute, batch 256 at 224 and 32 px (docs/host-step.md):
+#       OUTDIR/host_step.json
 #   (d) whole runs, ours against timm's train.py in turn: DeiT-S/16 at 224 px, bf16, global batch 256, loader workers
 #       = cores - 2, 2 epochs on 6,400 + 800 drawn 500x375 JPEGs (drawn once into the bench cache), 2 pairs
 #       (scripts/bench.py --sections e2e_run); timm's train.py from --timm-train or $TIMM_TRAIN, else skipped
