@@ -120,7 +120,8 @@ class BatchNormalize:
         erased = (boxes[:, 1] > 0).nonzero().flatten().tolist()
         for index, (seed, count, *box) in zip(erased, boxes[erased].tolist(), strict=True):
             generator.manual_seed(seed)
-            for top, left, height, width in zip(*[iter(box[:4 * count])] * 4, strict=True):
+            for first in range(0, 4 * count, 4):
+                top, left, height, width = box[first:first + 4]
                 out[index, :, top:top + height, left:left + width] = _get_pixels(
                     erasing.per_pixel, erasing.rand_color, (chan, height, width), dtype=out.dtype, device=out.device)
 

@@ -287,7 +287,8 @@ class Trainer:
             step_in_epoch = first_step + steps_in_epoch
             if self.batch_transform is not None:
                 boxes = erasing[0] if erasing else None
-                seeds = self.sample_seeds(Stream.ERASING, step_in_epoch) if boxes is None else None
+                erases = getattr(self.batch_transform, "erasing", None) is not None
+                seeds = self.sample_seeds(Stream.ERASING, step_in_epoch) if erases and boxes is None else None
                 images = self.batch_transform(images, out=reused, seeds=seeds, boxes=boxes)
                 reused = images if images.device.type == "cpu" else None
             losses.add(self.train_step(images, targets, step_in_epoch), images.shape[0])
